@@ -1,0 +1,37 @@
+# `make test` and `make bench` each set up (or reuse) .venv, build the extension and run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS_STAMP := $(VENV)/.deps-installed
+BUILD_STAMP := $(VENV)/.fastllm-installed
+SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
+BENCH_OUT ?= results
+
+.PHONY: all build test bench clean
+
+all: build
+
+$(DEPS_STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and alone: a pinned CPU build, so no other requirement can pull another torch.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -r requirements.txt
+	touch $@
+
+# Incremental: scikit-build-core keeps build/ between builds; --no-build-isolation builds
+# against the torch in .venv and never fetches another.
+$(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
+	$(PIP) install --no-build-isolation --no-deps .
+	touch $@
+
+build: $(BUILD_STAMP)
+
+test: build
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) benchmarks/run_all.py --out $(BENCH_OUT)
+
+clean:
+	rm -rf build $(VENV) $(BENCH_OUT)

@@ -1,0 +1,39 @@
+// Shared by the attention implementations of every device.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace fastllm {
+
+struct AttentionDims {
+  int64_t batch;
+  int64_t n_heads;
+  int64_t n_kv_heads;
+  int64_t head_dim;
+};
+
+// Checks q/k/v/cu_seqlens metadata (ranks, dtypes, devices, head counts) and returns the dims.
+AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& cu_seqlens_q,
+                                     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                     int64_t max_seqlen_k, int64_t window_left);
+
+// Checks the values of a CPU int32 cu_seqlens: starts at 0, non-decreasing, ends at `total`,
+// no sequence longer than `max_seqlen`.
+void check_cu_seqlens_values(const at::Tensor& cu_seqlens_cpu, int64_t total, int64_t max_seqlen,
+                             const char* name);
+
+// Checks that `out` can take the op's result: q's shape, dtype and device (any strides).
+void check_attention_out(const at::Tensor& out, const at::Tensor& q);
+
+double resolve_attention_scale(std::optional<double> scale, int64_t head_dim);
+
+// ATen composition of the op, registered for devices without a native kernel (MPS).
+void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                             int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                             std::optional<double> scale, int64_t window_left, at::Tensor& out);
+
+}  // namespace fastllm

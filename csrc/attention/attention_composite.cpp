@@ -1,0 +1,76 @@
+// Attention written with ATen ops: what a device without a native kernel runs (MPS).
+// Sequences are handled one at a time on the host; the GQA group is folded into the query rows
+// so K and V are read by index, never repeated.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "attention/attention.h"
+
+namespace fastllm {
+
+void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                             int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                             std::optional<double> scale, int64_t window_left, at::Tensor& out) {
+  const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q, max_seqlen_k, window_left);
+  check_attention_out(out, q);
+  const auto cu_q = cu_seqlens_q.to(at::kCPU);
+  const auto cu_k = cu_seqlens_k.to(at::kCPU);
+  check_cu_seqlens_values(cu_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
+  check_cu_seqlens_values(cu_k, k.size(0), max_seqlen_k, "cu_seqlens_k");
+  const double sm_scale = resolve_attention_scale(scale, dims.head_dim);
+  const int64_t Hkv = dims.n_kv_heads, G = dims.n_heads / Hkv, D = dims.head_dim;
+
+  const int32_t* cq = cu_q.const_data_ptr<int32_t>();
+  const int32_t* ck = cu_k.const_data_ptr<int32_t>();
+  const auto index_opts = q.options().dtype(at::kLong);
+  for (int64_t b = 0; b < dims.batch; ++b) {
+    const int64_t len_q = cq[b + 1] - cq[b], len_k = ck[b + 1] - ck[b];
+    if (len_q == 0) continue;
+    auto out_b = out.narrow(0, cq[b], len_q);
+    if (len_k == 0) {
+      out_b.zero_();
+      continue;
+    }
+    // [Hkv, G * len_q, D]: the group's query heads stacked as rows.
+    auto qg = q.narrow(0, cq[b], len_q).to(at::kFloat).view({len_q, Hkv, G, D})
+                  .permute({1, 2, 0, 3}).reshape({Hkv, G * len_q, D});
+    auto kb = k.narrow(0, ck[b], len_k).to(at::kFloat).permute({1, 2, 0});  // [Hkv, D, len_k]
+    auto vb = v.narrow(0, ck[b], len_k).to(at::kFloat).permute({1, 0, 2});  // [Hkv, len_k, D]
+    auto scores = at::matmul(qg, kb).mul_(sm_scale).view({Hkv, G, len_q, len_k});
+
+    auto diag = at::arange(len_q, index_opts).add_(len_k - len_q).unsqueeze(1);  // [len_q, 1]
+    auto key = at::arange(len_k, index_opts).unsqueeze(0);                      // [1, len_k]
+    auto visible = at::ones({len_q, len_k}, index_opts.dtype(at::kBool));
+    if (causal) visible = visible.logical_and(key.le(diag));
+    if (window_left >= 0) visible = visible.logical_and(key.ge(diag - window_left));
+    scores.masked_fill_(visible.logical_not(), -std::numeric_limits<double>::infinity());
+    // Rows that see no key give 0, as flash-attention does, instead of softmax's NaN.
+    auto probs = at::softmax(scores, -1).masked_fill_(visible.logical_not(), 0.0);
+    auto ob = at::matmul(probs.view({Hkv, G * len_q, len_k}), vb);  // [Hkv, G * len_q, D]
+    out_b.copy_(ob.view({Hkv, G, len_q, D}).permute({2, 0, 1, 3}).reshape({len_q, dims.n_heads, D}));
+  }
+}
+
+namespace {
+
+at::Tensor attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                               std::optional<double> scale, int64_t window_left) {
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          scale, window_left, out);
+  return out;
+}
+
+}  // namespace
+
+// Any device without a native kernel (MPS, XPU, ...) falls back to this.
+TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) {
+  m.impl("attention", &attention_composite);
+  m.impl("attention_out", &attention_out_composite);
+}
+
+}  // namespace fastllm

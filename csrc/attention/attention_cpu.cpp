@@ -1,0 +1,326 @@
+// Varlen attention on the CPU: flash-attention-style tiles with an online softmax.
+//
+// A tile is (sequence, kv head, a block of query positions). Its rows are the query heads of
+// the kv head's GQA group stacked under each position, so one packed K/V tile serves the whole
+// group (GQA by index, no copies). The causal (bottom-right) and sliding-window masks are
+// computed from positions; key tiles that no row can see are never visited.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <torch/library.h>
+
+#include "attention/attention.h"
+#include "common/dispatch.h"
+#include "common/vec_gemm.h"
+
+namespace fastllm {
+namespace {
+
+constexpr int64_t kTileRows = 256;  // query rows (positions x group heads) per tile
+constexpr int64_t kTileKeys = 256;  // keys per inner step
+constexpr int64_t kMinKeysPerSplit = 512;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Strides3 {
+  int64_t token, head, dim;
+  explicit Strides3(const at::Tensor& t) : token(t.stride(0)), head(t.stride(1)), dim(t.stride(2)) {}
+};
+
+struct Tile {
+  int64_t q_token;   // first query token of the tile in the packed q
+  int64_t q_pos;     // position of that token within its sequence
+  int64_t n_pos;     // query positions in the tile
+  int64_t k_token;   // first key token of the sequence in the packed k/v
+  int64_t len_q, len_k;
+  int64_t kv_head;
+  int64_t key_lo, key_hi;  // keys [key_lo, key_hi) that some row of the tile can see
+};
+
+struct Problem {
+  int64_t n_heads, n_kv_heads, group, head_dim, head_dim_padded;
+  bool causal;
+  int64_t window_left;
+  float scale;
+};
+
+// Visible keys of query position p: [lo, hi) with bottom-right causal alignment.
+inline void visible_keys(const Problem& pb, const Tile& t, int64_t p, int64_t& lo, int64_t& hi) {
+  const int64_t diag = p + t.len_k - t.len_q;
+  hi = pb.causal ? std::min(t.len_k, diag + 1) : t.len_k;
+  lo = pb.window_left >= 0 ? std::max<int64_t>(0, diag - pb.window_left) : 0;
+}
+
+// Per-thread scratch, reused across tiles.
+struct Scratch {
+  std::vector<float> q, kt, v, s, o, m, l;
+  Scratch(int64_t rows, int64_t d, int64_t dp)
+      : q(rows * d), kt(d * kTileKeys), v(kTileKeys * dp), s(rows * kTileKeys), o(rows * dp),
+        m(rows), l(rows) {}
+};
+
+// Unnormalized output (o), running max (m) and sum (l) of one tile over keys [k_begin, k_end).
+template <typename scalar_t>
+void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_end,
+                 const scalar_t* q, Strides3 qs, const scalar_t* k, Strides3 ks,
+                 const scalar_t* v, Strides3 vs, Scratch& sc) {
+  const int64_t G = pb.group, D = pb.head_dim, Dp = pb.head_dim_padded;
+  const int64_t rows = t.n_pos * G;
+  float* qf = sc.q.data();
+  float* o = sc.o.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+
+  // Rows are (position, head-in-group); the scale is folded into q once.
+  for (int64_t i = 0; i < t.n_pos; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const scalar_t* src = q + (t.q_token + i) * qs.token + (t.kv_head * G + g) * qs.head;
+      float* dst = qf + (i * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * qs.dim]) * pb.scale;
+    }
+  std::fill(o, o + rows * Dp, 0.f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.f);
+
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += kTileKeys) {
+    const int64_t nk = std::min(kTileKeys, k_end - k0);
+    const int64_t nk_padded = round_up_to_vec(nk);
+    float* kt = sc.kt.data();  // [D, nk_padded]: keys along the vector lanes
+    float* vf = sc.v.data();   // [nk, Dp]
+    const scalar_t* k_rows = k + (t.k_token + k0) * ks.token + t.kv_head * ks.head;
+    const scalar_t* v_rows = v + (t.k_token + k0) * vs.token + t.kv_head * vs.head;
+    // Transpose K a vector's worth of keys at a time: each d writes one contiguous vector.
+    constexpr int64_t W = VecF::size();
+    for (int64_t c0 = 0; c0 < nk_padded; c0 += W) {
+      const int64_t n = std::min<int64_t>(W, nk - c0);
+      for (int64_t d = 0; d < D; ++d) {
+        float* dst = kt + d * nk_padded + c0;
+        const scalar_t* src = k_rows + c0 * ks.token + d * ks.dim;
+        for (int64_t j = 0; j < n; ++j) dst[j] = float(src[j * ks.token]);
+        for (int64_t j = n; j < W; ++j) dst[j] = 0.f;
+      }
+    }
+    for (int64_t c = 0; c < nk; ++c) {
+      float* dst = vf + c * Dp;
+      const scalar_t* src = v_rows + c * vs.token;
+      if (vs.dim == 1)
+        at::vec::convert(src, dst, D);
+      else
+        for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * vs.dim]);
+      std::fill(dst + D, dst + Dp, 0.f);
+    }
+
+    float* s = sc.s.data();  // [rows, nk_padded]
+    gemm_f32(rows, nk_padded, D, qf, D, kt, nk_padded, s, nk_padded, /*accumulate=*/false);
+
+    // Online softmax: scores become probabilities in place; columns a row cannot see are 0.
+    for (int64_t i = 0; i < t.n_pos; ++i) {
+      int64_t lo, hi;
+      visible_keys(pb, t, t.q_pos + i, lo, hi);
+      const int64_t c_lo = std::max<int64_t>(0, lo - k0);
+      const int64_t c_hi = std::min(nk, hi - k0);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        float* sr = s + r * nk_padded;
+        if (c_lo >= c_hi) {
+          std::fill(sr, sr + nk_padded, 0.f);
+          continue;
+        }
+        const int64_t n = c_hi - c_lo;
+        const float block_max = at::vec::reduce_all<float>(
+            [](VecF& a, VecF& b) { return at::vec::maximum(a, b); }, sr + c_lo, n);
+        const float m_new = std::max(m[r], block_max);
+        const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible block
+        const VecF m_vec(m_new);
+        at::vec::map([m_vec](VecF x) { return (x - m_vec).exp_u20(); }, sr + c_lo, sr + c_lo, n);
+        const float block_sum =
+            at::vec::reduce_all<float>([](VecF& a, VecF& b) { return a + b; }, sr + c_lo, n);
+        std::fill(sr, sr + c_lo, 0.f);
+        std::fill(sr + c_hi, sr + nk_padded, 0.f);
+        l[r] = l[r] * alpha + block_sum;
+        m[r] = m_new;
+        if (alpha != 1.f) {
+          float* orow = o + r * Dp;
+          const VecF a(alpha);
+          for (int64_t d = 0; d < Dp; d += VecF::size()) (VecF::loadu(orow + d) * a).store(orow + d);
+        }
+      }
+    }
+    gemm_f32(rows, Dp, nk, s, nk_padded, vf, Dp, o, Dp, /*accumulate=*/true);
+  }
+}
+
+template <typename scalar_t>
+void write_tile_output(const Problem& pb, const Tile& t, const float* o, const float* l,
+                       scalar_t* out, Strides3 os) {
+  const int64_t G = pb.group, D = pb.head_dim, Dp = pb.head_dim_padded;
+  for (int64_t i = 0; i < t.n_pos; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      // A row that sees no key (len_k == 0, or len_q > len_k above the diagonal) outputs 0.
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      scalar_t* dst = out + (t.q_token + i) * os.token + (t.kv_head * G + g) * os.head;
+      const float* src = o + r * Dp;
+      for (int64_t d = 0; d < D; ++d) dst[d * os.dim] = scalar_t(src[d] * inv);
+    }
+}
+
+std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q, const int32_t* cu_k,
+                             int64_t batch) {
+  const int64_t positions_per_tile = std::max<int64_t>(1, kTileRows / pb.group);
+  std::vector<Tile> tiles;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len_q = cu_q[b + 1] - cu_q[b], len_k = cu_k[b + 1] - cu_k[b];
+    for (int64_t p0 = 0; p0 < len_q; p0 += positions_per_tile) {
+      Tile t{cu_q[b], p0, std::min(positions_per_tile, len_q - p0), cu_k[b], len_q, len_k, 0, 0, 0};
+      t.q_token += p0;
+      int64_t lo_first, hi_first, lo_last, hi_last;
+      visible_keys(pb, t, p0, lo_first, hi_first);
+      visible_keys(pb, t, p0 + t.n_pos - 1, lo_last, hi_last);
+      t.key_lo = lo_first;
+      t.key_hi = std::max(t.key_lo, hi_last);
+      for (int64_t h = 0; h < pb.n_kv_heads; ++h) {
+        t.kv_head = h;
+        tiles.push_back(t);
+      }
+    }
+  }
+  // Longest first, handed out dynamically: causal tiles differ a lot in cost.
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
+    return (a.key_hi - a.key_lo) * a.n_pos > (b.key_hi - b.key_lo) * b.n_pos;
+  });
+  return tiles;
+}
+
+// Runs fn(index, scratch) for index in [0, n) on all threads, each index taken by the first
+// free thread.
+template <typename Fn>
+void parallel_dynamic(int64_t n, const Problem& pb, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t rows = std::max<int64_t>(1, kTileRows / pb.group) * pb.group;
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch(rows, pb.head_dim, pb.head_dim_padded);
+    for (int64_t i = next++; i < n; i = next++) fn(i, scratch);
+  });
+}
+
+template <typename scalar_t>
+void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
+  const scalar_t* qp = q.const_data_ptr<scalar_t>();
+  const scalar_t* kp = k.const_data_ptr<scalar_t>();
+  const scalar_t* vp = v.const_data_ptr<scalar_t>();
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  const Strides3 qs(q), ks(k), vs(v), os(out);
+  const int64_t n_tiles = tiles.size();
+
+  // Few tiles with long key ranges (decode, small batches): split the keys so every thread has
+  // work, then merge the partial softmaxes.
+  int64_t max_keys = 0;
+  for (const auto& t : tiles) max_keys = std::max(max_keys, t.key_hi - t.key_lo);
+  const int64_t threads = at::get_num_threads();
+  int64_t n_split = 1;
+  if (n_tiles < 2 * threads) {
+    n_split = std::min((2 * threads + n_tiles - 1) / std::max<int64_t>(n_tiles, 1),
+                       max_keys / kMinKeysPerSplit);
+    n_split = std::max<int64_t>(n_split, 1);
+  }
+  if (n_split == 1) {
+    parallel_dynamic(n_tiles, pb, [&](int64_t i, Scratch& sc) {
+      const Tile& t = tiles[i];
+      attend_tile(pb, t, t.key_lo, t.key_hi, qp, qs, kp, ks, vp, vs, sc);
+      write_tile_output(pb, t, sc.o.data(), sc.l.data(), op, os);
+    });
+    return;
+  }
+
+  const int64_t rows = std::max<int64_t>(1, kTileRows / pb.group) * pb.group;
+  const int64_t Dp = pb.head_dim_padded;
+  const int64_t part_stride = rows * (Dp + 2);  // o [rows, Dp], m [rows], l [rows]
+  std::vector<float> parts(n_tiles * n_split * part_stride);
+  parallel_dynamic(n_tiles * n_split, pb, [&](int64_t i, Scratch& sc) {
+    const Tile& t = tiles[i / n_split];
+    const int64_t split = i % n_split;
+    const int64_t span = (t.key_hi - t.key_lo + n_split - 1) / n_split;
+    const int64_t begin = std::min(t.key_hi, t.key_lo + split * span);
+    const int64_t end = std::min(t.key_hi, begin + span);
+    attend_tile(pb, t, begin, end, qp, qs, kp, ks, vp, vs, sc);
+    float* part = parts.data() + i * part_stride;
+    const int64_t tile_rows = t.n_pos * pb.group;
+    std::copy(sc.o.begin(), sc.o.begin() + tile_rows * Dp, part);
+    std::copy(sc.m.begin(), sc.m.begin() + tile_rows, part + rows * Dp);
+    std::copy(sc.l.begin(), sc.l.begin() + tile_rows, part + rows * Dp + rows);
+  });
+  at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(rows * Dp), l(rows);
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Tile& t = tiles[ti];
+      const int64_t tile_rows = t.n_pos * pb.group;
+      const float* first = parts.data() + ti * n_split * part_stride;
+      for (int64_t r = 0; r < tile_rows; ++r) {
+        float m_max = kNegInf;
+        for (int64_t s = 0; s < n_split; ++s)
+          m_max = std::max(m_max, first[s * part_stride + rows * Dp + r]);
+        float* orow = o.data() + r * Dp;
+        std::fill(orow, orow + Dp, 0.f);
+        l[r] = 0.f;
+        if (m_max == kNegInf) continue;
+        for (int64_t s = 0; s < n_split; ++s) {
+          const float* part = first + s * part_stride;
+          const float w = std::exp(part[rows * Dp + r] - m_max);  // 0 for an empty split
+          if (w == 0.f) continue;
+          l[r] += w * part[rows * Dp + rows + r];
+          const float* prow = part + r * Dp;
+          for (int64_t d = 0; d < Dp; ++d) orow[d] += w * prow[d];
+        }
+      }
+      write_tile_output(pb, t, o.data(), l.data(), op, os);
+    }
+  });
+}
+
+void attention_out_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                       std::optional<double> scale, int64_t window_left, at::Tensor& out) {
+  const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q, max_seqlen_k, window_left);
+  check_attention_out(out, q);
+  check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
+  check_cu_seqlens_values(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k");
+
+  const Problem pb{dims.n_heads, dims.n_kv_heads, dims.n_heads / dims.n_kv_heads, dims.head_dim,
+                   round_up_to_vec(dims.head_dim), causal, window_left,
+                   float(resolve_attention_scale(scale, dims.head_dim))};
+  const auto cu_q = cu_seqlens_q.contiguous();
+  const auto cu_k = cu_seqlens_k.contiguous();
+  const auto tiles =
+      make_tiles(pb, cu_q.const_data_ptr<int32_t>(), cu_k.const_data_ptr<int32_t>(), dims.batch);
+  FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::attention_cpu", [&] {
+    attention_kernel<scalar_t>(pb, tiles, q, k, v, out);
+  });
+}
+
+at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                         int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                         std::optional<double> scale, int64_t window_left) {
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  attention_out_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                    window_left, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastllm, CPU, m) {
+  m.impl("attention", &attention_cpu);
+  m.impl("attention_out", &attention_out_cpu);
+}
+
+}  // namespace fastllm

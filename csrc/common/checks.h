@@ -1,0 +1,43 @@
+// Input checks shared by every op and device. They read tensor metadata only: no data, no sync.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+namespace fastllm {
+
+// "torch.float32", as Python users spell it.
+inline std::string dtype_name(at::ScalarType dtype) {
+  return "torch." + std::string(c10::getDtypeNames(dtype).first);
+}
+
+inline void check_rank(const at::Tensor& t, int64_t rank, const char* name, const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() == rank, name, " must be ", layout, ", got shape ", t.sizes());
+}
+
+inline void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                              const char* ref_name) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name,
+                    " is on ", ref.device(), "; all inputs must be on one device");
+}
+
+inline void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                             const char* ref_name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), name, " has dtype ", dtype_name(t.scalar_type()),
+                   " but ", ref_name, " has dtype ", dtype_name(ref.scalar_type()));
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype_name(dtype), ", got ",
+                   dtype_name(t.scalar_type()));
+}
+
+inline void check_float_storage(const at::Tensor& t, const char* name) {
+  const auto dt = t.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, name,
+                   " must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(dt));
+}
+
+}  // namespace fastllm

@@ -1,0 +1,108 @@
+// fastllm._C: every op schema, declared once, and the pybind11 module for the C++ classes.
+// Device implementations register themselves beside their code (*_cpu.cpp, *_cuda.cu,
+// *_composite.cpp).
+#include <pybind11/pybind11.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include "attention/attention.h"
+#include "mask_cache/mask_cache.h"
+#include "rotary/rotary.h"
+
+TORCH_LIBRARY(fastllm, m) {
+  // Attention over packed variable-length sequences (flash-attention varlen layout), causal mask
+  // bottom-right aligned and computed from indices, GQA by index, optional sliding window.
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
+      "int window_left=-1) -> Tensor");
+  // The same, written into a preallocated `out` of q's shape (no allocation in a decode loop).
+  m.def(
+      "attention_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
+      "int window_left=-1, Tensor(a!) out) -> ()");
+  // Rotary position embedding applied in place to q and, if given, k.
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
+      "bool is_neox=True, int? rotary_dim=None) -> ()");
+}
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastllm C++ core: op registry (torch.ops.fastllm) and C++ classes";
+  m.attr("torch_version") = FASTLLM_TORCH_VERSION;
+#if defined(CPU_CAPABILITY_AVX512)
+  m.attr("cpu_capability") = "AVX512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  m.attr("cpu_capability") = "AVX2";
+#else
+  m.attr("cpu_capability") = "DEFAULT";
+#endif
+
+  // c10's typed errors become the matching Python exceptions.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    }
+  });
+
+  py::class_<fastllm::MaskCache>(m, "MaskCache", R"doc(
+Cache of additive causal masks: one buffer per (dtype, device), grown by doubling.
+
+``get(len_q, len_k, dtype, device)`` returns a ``[len_q, len_k]`` view with 0 where query i may
+see key j (``j <= i + len_k - len_q``, bottom-right aligned like ``fastllm.ops.attention``) and
+-inf elsewhere. Views are read-only by contract: they alias the cached buffer.
+The cache never holds more than ``max_bytes`` (default 1 GiB); a request that would grow it past
+that raises ValueError. Safe to use from several threads.)doc")
+      .def(py::init<int64_t>(), py::arg("max_bytes") = fastllm::MaskCache::kDefaultMaxBytes)
+      .def(
+          "get",
+          [](fastllm::MaskCache& self, int64_t len_q, int64_t len_k, at::ScalarType dtype,
+             py::object device) {
+            const at::Device dev = py::isinstance<py::str>(device)
+                                       ? at::Device(device.cast<std::string>())
+                                       : device.cast<at::Device>();
+            py::gil_scoped_release release;
+            return self.get(len_q, len_k, dtype, dev);
+          },
+          py::arg("len_q"), py::arg("len_k"), py::arg("dtype") = at::kFloat,
+          py::arg("device") = py::str("cpu"))
+      .def("side", &fastllm::MaskCache::side, py::arg("dtype"), py::arg("device"),
+           "Side of the buffer held for (dtype, device); 0 if none.")
+      .def("clear", &fastllm::MaskCache::clear, "Drop every buffer (views already handed out stay valid).")
+      .def_property_readonly("nbytes", &fastllm::MaskCache::nbytes)
+      .def_property_readonly("max_bytes", &fastllm::MaskCache::max_bytes)
+      .def("__repr__", [](const fastllm::MaskCache& self) {
+        return "MaskCache(nbytes=" + std::to_string(self.nbytes()) +
+               ", max_bytes=" + std::to_string(self.max_bytes()) + ")";
+      });
+
+  // The ATen compositions registered for MPS, callable on any device so tests can check them
+  // against the reference where no MPS device exists.
+  auto composite = m.def_submodule("composite", "ATen-composite implementations of the ops");
+  composite.def(
+      "attention_out",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+         int64_t max_seqlen_k, bool causal, std::optional<double> scale, int64_t window_left,
+         at::Tensor out) {
+        fastllm::attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, causal, scale, window_left, out);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+      py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::kw_only(), py::arg("causal") = true,
+      py::arg("scale") = py::none(), py::arg("window_left") = -1, py::arg("out"));
+  composite.def(
+      "rotary_embedding",
+      [](const at::Tensor& positions, at::Tensor q, std::optional<at::Tensor> k,
+         const at::Tensor& cos_sin_cache, bool is_neox, std::optional<int64_t> rotary_dim) {
+        fastllm::rotary_embedding_composite(positions, q, k, cos_sin_cache, is_neox, rotary_dim);
+      },
+      py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos_sin_cache"), py::kw_only(),
+      py::arg("is_neox") = true, py::arg("rotary_dim") = py::none());
+}

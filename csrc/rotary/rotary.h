@@ -1,0 +1,21 @@
+// Shared by the rotary-embedding implementations of every device.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace fastllm {
+
+// Checks the inputs' metadata and returns the number of rotated channels per head.
+int64_t check_rotary_inputs(const at::Tensor& positions, const at::Tensor& q,
+                            const std::optional<at::Tensor>& k, const at::Tensor& cos_sin_cache,
+                            std::optional<int64_t> rotary_dim);
+
+// ATen composition of the op, registered for devices without a native kernel (MPS).
+void rotary_embedding_composite(const at::Tensor& positions, at::Tensor& q,
+                                const std::optional<at::Tensor>& k,
+                                const at::Tensor& cos_sin_cache, bool is_neox,
+                                std::optional<int64_t> rotary_dim);
+
+}  // namespace fastllm

@@ -1,0 +1,40 @@
+#include "rotary/rotary.h"
+
+#include "common/checks.h"
+
+namespace fastllm {
+
+int64_t check_rotary_inputs(const at::Tensor& positions, const at::Tensor& q,
+                            const std::optional<at::Tensor>& k, const at::Tensor& cos_sin_cache,
+                            std::optional<int64_t> rotary_dim) {
+  check_rank(positions, 1, "positions", "[tokens]");
+  TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+                   "positions must be torch.int64 or torch.int32, got ",
+                   dtype_name(positions.scalar_type()));
+  check_rank(q, 3, "q", "[tokens, n_heads, head_dim]");
+  check_float_storage(q, "q");
+  check_same_device(positions, "positions", q, "q");
+  check_rank(cos_sin_cache, 2, "cos_sin_cache", "[max_position, rotary_dim] (cos | sin halves)");
+  check_float_storage(cos_sin_cache, "cos_sin_cache");
+  check_same_device(cos_sin_cache, "cos_sin_cache", q, "q");
+  TORCH_CHECK_VALUE(positions.size(0) == q.size(0), "positions has ", positions.size(0),
+                    " tokens but q has ", q.size(0));
+  const int64_t rot = cos_sin_cache.size(1);
+  TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0, "cos_sin_cache.shape[1] (rotary_dim) must be even and "
+                    "positive, got ", rot);
+  TORCH_CHECK_VALUE(!rotary_dim.has_value() || *rotary_dim == rot, "rotary_dim=",
+                    rotary_dim.value_or(-1), " does not match cos_sin_cache.shape[1]=", rot);
+  TORCH_CHECK_VALUE(rot <= q.size(2), "rotary_dim ", rot, " exceeds head_dim ", q.size(2));
+  if (k.has_value()) {
+    check_rank(*k, 3, "k", "[tokens, n_kv_heads, head_dim]");
+    check_same_dtype(*k, "k", q, "q");
+    check_same_device(*k, "k", q, "q");
+    TORCH_CHECK_VALUE(k->size(0) == q.size(0), "k has ", k->size(0), " tokens but q has ",
+                      q.size(0));
+    TORCH_CHECK_VALUE(k->size(2) == q.size(2), "q and k must have the same head_dim, got ",
+                      q.size(2), " and ", k->size(2));
+  }
+  return rot;
+}
+
+}  // namespace fastllm

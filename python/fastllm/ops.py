@@ -1,0 +1,145 @@
+"""The fastllm ops: typed, documented wrappers of ``torch.ops.fastllm.*``.
+
+Every op is declared once in C++ (``csrc/ops.cpp``) and implemented per device (a native CPU
+kernel; an ATen composite for MPS). Input checks live in C++, in one place shared by every
+device, so the wrappers, direct ``torch.ops.fastllm`` callers and ``torch.compile`` graphs all get
+the same ``ValueError``/``TypeError`` naming the offending value. Each op has a fake kernel here
+for ``torch.compile(fullgraph=True)`` and a plain-PyTorch twin in :mod:`fastllm.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["attention", "rotary_embedding", "rope_cos_sin_cache"]
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    window_left: int = -1,
+    out: Tensor | None = None,
+) -> Tensor:
+    """Attention over packed variable-length sequences (flash-attention's varlen layout).
+
+    Args:
+        q: ``[total_q, n_heads, head_dim]``, sequences packed back to back, no padding.
+        k, v: ``[total_k, n_kv_heads, head_dim]``; ``n_heads % n_kv_heads == 0`` (GQA/MQA: query
+            head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``, by index, never copied).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` offsets of each sequence (start at 0,
+            non-decreasing, end at the packed totals). Sequences of length 0 are allowed.
+        max_seqlen_q, max_seqlen_k: upper bounds of the per-sequence lengths.
+        causal: bottom-right aligned causal mask: query ``i`` of a sequence with ``len_q``
+            queries and ``len_k`` keys sees keys ``j <= i + len_k - len_q``, so prefill, chunked
+            prefill and decode are the same op. Computed from indices, never materialized.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        window_left: ``>= 0`` restricts query ``i`` to keys ``j >= i + len_k - len_q - window_left``
+            (sliding window); ``-1`` disables it.
+        out: optional preallocated result (q's shape, dtype and device; any strides), written
+            in place and returned, so a decode loop allocates nothing.
+
+    Returns:
+        ``[total_q, n_heads, head_dim]`` in q's dtype (float32, bfloat16 or float16; float32
+        accumulation). A query that sees no key (``len_k == 0``, or rows above the diagonal when
+        ``len_q > len_k``) gets zeros, as in flash-attention.
+    """
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+    kwargs = dict(causal=bool(causal), scale=None if scale is None else float(scale),
+                  window_left=int(window_left))
+    if out is None:
+        return torch.ops.fastllm.attention.default(*args, **kwargs)
+    torch.ops.fastllm.attention_out.default(*args, **kwargs, out=out)
+    return out
+
+
+def rotary_embedding(
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor | None,
+    cos_sin_cache: Tensor,
+    *,
+    is_neox: bool = True,
+    rotary_dim: int | None = None,
+) -> None:
+    """Applies rotary position embedding to ``q`` and ``k`` in place.
+
+    Args:
+        positions: int64 or int32 ``[tokens]``, each in ``[0, cos_sin_cache.shape[0])``.
+        q: ``[tokens, n_heads, head_dim]``; k: ``[tokens, n_kv_heads, head_dim]`` or None.
+            Strided views (for example slices of a fused QKV projection) are rotated in place.
+        cos_sin_cache: ``[max_position, rotary_dim]``, cos in the first half of each row and sin
+            in the second (see :func:`rope_cos_sin_cache`).
+        is_neox: True rotates channel ``i`` with ``i + rotary_dim/2`` (HF Llama/Qwen); False
+            rotates interleaved pairs ``(2i, 2i+1)`` (llama2.c, GGUF).
+        rotary_dim: channels rotated per head (the first ones; the rest pass through). Defaults
+            to ``cos_sin_cache.shape[1]`` and must equal it when given.
+    """
+    torch.ops.fastllm.rotary_embedding.default(
+        positions, q, k, cos_sin_cache, is_neox=bool(is_neox),
+        rotary_dim=None if rotary_dim is None else int(rotary_dim),
+    )
+
+
+def rope_cos_sin_cache(
+    max_position: int,
+    rotary_dim: int,
+    base: float = 10000.0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """The ``[max_position, rotary_dim]`` cos|sin table :func:`rotary_embedding` reads.
+
+    Frequencies are ``base ** (-2i / rotary_dim)`` as in HF transformers' default RoPE; computed
+    in float64 and rounded once to ``dtype``.
+    """
+    if max_position <= 0 or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(
+            f"need max_position > 0 and an even rotary_dim > 0, got {max_position=}, {rotary_dim=}"
+        )
+    if not (base > 0 and math.isfinite(base)):
+        raise ValueError(f"base must be a positive number, got {base}")
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
+
+
+# Fake kernels: output metadata for torch.compile. Metadata checks stay in C++ (one place for all
+# devices); the one check repeated here is the device check, because mixing in a meta tensor
+# routes the call to these functions instead of a real kernel.
+def _check_one_device(**tensors: Tensor | None) -> None:
+    named = [(name, t) for name, t in tensors.items() if t is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "all inputs must be on one device")
+
+
+@torch.library.register_fake("fastllm::attention")
+def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                    causal=True, scale=None, window_left=-1):
+    _check_one_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("fastllm::attention_out")
+def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                        causal=True, scale=None, window_left=-1, out):
+    _check_one_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
+
+
+@torch.library.register_fake("fastllm::rotary_embedding")
+def _rotary_embedding_fake(positions, q, k, cos_sin_cache, *, is_neox=True, rotary_dim=None):
+    _check_one_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
