@@ -1,9 +1,12 @@
 // Varlen attention on the CPU: flash-attention-style tiles with an online softmax.
 //
-// A tile is (sequence, kv head, a block of query positions). Its rows are the query heads of
-// the kv head's GQA group stacked under each position, so one packed K/V tile serves the whole
-// group (GQA by index, no copies). The causal (bottom-right) and sliding-window masks are
-// computed from positions; key tiles that no row can see are never visited.
+// A tile is (sequence, a block of query positions, a range of kv heads). Its rows are the query
+// heads of those kv heads' GQA groups stacked under each position, so each K/V row read serves
+// the whole group (GQA by index, no copies). Prefill tiles take one kv head and many positions
+// and run two small GEMMs per key block on packed K/V; decode-like tiles (few rows per kv head)
+// take every kv head and read K/V rows in place, so memory is streamed in order. The causal
+// (bottom-right) and sliding-window masks are computed from positions; key blocks no row can see
+// are never visited. Few tiles with long key ranges are split over the keys (split-KV).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -25,11 +28,22 @@ namespace {
 constexpr int64_t kTileRows = 256;  // query rows (positions x group heads) per tile
 constexpr int64_t kTileKeys = 256;  // keys per inner step
 constexpr int64_t kMinKeysPerSplit = 512;
+// Tiles of at most this many rows (decode: one position x the GQA group) read K and V rows in
+// place instead of packing them for the tile GEMM, which needs many rows to pay off.
+constexpr int64_t kDirectMaxRows = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Strides3 {
   int64_t token, head, dim;
   explicit Strides3(const at::Tensor& t) : token(t.stride(0)), head(t.stride(1)), dim(t.stride(2)) {}
+};
+
+struct Problem {
+  int64_t n_heads, n_kv_heads, group, head_dim, head_dim_padded;
+  bool causal;
+  int64_t window_left;
+  float scale;
+  bool direct_ok;  // head_dim a whole number of vectors and unit dim strides on k and v
 };
 
 struct Tile {
@@ -38,15 +52,14 @@ struct Tile {
   int64_t n_pos;     // query positions in the tile
   int64_t k_token;   // first key token of the sequence in the packed k/v
   int64_t len_q, len_k;
-  int64_t kv_head;
+  int64_t kv_head0, n_kv;  // kv heads [kv_head0, kv_head0 + n_kv)
+  bool direct;             // K/V rows read in place (else packed for the GEMMs; then n_kv == 1)
   int64_t key_lo, key_hi;  // keys [key_lo, key_hi) that some row of the tile can see
-};
 
-struct Problem {
-  int64_t n_heads, n_kv_heads, group, head_dim, head_dim_padded;
-  bool causal;
-  int64_t window_left;
-  float scale;
+  // Rows are ordered (position, kv head, head in group): row r is query head
+  // kv_head0 * group + r % heads_per_pos() of position r / heads_per_pos().
+  int64_t heads_per_pos(const Problem& pb) const { return n_kv * pb.group; }
+  int64_t rows(const Problem& pb) const { return n_pos * heads_per_pos(pb); }
 };
 
 // Visible keys of query position p: [lo, hi) with bottom-right causal alignment.
@@ -54,6 +67,101 @@ inline void visible_keys(const Problem& pb, const Tile& t, int64_t p, int64_t& l
   const int64_t diag = p + t.len_k - t.len_q;
   hi = pb.causal ? std::min(t.len_k, diag + 1) : t.len_k;
   lo = pb.window_left >= 0 ? std::max<int64_t>(0, diag - pb.window_left) : 0;
+}
+
+template <typename scalar_t>
+inline VecF load_as_float(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return VecF::loadu(p);
+  } else {
+    VecF out;
+    at::vec::load_to_float<scalar_t>(p, out);
+    return out;
+  }
+}
+
+// Rows of one head sit n_kv_heads * head_dim apart in the packed and paged layouts, often a
+// page or more: hardware prefetchers stop at page boundaries, so fetch a few rows ahead by hand.
+constexpr int64_t kPrefetchRows = 4;
+
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < n * int64_t(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off);
+}
+
+// s[r, c] = q_r . k_c for a direct tile: key rows read in place, each one for all its heads.
+template <typename scalar_t>
+void scores_direct(const Problem& pb, const Tile& t, const float* qf, const scalar_t* k_rows,
+                   Strides3 ks, int64_t nk, float* s, int64_t lds) {
+  constexpr int64_t W = VecF::size();
+  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
+  for (int64_t c = 0; c < nk; ++c) {
+    const scalar_t* krow = k_rows + c * ks.token;
+    if (c + kPrefetchRows < nk)
+      for (int64_t j = 0; j < t.n_kv; ++j)
+        prefetch_row(krow + kPrefetchRows * ks.token + j * ks.head, D);
+    for (int64_t j = 0; j < t.n_kv; ++j) {
+      const scalar_t* kc = krow + j * ks.head;
+      for (int64_t i = 0; i < t.n_pos; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * hp + j * G + g;
+          const float* qr = qf + r * D;
+          VecF acc0(0.f), acc1(0.f);
+          int64_t d = 0;
+          for (; d + 2 * W <= D; d += 2 * W) {
+            acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+            acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), load_as_float(kc + d + W), acc1);
+          }
+          if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+          s[r * lds + c] =
+              at::vec::vec_reduce_all<float>([](VecF& x, VecF& y) { return x + y; }, acc0 + acc1);
+        }
+    }
+  }
+}
+
+// o[r, :] += sum_c p[r, c] * v_c for a direct tile, value rows read in place.
+template <typename scalar_t>
+void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp, const scalar_t* v_rows,
+               Strides3 vs, int64_t nk, float* o, int64_t ldo) {
+  constexpr int64_t W = VecF::size();
+  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
+  for (int64_t c = 0; c < nk; ++c) {
+    const scalar_t* vrow = v_rows + c * vs.token;
+    if (c + kPrefetchRows < nk)
+      for (int64_t j = 0; j < t.n_kv; ++j)
+        prefetch_row(vrow + kPrefetchRows * vs.token + j * vs.head, D);
+    for (int64_t j = 0; j < t.n_kv; ++j) {
+      const scalar_t* vc = vrow + j * vs.head;
+      for (int64_t i = 0; i < t.n_pos; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = i * hp + j * G + g;
+          const float pc = p[r * ldp + c];
+          if (pc == 0.f) continue;  // masked or underflowed: nothing to add
+          const VecF pv(pc);
+          float* orow = o + r * ldo;
+          for (int64_t d = 0; d < D; d += W)
+            at::vec::fmadd(pv, load_as_float(vc + d), VecF::loadu(orow + d)).store(orow + d);
+        }
+    }
+  }
+}
+
+// Calls fn(first_row, n_rows, cols) for the tile's rows in GEMM-height panels, where the panel's
+// rows see at most the first `cols` keys of the block [k0, k0 + nk): on the causal diagonal the
+// masked triangle is not computed. Panels that see nothing are skipped.
+template <typename Fn>
+void for_each_row_panel(const Problem& pb, const Tile& t, int64_t k0, int64_t nk, const Fn& fn) {
+  constexpr int64_t kPanel = detail::kGemmRows;
+  const int64_t rows = t.rows(pb), hp = t.heads_per_pos(pb);
+  for (int64_t r0 = 0; r0 < rows; r0 += kPanel) {
+    const int64_t n = std::min(kPanel, rows - r0);
+    int64_t lo, hi;
+    visible_keys(pb, t, t.q_pos + (r0 + n - 1) / hp, lo, hi);
+    const int64_t cols = std::clamp<int64_t>(hi - k0, 0, nk);
+    if (cols > 0) fn(r0, n, cols);
+  }
 }
 
 // Per-thread scratch, reused across tiles.
@@ -69,18 +177,18 @@ template <typename scalar_t>
 void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_end,
                  const scalar_t* q, Strides3 qs, const scalar_t* k, Strides3 ks,
                  const scalar_t* v, Strides3 vs, Scratch& sc) {
-  const int64_t G = pb.group, D = pb.head_dim, Dp = pb.head_dim_padded;
-  const int64_t rows = t.n_pos * G;
+  const int64_t D = pb.head_dim, Dp = pb.head_dim_padded, hp = t.heads_per_pos(pb);
+  const int64_t rows = t.rows(pb);
   float* qf = sc.q.data();
   float* o = sc.o.data();
   float* m = sc.m.data();
   float* l = sc.l.data();
 
-  // Rows are (position, head-in-group); the scale is folded into q once.
+  // The scale is folded into q once.
   for (int64_t i = 0; i < t.n_pos; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const scalar_t* src = q + (t.q_token + i) * qs.token + (t.kv_head * G + g) * qs.head;
-      float* dst = qf + (i * G + g) * D;
+    for (int64_t h = 0; h < hp; ++h) {
+      const scalar_t* src = q + (t.q_token + i) * qs.token + (t.kv_head0 * pb.group + h) * qs.head;
+      float* dst = qf + (i * hp + h) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * qs.dim]) * pb.scale;
     }
   std::fill(o, o + rows * Dp, 0.f);
@@ -90,33 +198,29 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kTileKeys) {
     const int64_t nk = std::min(kTileKeys, k_end - k0);
     const int64_t nk_padded = round_up_to_vec(nk);
-    float* kt = sc.kt.data();  // [D, nk_padded]: keys along the vector lanes
-    float* vf = sc.v.data();   // [nk, Dp]
-    const scalar_t* k_rows = k + (t.k_token + k0) * ks.token + t.kv_head * ks.head;
-    const scalar_t* v_rows = v + (t.k_token + k0) * vs.token + t.kv_head * vs.head;
-    // Transpose K a vector's worth of keys at a time: each d writes one contiguous vector.
-    constexpr int64_t W = VecF::size();
-    for (int64_t c0 = 0; c0 < nk_padded; c0 += W) {
-      const int64_t n = std::min<int64_t>(W, nk - c0);
-      for (int64_t d = 0; d < D; ++d) {
-        float* dst = kt + d * nk_padded + c0;
-        const scalar_t* src = k_rows + c0 * ks.token + d * ks.dim;
-        for (int64_t j = 0; j < n; ++j) dst[j] = float(src[j * ks.token]);
-        for (int64_t j = n; j < W; ++j) dst[j] = 0.f;
-      }
-    }
-    for (int64_t c = 0; c < nk; ++c) {
-      float* dst = vf + c * Dp;
-      const scalar_t* src = v_rows + c * vs.token;
-      if (vs.dim == 1)
-        at::vec::convert(src, dst, D);
-      else
-        for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * vs.dim]);
-      std::fill(dst + D, dst + Dp, 0.f);
-    }
-
     float* s = sc.s.data();  // [rows, nk_padded]
-    gemm_f32(rows, nk_padded, D, qf, D, kt, nk_padded, s, nk_padded, /*accumulate=*/false);
+    const scalar_t* k_rows = k + (t.k_token + k0) * ks.token + t.kv_head0 * ks.head;
+    const scalar_t* v_rows = v + (t.k_token + k0) * vs.token + t.kv_head0 * vs.head;
+    if (t.direct) {
+      scores_direct(pb, t, qf, k_rows, ks, nk, s, nk_padded);
+    } else {
+      float* kt = sc.kt.data();  // [D, nk_padded]: keys along the vector lanes
+      // Transpose K a vector's worth of keys at a time: each d writes one contiguous vector.
+      constexpr int64_t W = VecF::size();
+      for (int64_t c0 = 0; c0 < nk_padded; c0 += W) {
+        const int64_t n = std::min<int64_t>(W, nk - c0);
+        for (int64_t d = 0; d < D; ++d) {
+          float* dst = kt + d * nk_padded + c0;
+          const scalar_t* src = k_rows + c0 * ks.token + d * ks.dim;
+          for (int64_t j = 0; j < n; ++j) dst[j] = float(src[j * ks.token]);
+          for (int64_t j = n; j < W; ++j) dst[j] = 0.f;
+        }
+      }
+      for_each_row_panel(pb, t, k0, nk, [&](int64_t r0, int64_t n, int64_t cols) {
+        gemm_f32(n, round_up_to_vec(cols), D, qf + r0 * D, D, kt, nk_padded, s + r0 * nk_padded,
+                 nk_padded, /*accumulate=*/false);
+      });
+    }
 
     // Online softmax: scores become probabilities in place; columns a row cannot see are 0.
     for (int64_t i = 0; i < t.n_pos; ++i) {
@@ -124,8 +228,8 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
       visible_keys(pb, t, t.q_pos + i, lo, hi);
       const int64_t c_lo = std::max<int64_t>(0, lo - k0);
       const int64_t c_hi = std::min(nk, hi - k0);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = i * G + g;
+      for (int64_t h = 0; h < hp; ++h) {
+        const int64_t r = i * hp + h;
         float* sr = s + r * nk_padded;
         if (c_lo >= c_hi) {
           std::fill(sr, sr + nk_padded, 0.f);
@@ -151,20 +255,38 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
         }
       }
     }
-    gemm_f32(rows, Dp, nk, s, nk_padded, vf, Dp, o, Dp, /*accumulate=*/true);
+    if (t.direct) {
+      pv_direct(pb, t, s, nk_padded, v_rows, vs, nk, o, Dp);
+    } else {
+      float* vf = sc.v.data();  // [nk, Dp]
+      for (int64_t c = 0; c < nk; ++c) {
+        float* dst = vf + c * Dp;
+        const scalar_t* src = v_rows + c * vs.token;
+        if (vs.dim == 1)
+          at::vec::convert(src, dst, D);
+        else
+          for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * vs.dim]);
+        std::fill(dst + D, dst + Dp, 0.f);
+      }
+
+      for_each_row_panel(pb, t, k0, nk, [&](int64_t r0, int64_t n, int64_t cols) {
+        gemm_f32(n, Dp, cols, s + r0 * nk_padded, nk_padded, vf, Dp, o + r0 * Dp, Dp,
+                 /*accumulate=*/true);
+      });
+    }
   }
 }
 
 template <typename scalar_t>
 void write_tile_output(const Problem& pb, const Tile& t, const float* o, const float* l,
                        scalar_t* out, Strides3 os) {
-  const int64_t G = pb.group, D = pb.head_dim, Dp = pb.head_dim_padded;
+  const int64_t D = pb.head_dim, Dp = pb.head_dim_padded, hp = t.heads_per_pos(pb);
   for (int64_t i = 0; i < t.n_pos; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
+    for (int64_t h = 0; h < hp; ++h) {
+      const int64_t r = i * hp + h;
       // A row that sees no key (len_k == 0, or len_q > len_k above the diagonal) outputs 0.
       const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-      scalar_t* dst = out + (t.q_token + i) * os.token + (t.kv_head * G + g) * os.head;
+      scalar_t* dst = out + (t.q_token + i) * os.token + (t.kv_head0 * pb.group + h) * os.head;
       const float* src = o + r * Dp;
       for (int64_t d = 0; d < D; ++d) dst[d * os.dim] = scalar_t(src[d] * inv);
     }
@@ -172,27 +294,29 @@ void write_tile_output(const Problem& pb, const Tile& t, const float* o, const f
 
 std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q, const int32_t* cu_k,
                              int64_t batch) {
-  const int64_t positions_per_tile = std::max<int64_t>(1, kTileRows / pb.group);
+  const int64_t gemm_positions = std::max<int64_t>(1, kTileRows / pb.group);
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len_q = cu_q[b + 1] - cu_q[b], len_k = cu_k[b + 1] - cu_k[b];
-    for (int64_t p0 = 0; p0 < len_q; p0 += positions_per_tile) {
-      Tile t{cu_q[b], p0, std::min(positions_per_tile, len_q - p0), cu_k[b], len_q, len_k, 0, 0, 0};
-      t.q_token += p0;
+    const bool direct = pb.direct_ok && len_q * pb.group <= kDirectMaxRows;
+    const int64_t positions = direct ? len_q : gemm_positions;
+    for (int64_t p0 = 0; p0 < len_q; p0 += positions) {
+      Tile t{cu_q[b] + p0, p0, std::min(positions, len_q - p0), cu_k[b], len_q, len_k,
+             0, direct ? pb.n_kv_heads : 1, direct, 0, 0};
       int64_t lo_first, hi_first, lo_last, hi_last;
       visible_keys(pb, t, p0, lo_first, hi_first);
       visible_keys(pb, t, p0 + t.n_pos - 1, lo_last, hi_last);
       t.key_lo = lo_first;
       t.key_hi = std::max(t.key_lo, hi_last);
-      for (int64_t h = 0; h < pb.n_kv_heads; ++h) {
-        t.kv_head = h;
+      for (int64_t h = 0; h < pb.n_kv_heads; h += t.n_kv) {
+        t.kv_head0 = h;
         tiles.push_back(t);
       }
     }
   }
   // Longest first, handed out dynamically: causal tiles differ a lot in cost.
-  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) {
-    return (a.key_hi - a.key_lo) * a.n_pos > (b.key_hi - b.key_lo) * b.n_pos;
+  std::stable_sort(tiles.begin(), tiles.end(), [&](const Tile& a, const Tile& b) {
+    return (a.key_hi - a.key_lo) * a.rows(pb) > (b.key_hi - b.key_lo) * b.rows(pb);
   });
   return tiles;
 }
@@ -200,11 +324,10 @@ std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q, const int32
 // Runs fn(index, scratch) for index in [0, n) on all threads, each index taken by the first
 // free thread.
 template <typename Fn>
-void parallel_dynamic(int64_t n, const Problem& pb, const Fn& fn) {
+void parallel_dynamic(int64_t n, const Problem& pb, int64_t max_rows, const Fn& fn) {
   std::atomic<int64_t> next{0};
-  const int64_t rows = std::max<int64_t>(1, kTileRows / pb.group) * pb.group;
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    Scratch scratch(rows, pb.head_dim, pb.head_dim_padded);
+    Scratch scratch(max_rows, pb.head_dim, pb.head_dim_padded);
     for (int64_t i = next++; i < n; i = next++) fn(i, scratch);
   });
 }
@@ -218,6 +341,8 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const Strides3 qs(q), ks(k), vs(v), os(out);
   const int64_t n_tiles = tiles.size();
+  int64_t max_rows = 1;
+  for (const auto& t : tiles) max_rows = std::max(max_rows, t.rows(pb));
 
   // Few tiles with long key ranges (decode, small batches): split the keys so every thread has
   // work, then merge the partial softmaxes.
@@ -231,7 +356,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
     n_split = std::max<int64_t>(n_split, 1);
   }
   if (n_split == 1) {
-    parallel_dynamic(n_tiles, pb, [&](int64_t i, Scratch& sc) {
+    parallel_dynamic(n_tiles, pb, max_rows, [&](int64_t i, Scratch& sc) {
       const Tile& t = tiles[i];
       attend_tile(pb, t, t.key_lo, t.key_hi, qp, qs, kp, ks, vp, vs, sc);
       write_tile_output(pb, t, sc.o.data(), sc.l.data(), op, os);
@@ -239,11 +364,11 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
     return;
   }
 
-  const int64_t rows = std::max<int64_t>(1, kTileRows / pb.group) * pb.group;
+  const int64_t rows = max_rows;
   const int64_t Dp = pb.head_dim_padded;
   const int64_t part_stride = rows * (Dp + 2);  // o [rows, Dp], m [rows], l [rows]
   std::vector<float> parts(n_tiles * n_split * part_stride);
-  parallel_dynamic(n_tiles * n_split, pb, [&](int64_t i, Scratch& sc) {
+  parallel_dynamic(n_tiles * n_split, pb, max_rows, [&](int64_t i, Scratch& sc) {
     const Tile& t = tiles[i / n_split];
     const int64_t split = i % n_split;
     const int64_t span = (t.key_hi - t.key_lo + n_split - 1) / n_split;
@@ -251,7 +376,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
     const int64_t end = std::min(t.key_hi, begin + span);
     attend_tile(pb, t, begin, end, qp, qs, kp, ks, vp, vs, sc);
     float* part = parts.data() + i * part_stride;
-    const int64_t tile_rows = t.n_pos * pb.group;
+    const int64_t tile_rows = t.rows(pb);
     std::copy(sc.o.begin(), sc.o.begin() + tile_rows * Dp, part);
     std::copy(sc.m.begin(), sc.m.begin() + tile_rows, part + rows * Dp);
     std::copy(sc.l.begin(), sc.l.begin() + tile_rows, part + rows * Dp + rows);
@@ -260,7 +385,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
     std::vector<float> o(rows * Dp), l(rows);
     for (int64_t ti = begin; ti < end; ++ti) {
       const Tile& t = tiles[ti];
-      const int64_t tile_rows = t.n_pos * pb.group;
+      const int64_t tile_rows = t.rows(pb);
       const float* first = parts.data() + ti * n_split * part_stride;
       for (int64_t r = 0; r < tile_rows; ++r) {
         float m_max = kNegInf;
@@ -294,9 +419,15 @@ void attention_out_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
   check_cu_seqlens_values(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k");
 
-  const Problem pb{dims.n_heads, dims.n_kv_heads, dims.n_heads / dims.n_kv_heads, dims.head_dim,
-                   round_up_to_vec(dims.head_dim), causal, window_left,
-                   float(resolve_attention_scale(scale, dims.head_dim))};
+  const Problem pb{dims.n_heads,
+                   dims.n_kv_heads,
+                   dims.n_heads / dims.n_kv_heads,
+                   dims.head_dim,
+                   round_up_to_vec(dims.head_dim),
+                   causal,
+                   window_left,
+                   float(resolve_attention_scale(scale, dims.head_dim)),
+                   dims.head_dim % VecF::size() == 0 && k.stride(2) == 1 && v.stride(2) == 1};
   const auto cu_q = cu_seqlens_q.contiguous();
   const auto cu_k = cu_seqlens_k.contiguous();
   const auto tiles =
