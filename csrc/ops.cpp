@@ -29,6 +29,16 @@ TORCH_LIBRARY(fastllm, m) {
 
 namespace py = pybind11;
 
+namespace {
+
+// A torch.device or a string such as "cpu" / "cuda:1".
+at::Device to_device(const py::object& device) {
+  return py::isinstance<py::str>(device) ? at::Device(device.cast<std::string>())
+                                         : device.cast<at::Device>();
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastllm C++ core: op registry (torch.ops.fastllm) and C++ classes";
   m.attr("torch_version") = FASTLLM_TORCH_VERSION;
@@ -63,17 +73,20 @@ that raises ValueError. Safe to use from several threads.)doc")
       .def(
           "get",
           [](fastllm::MaskCache& self, int64_t len_q, int64_t len_k, at::ScalarType dtype,
-             py::object device) {
-            const at::Device dev = py::isinstance<py::str>(device)
-                                       ? at::Device(device.cast<std::string>())
-                                       : device.cast<at::Device>();
+             const py::object& device) {
+            const at::Device dev = to_device(device);
             py::gil_scoped_release release;
             return self.get(len_q, len_k, dtype, dev);
           },
           py::arg("len_q"), py::arg("len_k"), py::arg("dtype") = at::kFloat,
           py::arg("device") = py::str("cpu"))
-      .def("side", &fastllm::MaskCache::side, py::arg("dtype"), py::arg("device"),
-           "Side of the buffer held for (dtype, device); 0 if none.")
+      .def(
+          "side",
+          [](const fastllm::MaskCache& self, at::ScalarType dtype, const py::object& device) {
+            return self.side(dtype, to_device(device));
+          },
+          py::arg("dtype"), py::arg("device") = py::str("cpu"),
+          "Side of the buffer held for (dtype, device); 0 if none.")
       .def("clear", &fastllm::MaskCache::clear, "Drop every buffer (views already handed out stay valid).")
       .def_property_readonly("nbytes", &fastllm::MaskCache::nbytes)
       .def_property_readonly("max_bytes", &fastllm::MaskCache::max_bytes)

@@ -25,8 +25,10 @@ AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
 void check_cu_seqlens_values(const at::Tensor& cu_seqlens_cpu, int64_t total, int64_t max_seqlen,
                              const char* name);
 
-// Checks that `out` can take the op's result: q's shape, dtype and device (any strides).
-void check_attention_out(const at::Tensor& out, const at::Tensor& q);
+// Checks that `out` can take the op's result: q's shape, dtype and device (any strides, but no
+// element written twice and no memory shared with the inputs).
+void check_attention_out(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v);
 
 double resolve_attention_scale(std::optional<double> scale, int64_t head_dim);
 

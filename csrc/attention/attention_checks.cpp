@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include <ATen/MemoryOverlap.h>
+
 #include "common/checks.h"
 
 namespace fastllm {
@@ -33,7 +35,9 @@ AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
   TORCH_CHECK_VALUE(q.size(2) == k.size(2), "q and k must have the same head_dim, got ", q.size(2),
                     " and ", k.size(2));
   TORCH_CHECK_VALUE(q.size(2) > 0, "head_dim must be positive, got ", q.size(2));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+  TORCH_CHECK_VALUE(q.size(1) > 0 && k.size(1) > 0, "q and k need at least one head, got n_heads=",
+                    q.size(1), " and n_kv_heads=", k.size(1));
+  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0,
                     "n_heads must be a multiple of n_kv_heads, got n_heads=", q.size(1),
                     " and n_kv_heads=", k.size(1));
   TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got ", max_seqlen_q);
@@ -60,11 +64,25 @@ void check_cu_seqlens_values(const at::Tensor& cu_seqlens_cpu, int64_t total, in
                     " must equal the number of packed tokens, ", total);
 }
 
-void check_attention_out(const at::Tensor& out, const at::Tensor& q) {
+void check_attention_out(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v) {
   TORCH_CHECK_VALUE(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ",
                     out.sizes());
   check_same_dtype(out, "out", q, "q");
   check_same_device(out, "out", q, "q");
+  // Threads write disjoint elements of out; elements shared by several indices, or memory
+  // shared with an input, would make the result depend on scheduling.
+  TORCH_CHECK_VALUE(at::has_internal_overlap(out) != at::MemOverlap::Yes,
+                    "out must not have overlapping elements (e.g. an expanded tensor), got strides ",
+                    out.strides());
+  for (const auto& [input, name] : {std::pair(&q, "q"), std::pair(&k, "k"), std::pair(&v, "v")}) {
+    const auto status = at::get_overlap_status(out, *input);  // TooHard for any non-dense input
+    const bool shared = status == at::MemOverlapStatus::Full ||
+                        status == at::MemOverlapStatus::Partial ||
+                        (status == at::MemOverlapStatus::TooHard &&
+                         out.storage().is_alias_of(input->storage()));
+    TORCH_CHECK_VALUE(!shared, "out must not share memory with ", name);
+  }
 }
 
 double resolve_attention_scale(std::optional<double> scale, int64_t head_dim) {

@@ -14,7 +14,7 @@ void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at:
                              std::optional<double> scale, int64_t window_left, at::Tensor& out) {
   const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     max_seqlen_q, max_seqlen_k, window_left);
-  check_attention_out(out, q);
+  check_attention_out(out, q, k, v);
   const auto cu_q = cu_seqlens_q.to(at::kCPU);
   const auto cu_k = cu_seqlens_k.to(at::kCPU);
   check_cu_seqlens_values(cu_q, q.size(0), max_seqlen_q, "cu_seqlens_q");

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -164,12 +165,24 @@ void for_each_row_panel(const Problem& pb, const Tile& t, int64_t k0, int64_t nk
   }
 }
 
-// Per-thread scratch, reused across tiles.
+// Per-thread scratch, reused across tiles: one uninitialized allocation (every element is
+// written before it is read), sized for the largest tile; packing buffers only when needed.
 struct Scratch {
-  std::vector<float> q, kt, v, s, o, m, l;
-  Scratch(int64_t rows, int64_t d, int64_t dp)
-      : q(rows * d), kt(d * kTileKeys), v(kTileKeys * dp), s(rows * kTileKeys), o(rows * dp),
-        m(rows), l(rows) {}
+  std::unique_ptr<float[]> buffer;
+  float *q, *kt, *v, *s, *o, *m, *l;
+  Scratch(int64_t rows, int64_t d, int64_t dp, bool packing) {
+    const int64_t pack = packing ? kTileKeys : 0;
+    const int64_t sizes[] = {rows * d, d * pack, pack * dp, rows * kTileKeys, rows * dp, rows, rows};
+    int64_t total = 0;
+    for (int64_t n : sizes) total += n;
+    buffer.reset(new float[total]);
+    float** parts[] = {&q, &kt, &v, &s, &o, &m, &l};
+    float* p = buffer.get();
+    for (int i = 0; i < 7; ++i) {
+      *parts[i] = p;
+      p += sizes[i];
+    }
+  }
 };
 
 // Unnormalized output (o), running max (m) and sum (l) of one tile over keys [k_begin, k_end).
@@ -179,10 +192,10 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
                  const scalar_t* v, Strides3 vs, Scratch& sc) {
   const int64_t D = pb.head_dim, Dp = pb.head_dim_padded, hp = t.heads_per_pos(pb);
   const int64_t rows = t.rows(pb);
-  float* qf = sc.q.data();
-  float* o = sc.o.data();
-  float* m = sc.m.data();
-  float* l = sc.l.data();
+  float* qf = sc.q;
+  float* o = sc.o;
+  float* m = sc.m;
+  float* l = sc.l;
 
   // The scale is folded into q once.
   for (int64_t i = 0; i < t.n_pos; ++i)
@@ -198,13 +211,13 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kTileKeys) {
     const int64_t nk = std::min(kTileKeys, k_end - k0);
     const int64_t nk_padded = round_up_to_vec(nk);
-    float* s = sc.s.data();  // [rows, nk_padded]
+    float* s = sc.s;  // [rows, nk_padded]
     const scalar_t* k_rows = k + (t.k_token + k0) * ks.token + t.kv_head0 * ks.head;
     const scalar_t* v_rows = v + (t.k_token + k0) * vs.token + t.kv_head0 * vs.head;
     if (t.direct) {
       scores_direct(pb, t, qf, k_rows, ks, nk, s, nk_padded);
     } else {
-      float* kt = sc.kt.data();  // [D, nk_padded]: keys along the vector lanes
+      float* kt = sc.kt;  // [D, nk_padded]: keys along the vector lanes
       // Transpose K a vector's worth of keys at a time: each d writes one contiguous vector.
       constexpr int64_t W = VecF::size();
       for (int64_t c0 = 0; c0 < nk_padded; c0 += W) {
@@ -258,7 +271,7 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
     if (t.direct) {
       pv_direct(pb, t, s, nk_padded, v_rows, vs, nk, o, Dp);
     } else {
-      float* vf = sc.v.data();  // [nk, Dp]
+      float* vf = sc.v;  // [nk, Dp]
       for (int64_t c = 0; c < nk; ++c) {
         float* dst = vf + c * Dp;
         const scalar_t* src = v_rows + c * vs.token;
@@ -324,10 +337,11 @@ std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q, const int32
 // Runs fn(index, scratch) for index in [0, n) on all threads, each index taken by the first
 // free thread.
 template <typename Fn>
-void parallel_dynamic(int64_t n, const Problem& pb, int64_t max_rows, const Fn& fn) {
+void parallel_dynamic(int64_t n, const Problem& pb, int64_t max_rows, bool packing,
+                      const Fn& fn) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    Scratch scratch(max_rows, pb.head_dim, pb.head_dim_padded);
+    Scratch scratch(max_rows, pb.head_dim, pb.head_dim_padded, packing);
     for (int64_t i = next++; i < n; i = next++) fn(i, scratch);
   });
 }
@@ -342,7 +356,11 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   const Strides3 qs(q), ks(k), vs(v), os(out);
   const int64_t n_tiles = tiles.size();
   int64_t max_rows = 1;
-  for (const auto& t : tiles) max_rows = std::max(max_rows, t.rows(pb));
+  bool packing = false;
+  for (const auto& t : tiles) {
+    max_rows = std::max(max_rows, t.rows(pb));
+    packing |= !t.direct;
+  }
 
   // Few tiles with long key ranges (decode, small batches): split the keys so every thread has
   // work, then merge the partial softmaxes.
@@ -356,10 +374,10 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
     n_split = std::max<int64_t>(n_split, 1);
   }
   if (n_split == 1) {
-    parallel_dynamic(n_tiles, pb, max_rows, [&](int64_t i, Scratch& sc) {
+    parallel_dynamic(n_tiles, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
       const Tile& t = tiles[i];
       attend_tile(pb, t, t.key_lo, t.key_hi, qp, qs, kp, ks, vp, vs, sc);
-      write_tile_output(pb, t, sc.o.data(), sc.l.data(), op, os);
+      write_tile_output(pb, t, sc.o, sc.l, op, os);
     });
     return;
   }
@@ -368,7 +386,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   const int64_t Dp = pb.head_dim_padded;
   const int64_t part_stride = rows * (Dp + 2);  // o [rows, Dp], m [rows], l [rows]
   std::vector<float> parts(n_tiles * n_split * part_stride);
-  parallel_dynamic(n_tiles * n_split, pb, max_rows, [&](int64_t i, Scratch& sc) {
+  parallel_dynamic(n_tiles * n_split, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
     const Tile& t = tiles[i / n_split];
     const int64_t split = i % n_split;
     const int64_t span = (t.key_hi - t.key_lo + n_split - 1) / n_split;
@@ -377,9 +395,9 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
     attend_tile(pb, t, begin, end, qp, qs, kp, ks, vp, vs, sc);
     float* part = parts.data() + i * part_stride;
     const int64_t tile_rows = t.rows(pb);
-    std::copy(sc.o.begin(), sc.o.begin() + tile_rows * Dp, part);
-    std::copy(sc.m.begin(), sc.m.begin() + tile_rows, part + rows * Dp);
-    std::copy(sc.l.begin(), sc.l.begin() + tile_rows, part + rows * Dp + rows);
+    std::copy(sc.o, sc.o + tile_rows * Dp, part);
+    std::copy(sc.m, sc.m + tile_rows, part + rows * Dp);
+    std::copy(sc.l, sc.l + tile_rows, part + rows * Dp + rows);
   });
   at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(rows * Dp), l(rows);
@@ -415,7 +433,7 @@ void attention_out_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        std::optional<double> scale, int64_t window_left, at::Tensor& out) {
   const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                     max_seqlen_q, max_seqlen_k, window_left);
-  check_attention_out(out, q);
+  check_attention_out(out, q, k, v);
   check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
   check_cu_seqlens_values(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k");
 

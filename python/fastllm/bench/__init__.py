@@ -1,0 +1,5 @@
+"""Benchmark support shared by ``benchmarks/bench_*.py``.
+
+``timer`` times competitors interleaved in one process, ``workloads`` builds model-shaped
+inputs, ``report`` records the machine and writes JSON and markdown tables.
+"""

@@ -1,0 +1,109 @@
+"""Model-shaped attention inputs shared by the benchmarks (random values: only speed matters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "make_attention_inputs",
+           "repeat_kv"]
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention geometry of one model family member."""
+
+    name: str
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+
+MODEL_SHAPES: dict[str, AttentionShape] = {
+    shape.name: shape
+    for shape in (
+        AttentionShape("qwen3-0.6b", hidden_size=1024, n_heads=16, n_kv_heads=8, head_dim=128,
+                       rope_theta=1_000_000.0),
+        AttentionShape("llama-3-8b", hidden_size=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+                       rope_theta=500_000.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """One batch of equal-length sequences in both layouts.
+
+    The packed tensors are what :func:`fastllm.ops.attention` takes; the ``*_bhld`` ones are
+    ``[batch, heads, len, head_dim]`` views of the same storage, as SDPA takes them.
+    """
+
+    q: Tensor  # [batch * len_q, n_heads, head_dim]
+    k: Tensor  # [batch * len_k, n_kv_heads, head_dim]
+    v: Tensor  # [batch * len_k, n_kv_heads, head_dim]
+    cu_seqlens_q: Tensor  # int32 [batch + 1]
+    cu_seqlens_k: Tensor  # int32 [batch + 1]
+    len_q: int
+    len_k: int
+
+    @property
+    def batch(self) -> int:
+        """Sequences in the batch."""
+        return self.cu_seqlens_q.numel() - 1
+
+    def _bhld(self, packed: Tensor, length: int) -> Tensor:
+        return packed.view(self.batch, length, *packed.shape[1:]).transpose(1, 2)
+
+    @property
+    def q_bhld(self) -> Tensor:
+        """``[batch, n_heads, len_q, head_dim]`` view of ``q``."""
+        return self._bhld(self.q, self.len_q)
+
+    @property
+    def k_bhld(self) -> Tensor:
+        """``[batch, n_kv_heads, len_k, head_dim]`` view of ``k``."""
+        return self._bhld(self.k, self.len_k)
+
+    @property
+    def v_bhld(self) -> Tensor:
+        """``[batch, n_kv_heads, len_k, head_dim]`` view of ``v``."""
+        return self._bhld(self.v, self.len_k)
+
+
+def make_attention_inputs(shape: AttentionShape, *, batch: int, len_q: int, len_k: int,
+                          dtype: torch.dtype, device: torch.device | str) -> AttentionInputs:
+    """Random q/k/v for ``batch`` sequences of ``len_q`` queries and ``len_k`` keys each."""
+    def randn(tokens: int, heads: int) -> Tensor:
+        return torch.randn(tokens, heads, shape.head_dim, dtype=dtype, device=device)
+
+    def cu_seqlens(length: int) -> Tensor:
+        return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+
+    return AttentionInputs(
+        q=randn(batch * len_q, shape.n_heads),
+        k=randn(batch * len_k, shape.n_kv_heads),
+        v=randn(batch * len_k, shape.n_kv_heads),
+        cu_seqlens_q=cu_seqlens(len_q),
+        cu_seqlens_k=cu_seqlens(len_k),
+        len_q=len_q,
+        len_k=len_k,
+    )
+
+
+def repeat_kv(x: Tensor, group: int) -> Tensor:
+    """HF transformers' ``repeat_kv``: ``[B, Hkv, L, D]`` -> ``[B, Hkv * group, L, D]``, a copy
+    with every KV head repeated for the ``group`` query heads that read it."""
+    batch, n_kv_heads, length, head_dim = x.shape
+    if group == 1:
+        return x
+    expanded = x[:, :, None].expand(batch, n_kv_heads, group, length, head_dim)
+    return expanded.reshape(batch, n_kv_heads * group, length, head_dim)

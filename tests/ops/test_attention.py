@@ -1,0 +1,279 @@
+"""fastllm.ops.attention and its ATen composite against reference.attention.
+
+Every case goes through ``check``: the op writes into a NaN-poisoned ``out`` (every element must
+be written), the native functional path must equal its ``out=`` path bit for bit, queries that
+see no key must be exactly 0, and the result is judged against a float64 run of the reference:
+tight in float32, flash-attention's 2x rule in bfloat16/float16.
+
+"native" is ``fastllm.ops.attention`` (the device's registered kernel); "composite" is the ATen
+composition MPS runs, called directly so it is tested on every device.
+"""
+
+import contextlib
+import itertools
+import math
+
+import pytest
+import torch
+
+from fastllm import ops, reference
+from fastllm._C import composite
+
+IMPLS = ["native", "composite"]
+F32_TOL = 2e-5  # float32 kernel vs the float64 reference, atol and rtol
+LOW_PRECISION_SLACK = 1e-5  # added to 2 * (plain error) for bfloat16/float16
+
+
+def make_inputs(lens_q, lens_k, n_heads, n_kv_heads, head_dim, dtype=torch.float32,
+                device="cpu"):
+    """Packed q [total_q, n_heads, head_dim], k and v, cu_seqlens and max lengths."""
+    q = torch.randn(sum(lens_q), n_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(sum(lens_k), n_kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    return (q, k, v, cu_seqlens(lens_q, device), cu_seqlens(lens_k, device),
+            max(lens_q, default=0), max(lens_k, default=0))
+
+
+def cu_seqlens(lengths, device="cpu"):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def run(impl, q, k, v, cu_q, cu_k, max_q, max_k, *, out, **kwargs):
+    """Runs `impl` writing into `out`; returns `out`."""
+    if impl == "native":
+        result = ops.attention(q, k, v, cu_q, cu_k, max_q, max_k, out=out, **kwargs)
+        assert result is out
+    else:
+        composite.attention_out(q, k, v, cu_q, cu_k, max_q, max_k, out=out, **kwargs)
+    return out
+
+
+def blind_rows(cu_q, cu_k, causal, window_left):
+    """Bool [total_q]: the queries that see no key, whose output must be exactly 0."""
+    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
+    rows = []
+    for b in range(len(starts_q) - 1):
+        len_q, len_k = starts_q[b + 1] - starts_q[b], starts_k[b + 1] - starts_k[b]
+        for i in range(len_q):
+            diag = i + len_k - len_q  # the last key query i may see under the causal mask
+            first = max(0, diag - window_left) if window_left >= 0 else 0
+            last = min(len_k - 1, diag) if causal else len_k - 1
+            rows.append(first > last)
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def assert_within_twice_plain_error(got, plain, expected):
+    """flash-attention's rule: the kernel errs at most twice as much as plain PyTorch does in
+    the same dtype (all three arguments float64 copies on the CPU)."""
+    if expected.numel() == 0:
+        return
+    err = (got - expected).abs().max().item()
+    plain_err = (plain - expected).abs().max().item()
+    assert err <= 2 * plain_err + LOW_PRECISION_SLACK, (
+        f"max error {err:.3g} vs the float64 reference exceeds 2x the plain composition's "
+        f"{plain_err:.3g}")
+
+
+@contextlib.contextmanager
+def num_threads(n):
+    """Runs the block with `n` intra-op threads (None: leave the default), then restores."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def check(impl, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+    """Runs one case through `impl` and checks it every way described in the module docstring."""
+    args = (q, k, v, cu_q, cu_k, max_q, max_k)
+    poisoned = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
+    out = run(impl, *args, out=poisoned, **kwargs)
+    assert not out.isnan().any(), "some output elements were never written"
+    if impl == "native":
+        assert torch.equal(ops.attention(*args, **kwargs), out), "functional != out= result"
+
+    # The oracle's ops are small; on one thread they do not wait on a descheduled worker when
+    # the machine's cores are shared. The op under test ran above with the default threads.
+    with num_threads(1):
+        got = out.cpu().double()
+        blind = blind_rows(cu_q, cu_k, kwargs.get("causal", True), kwargs.get("window_left", -1))
+        assert (got[blind] == 0).all(), "a query that sees no key must output exactly 0"
+
+        expected = reference.attention(q.cpu().double(), k.cpu().double(), v.cpu().double(),
+                                       cu_q.cpu(), cu_k.cpu(), max_q, max_k, **kwargs)
+        if q.dtype == torch.float32:
+            torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
+        else:
+            plain = reference.attention(*args, **kwargs).cpu().double()
+            assert_within_twice_plain_error(got, plain, expected)
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256, 67])
+@pytest.mark.parametrize("group", [1, 2, 4, 7])
+def test_head_dims_and_gqa(impl, head_dim, group, device):
+    # Per sequence: 1 query against 9 keys (decode), 17 and 40 (prefill), 0 queries, 3 keys.
+    check(impl, *make_inputs([1, 17, 0, 40], [9, 17, 3, 40], group * 2, 2, head_dim,
+                             device=device))
+
+
+MASK_SHAPES = {  # (lens_q, lens_k)
+    "prefill": ([17, 1, 0, 70], [17, 1, 0, 70]),
+    "chunked_prefill": ([5, 17, 0, 30], [40, 17, 9, 100]),
+    "decode": ([1, 1, 1, 1], [1, 90, 0, 17]),
+    # Rows above the bottom-right diagonal, and a sequence with no keys at all, see nothing.
+    "more_queries_than_keys": ([20, 9, 4], [5, 0, 4]),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", MASK_SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window_left", [-1, 0, 5, 64])
+def test_causal_and_window_masks(impl, shape, causal, window_left, device):
+    lens_q, lens_k = MASK_SHAPES[shape]
+    check(impl, *make_inputs(lens_q, lens_k, 4, 2, 40, device=device), causal=causal,
+          window_left=window_left)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_window_zero_copies_the_diagonal_value_of_the_kv_head(impl, device):
+    # Independent of the reference: with window_left=0 each query sees exactly its diagonal key,
+    # so its output is that key's value row, of kv head h // group, exactly.
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs([5, 3], [9, 3], 6, 2, 16, device=device)
+    out = run(impl, q, k, v, cu_q, cu_k, max_q, max_k, window_left=0,
+              out=torch.full_like(q, math.nan))
+    diagonal_keys = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11], device=device)
+    expected = v[diagonal_keys].repeat_interleave(3, dim=1)  # head h reads kv head h // 3
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_queries_above_the_diagonal_are_zero(impl, device):
+    # 3 queries, 1 key: bottom-right alignment lets only the last query see it.
+    q, k, v, cu_q, cu_k, _, _ = make_inputs([3], [1], 2, 1, 8, device=device)
+    out = run(impl, q, k, v, cu_q, cu_k, 3, 1, out=torch.full_like(q, math.nan))
+    assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+    assert torch.equal(out[2], v[0].expand(2, 8))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 64)])
+def test_mixed_lengths_up_to_513(impl, causal, window_left, device):
+    check(impl, *make_inputs([513, 0, 17, 1], [513, 1, 17, 513], 4, 2, 128, device=device),
+          causal=causal, window_left=window_left)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale", [0.0, 0.05, 0.5, -0.3])
+def test_custom_scale(impl, scale, device):
+    check(impl, *make_inputs([17, 30], [20, 30], 4, 2, 64, device=device), scale=scale)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["fused_qkv", "strided_head_dim", "heads_major"])
+def test_strided_inputs(impl, dtype, layout, device):
+    lens = [17, 1, 0, 40]
+    n_heads, n_kv_heads, head_dim, tokens = 8, 2, 64, sum(lens)
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    if layout == "fused_qkv":  # slices of one QKV projection output
+        qkv = randn(tokens, n_heads + 2 * n_kv_heads, head_dim)
+        q, k, v = qkv.split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    elif layout == "strided_head_dim":  # head_dim stride 2 and 3
+        q = randn(tokens, n_heads, 2 * head_dim)[..., ::2]
+        k = randn(tokens, n_kv_heads, 3 * head_dim)[..., 1::3]
+        v = randn(tokens, n_kv_heads, 2 * head_dim)[..., 1::2]
+    else:  # [heads, tokens, head_dim] storage
+        q = randn(n_heads, tokens, head_dim).transpose(0, 1)
+        k = randn(n_kv_heads, tokens, head_dim).transpose(0, 1)
+        v = randn(n_kv_heads, tokens, head_dim).transpose(0, 1)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    cu = cu_seqlens(lens, device)
+    check(impl, q, k, v, cu, cu, max(lens), max(lens))
+
+
+OUT_VIEWS = {  # (buffer shape, view of the buffer) given the output's shape (tokens, heads, head_dim)
+    "slice": (lambda t, h, d: (t + 6, h + 2, d + 5),
+              lambda b, t, h, d: b[3:t + 3, 1:h + 1, 2:d + 2]),
+    "every_other": (lambda t, h, d: (t, h, 2 * d), lambda b, t, h, d: b[..., 1::2]),
+    "heads_major": (lambda t, h, d: (h, t, d), lambda b, t, h, d: b.transpose(0, 1)),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("view", OUT_VIEWS)
+def test_out_into_strided_view(impl, view, device):
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs([17, 1, 0, 40], [20, 1, 3, 40], 4, 2, 48,
+                                                    device=device)
+    buffer_shape, take_view = OUT_VIEWS[view]
+    buffer = torch.full(buffer_shape(*q.shape), math.nan, device=device)
+    out = take_view(buffer, *q.shape)
+    run(impl, q, k, v, cu_q, cu_k, max_q, max_k, out=out)
+
+    inside = torch.zeros(buffer.shape, dtype=torch.bool, device=device)
+    take_view(inside, *q.shape).fill_(True)
+    assert buffer[~inside].isnan().all(), "wrote outside the out view"
+    assert not out.isnan().any()
+    expected = reference.attention(q.cpu().double(), k.cpu().double(), v.cpu().double(),
+                                   cu_q.cpu(), cu_k.cpu(), max_q, max_k)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=F32_TOL, rtol=F32_TOL)
+
+
+EMPTY = {  # (lens_q, lens_k)
+    "zero_tokens": ([0, 0], [0, 0]),
+    "no_sequences": ([], []),  # cu_seqlens = [0]
+    "no_queries": ([0, 0], [5, 3]),
+    "no_keys": ([3, 2], [0, 0]),  # every query sees nothing: all zeros
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", EMPTY)
+@pytest.mark.parametrize("causal", [True, False])
+def test_empty(impl, case, causal, device):
+    lens_q, lens_k = EMPTY[case]
+    out = check(impl, *make_inputs(lens_q, lens_k, 4, 2, 32, device=device), causal=causal)
+    assert out.shape == (sum(lens_q), 4, 32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("threads", [1, None], ids=["1_thread", "default_threads"])
+@pytest.mark.parametrize("lens_q, lens_k", [([1], [3000]), ([1, 1, 1], [3000, 0, 2500]),
+                                            ([40], [3000])],
+                         ids=["decode_batch1", "decode_batch3", "chunk40"])
+@pytest.mark.parametrize("window_left", [-1, 1500])
+def test_long_keys_few_tiles(impl, threads, lens_q, lens_k, window_left, device):
+    # Few (sequence, kv head) tiles with thousands of keys: the CPU kernel splits the keys across
+    # threads and merges partial softmaxes, in a way that depends on the thread count.
+    with num_threads(threads):
+        check(impl, *make_inputs(lens_q, lens_k, 4, 1, 64, device=device),
+              window_left=window_left)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 100)])
+def test_prefill_spanning_several_tiles(impl, causal, window_left, device):
+    # 600 positions x 2 heads: several query tiles, each against several key tiles.
+    check(impl, *make_inputs([600], [600], 2, 1, 64, device=device), causal=causal,
+          window_left=window_left)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens_q, lens_k, head_dim", [
+    ([0, 1, 17, 100], [0, 1, 17, 100], 64),
+    ([5, 20, 3], [40, 3, 0], 67),
+    ([1, 1], [3000, 700], 128),
+], ids=["prefill", "chunked_and_above_diagonal", "decode"])
+@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
+def test_low_precision(impl, dtype, lens_q, lens_k, head_dim, causal, window_left, device):
+    check(impl, *make_inputs(lens_q, lens_k, 4, 2, head_dim, dtype=dtype, device=device),
+          causal=causal, window_left=window_left)

@@ -1,0 +1,238 @@
+"""Bad inputs raise ValueError/TypeError naming the offending value, and change nothing."""
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fastllm import ops
+from fastllm._C import composite
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def attention_inputs():
+    """A valid call: 2 sequences, 3 + 7 queries against 5 + 7 keys, GQA 2."""
+    return dict(q=torch.randn(10, 4, 16), k=torch.randn(12, 2, 16), v=torch.randn(12, 2, 16),
+                cu_seqlens_q=i32(0, 3, 10), cu_seqlens_k=i32(0, 5, 12), max_seqlen_q=7,
+                max_seqlen_k=7)
+
+
+# id: (changes to the valid call, exception, pattern its message must match)
+ATTENTION_ERRORS = {
+    "n_heads_not_multiple": (dict(k=torch.randn(12, 3, 16), v=torch.randn(12, 3, 16)),
+                             ValueError, "n_heads must be a multiple of n_kv_heads, got "
+                             "n_heads=4 and n_kv_heads=3"),
+    "cu_seqlens_q_int64": (dict(cu_seqlens_q=i32(0, 3, 10).long()), TypeError,
+                           "cu_seqlens_q must be torch.int32, got torch.int64"),
+    "cu_seqlens_k_int64": (dict(cu_seqlens_k=i32(0, 5, 12).long()), TypeError,
+                           "cu_seqlens_k must be torch.int32, got torch.int64"),
+    "cu_seqlens_q_decreasing": (dict(cu_seqlens_q=i32(0, 5, 3, 10), cu_seqlens_k=i32(0, 3, 5, 12)),
+                                ValueError, r"cu_seqlens_q must be non-decreasing.*"
+                                r"cu_seqlens_q\[2\]=3 < cu_seqlens_q\[1\]=5"),
+    "cu_seqlens_k_decreasing": (dict(cu_seqlens_q=i32(0, 3, 5, 10), cu_seqlens_k=i32(0, 6, 2, 12)),
+                                ValueError, r"cu_seqlens_k must be non-decreasing.*"
+                                r"cu_seqlens_k\[2\]=2 < cu_seqlens_k\[1\]=6"),
+    "cu_seqlens_q_short_of_tokens": (dict(cu_seqlens_q=i32(0, 3, 9)), ValueError,
+                                     r"cu_seqlens_q\[-1\]=9 must equal the number of packed "
+                                     r"tokens, 10"),
+    "cu_seqlens_k_past_tokens": (dict(cu_seqlens_k=i32(0, 6, 13)), ValueError,
+                                 r"cu_seqlens_k\[-1\]=13 must equal the number of packed "
+                                 r"tokens, 12"),
+    "cu_seqlens_q_not_from_0": (dict(cu_seqlens_q=i32(1, 3, 10)), ValueError,
+                                r"cu_seqlens_q\[0\] must be 0, got 1"),
+    "head_dim_mismatch": (dict(k=torch.randn(12, 2, 8), v=torch.randn(12, 2, 8)), ValueError,
+                          "q and k must have the same head_dim, got 16 and 8"),
+    "over_max_seqlen_q": (dict(cu_seqlens_q=i32(0, 9, 10)), ValueError,
+                          r"sequence 0 has length 9 \(from cu_seqlens_q\), more than its "
+                          r"max_seqlen 7"),
+    "over_max_seqlen_k": (dict(cu_seqlens_k=i32(0, 4, 12)), ValueError,
+                          r"sequence 1 has length 8 \(from cu_seqlens_k\), more than its "
+                          r"max_seqlen 7"),
+    "k_dtype": (dict(k=torch.randn(12, 2, 16, dtype=torch.float16)), TypeError,
+                "k has dtype torch.float16 but q has dtype torch.float32"),
+    "v_dtype": (dict(v=torch.randn(12, 2, 16, dtype=torch.bfloat16)), TypeError,
+                "v has dtype torch.bfloat16 but q has dtype torch.float32"),
+    "q_float64": (dict(q=torch.randn(10, 4, 16, dtype=torch.float64),
+                       k=torch.randn(12, 2, 16, dtype=torch.float64),
+                       v=torch.randn(12, 2, 16, dtype=torch.float64)), TypeError,
+                  "q must be torch.float32, torch.bfloat16 or torch.float16, got torch.float64"),
+    "k_on_meta": (dict(k=torch.randn(12, 2, 16, device="meta")), ValueError,
+                  "k is on meta but q is on cpu"),
+    "v_on_meta": (dict(v=torch.randn(12, 2, 16, device="meta")), ValueError,
+                  "v is on meta but q is on cpu"),
+    "cu_seqlens_k_on_meta": (dict(cu_seqlens_k=i32(0, 5, 12).to("meta")), ValueError,
+                             "cu_seqlens_k is on meta but q is on cpu"),
+    "q_rank_2": (dict(q=torch.randn(10, 64)), ValueError,
+                 r"q must be \[total_q, n_heads, head_dim\], got shape \[10, 64\]"),
+    "k_rank_4": (dict(k=torch.randn(12, 2, 4, 4)), ValueError,
+                 r"k must be \[total_k, n_kv_heads, head_dim\], got shape \[12, 2, 4, 4\]"),
+    "cu_seqlens_rank_2": (dict(cu_seqlens_q=i32(0, 3, 10)[None]), ValueError,
+                          r"cu_seqlens_q must be \[batch \+ 1\], got shape \[1, 3\]"),
+    "batch_mismatch": (dict(cu_seqlens_k=i32(0, 12), max_seqlen_k=12), ValueError,
+                       r"cu_seqlens_q and cu_seqlens_k must have the same length \(batch \+ 1\), "
+                       r"got 3 and 2"),
+    "k_v_shapes": (dict(v=torch.randn(11, 2, 16)), ValueError,
+                   r"k and v must have the same shape, got \[12, 2, 16\] and \[11, 2, 16\]"),
+    "no_offsets": (dict(cu_seqlens_q=i32(), cu_seqlens_k=i32()), ValueError,
+                   r"cu_seqlens_q must hold at least one offset \(0\)"),
+    "negative_max_seqlen": (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0, got -1"),
+    "window_below_minus_1": (dict(window_left=-2), ValueError,
+                             r"window_left must be -1 \(no window\) or >= 0, got -2"),
+    "nan_scale": (dict(scale=math.nan), ValueError, "scale must be finite, got nan"),
+    "inf_scale": (dict(scale=math.inf), ValueError, "scale must be finite, got inf"),
+}
+
+# Errors in the preallocated output (out= paths only).
+OUT_ERRORS = {
+    "out_shape": (torch.empty(10, 4, 8), ValueError,
+                  r"out must have q's shape \[10, 4, 16\], got \[10, 4, 8\]"),
+    "out_dtype": (torch.empty(10, 4, 16, dtype=torch.float16), TypeError,
+                  "out has dtype torch.float16 but q has dtype torch.float32"),
+    "out_on_meta": (torch.empty(10, 4, 16, device="meta"), ValueError,
+                    "out is on meta but q is on cpu"),
+}
+
+
+def call_attention(impl, inputs, out=None):
+    q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
+    cu_q, cu_k = inputs.pop("cu_seqlens_q"), inputs.pop("cu_seqlens_k")
+    max_q, max_k = inputs.pop("max_seqlen_q"), inputs.pop("max_seqlen_k")
+    args = (q, k, v, cu_q, cu_k, max_q, max_k)
+    if impl == "native":
+        ops.attention(*args, **inputs)
+    elif impl == "native_out":
+        ops.attention(*args, **inputs, out=out)
+    else:
+        composite.attention_out(*args, **inputs, out=out)
+
+
+@pytest.mark.parametrize("impl", ["native", "native_out", "composite"])
+@pytest.mark.parametrize("case", ATTENTION_ERRORS)
+def test_attention_bad_input(impl, case):
+    changes, error, match = ATTENTION_ERRORS[case]
+    inputs = attention_inputs() | changes
+    q = inputs["q"]
+    out = torch.full(q.shape, math.nan, dtype=q.dtype)
+    with pytest.raises(error, match=match):
+        call_attention(impl, inputs, out)
+    assert out.isnan().all(), "a rejected call wrote into out"
+
+
+@pytest.mark.parametrize("impl", ["native_out", "composite"])
+@pytest.mark.parametrize("case", OUT_ERRORS)
+def test_attention_bad_out(impl, case):
+    out, error, match = OUT_ERRORS[case]
+    with pytest.raises(error, match=match):
+        call_attention(impl, attention_inputs(), out)
+
+
+ZERO_HEADS = textwrap.dedent("""
+    import torch
+    import fastllm
+    q, k = torch.randn(3, {n_heads}, 8), torch.randn(3, {n_kv_heads}, 8)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    try:
+        if "{impl}" == "composite":
+            fastllm._C.composite.attention_out(q, k, k.clone(), cu, cu, 3, 3, out=torch.empty_like(q))
+        else:
+            fastllm.ops.attention(q, k, k.clone(), cu, cu, 3, 3)
+        print("no error")
+    except ValueError as e:
+        print("ValueError", e)
+""")
+
+
+@pytest.mark.parametrize("impl", ["native", "composite"])
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(0, 1), (0, 0), (2, 0)])
+def test_attention_zero_heads_is_a_value_error(impl, n_heads, n_kv_heads):
+    # 0 % 1 == 0 would let q without heads through the GQA check (and the native kernel once
+    # divided by the group size 0): it must be a ValueError. A child process runs the call so
+    # that a crash is reported, not suffered.
+    code = ZERO_HEADS.format(impl=impl, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, f"process died with code {child.returncode}: {child.stderr}"
+    assert child.stdout.startswith(
+        f"ValueError q and k need at least one head, got n_heads={n_heads}"), child.stdout
+
+
+def rotary_inputs():
+    """A valid call: 6 tokens, 4 query heads, 2 kv heads, head_dim 16, rotary_dim 8."""
+    return dict(positions=torch.arange(6), q=torch.randn(6, 4, 16), k=torch.randn(6, 2, 16),
+                cos_sin_cache=ops.rope_cos_sin_cache(32, 8))
+
+
+ROTARY_ERRORS = {
+    "position_past_cache": (dict(positions=torch.tensor([0, 1, 2, 32, 4, 5])), ValueError,
+                            r"32.*outside the cos_sin_cache, which covers positions \[0, 32\)"),
+    "negative_position_int32": (dict(positions=torch.tensor([0, 1, -1, 3, 4, 5],
+                                                            dtype=torch.int32)), ValueError,
+                                r"-1.*outside the cos_sin_cache, which covers positions \[0, 32\)"),
+    "rotary_dim_mismatch": (dict(rotary_dim=16), ValueError,
+                            r"rotary_dim=16 does not match cos_sin_cache.shape\[1\]=8"),
+    "positions_float": (dict(positions=torch.arange(6.0)), TypeError,
+                        "positions must be torch.int64 or torch.int32, got torch.float32"),
+    "positions_rank_2": (dict(positions=torch.arange(6)[None]), ValueError,
+                         r"positions must be \[tokens\], got shape \[1, 6\]"),
+    "positions_count": (dict(positions=torch.arange(5)), ValueError,
+                        "positions has 5 tokens but q has 6"),
+    "k_tokens": (dict(k=torch.randn(5, 2, 16)), ValueError, "k has 5 tokens but q has 6"),
+    "k_head_dim": (dict(k=torch.randn(6, 2, 8)), ValueError,
+                   "q and k must have the same head_dim, got 16 and 8"),
+    "k_dtype": (dict(k=torch.randn(6, 2, 16, dtype=torch.float16)), TypeError,
+                "k has dtype torch.float16 but q has dtype torch.float32"),
+    "q_int": (dict(q=torch.randint(0, 9, (6, 4, 16)), k=None), TypeError,
+              "q must be torch.float32, torch.bfloat16 or torch.float16, got torch.int64"),
+    "cache_float64": (dict(cos_sin_cache=ops.rope_cos_sin_cache(32, 8, dtype=torch.float64)),
+                      TypeError, "cos_sin_cache must be torch.float32, torch.bfloat16 or "
+                      "torch.float16, got torch.float64"),
+    "cache_odd_width": (dict(cos_sin_cache=torch.randn(32, 7)), ValueError,
+                        r"cos_sin_cache.shape\[1\] \(rotary_dim\) must be even and positive, "
+                        r"got 7"),
+    "rotary_dim_past_head_dim": (dict(cos_sin_cache=ops.rope_cos_sin_cache(32, 18)), ValueError,
+                                 "rotary_dim 18 exceeds head_dim 16"),
+    "q_rank_2": (dict(q=torch.randn(6, 16), k=None), ValueError,
+                 r"q must be \[tokens, n_heads, head_dim\], got shape \[6, 16\]"),
+    "k_on_meta": (dict(k=torch.randn(6, 2, 16, device="meta")), ValueError,
+                  r"k is on meta but \w+ is on cpu"),
+    "positions_on_meta": (dict(positions=torch.arange(6, device="meta")), ValueError,
+                          "positions is on meta"),
+    "cache_on_meta": (dict(cos_sin_cache=torch.randn(32, 8, device="meta")), ValueError,
+                      "cos_sin_cache is on meta"),
+}
+
+
+@pytest.mark.parametrize("impl", ["native", "composite"])
+@pytest.mark.parametrize("case", ROTARY_ERRORS)
+def test_rotary_bad_input_leaves_q_and_k_unchanged(impl, case):
+    changes, error, match = ROTARY_ERRORS[case]
+    inputs = rotary_inputs() | changes
+    q, k = inputs.pop("q"), inputs.pop("k")
+    q_before = q.clone()
+    k_before = None if k is None or k.is_meta else k.clone()
+    rotary = ops.rotary_embedding if impl == "native" else composite.rotary_embedding
+    with pytest.raises(error, match=match):
+        rotary(inputs.pop("positions"), q, k, inputs.pop("cos_sin_cache"), **inputs)
+    assert torch.equal(q, q_before)
+    if k_before is not None:
+        assert torch.equal(k, k_before)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 8), "max_position=0"),
+    ((8, 0), "rotary_dim=0"),
+    ((8, 7), "rotary_dim=7"),
+    ((8, 8, 0.0), "got 0.0"),
+    ((8, 8, -1.0), "got -1.0"),
+    ((8, 8, math.inf), "got inf"),
+    ((8, 8, math.nan), "got nan"),
+])
+def test_rope_cos_sin_cache_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        ops.rope_cos_sin_cache(*args)
