@@ -37,7 +37,8 @@ def test_notebooks_exist() -> None:
 def test_notebook_runs(notebook: Path, tiny_mask_cache_json: Path,
                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTLLM_BENCH_JSON", str(tiny_mask_cache_json))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    # The kernel's own inline backend must render the figures, as it does for a user.
+    monkeypatch.delenv("MPLBACKEND", raising=False)
     nb = nbformat.read(notebook, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint(sys.executable)"))
     # No kernel directories: only ipykernel's own spec, which launches this interpreter, so the
@@ -48,3 +49,6 @@ def test_notebook_runs(notebook: Path, tiny_mask_cache_json: Path,
                             resources={"metadata": {"path": str(notebook.parent)}})
     client.execute()
     assert nb.cells[-1].outputs[0]["text"].strip() == sys.executable
+    figures = [output for cell in nb.cells if cell.cell_type == "code"
+               for output in cell.outputs if "image/png" in output.get("data", {})]
+    assert figures, f"{notebook.name} drew no figure"

@@ -29,6 +29,9 @@ namespace {
 constexpr int64_t kTileRows = 256;  // query rows (positions x group heads) per tile
 constexpr int64_t kTileKeys = 256;  // keys per inner step
 constexpr int64_t kMinKeysPerSplit = 512;
+// Below this many multiply-adds a call runs on the calling thread: waking OpenMP workers that
+// went to sleep costs more than the work (decode of short sequences, tiny prefills).
+constexpr int64_t kMinParallelWork = int64_t(1) << 20;
 // Tiles of at most this many rows (decode: one position x the GQA group) read K and V rows in
 // place instead of packing them for the tile GEMM, which needs many rows to pay off.
 constexpr int64_t kDirectMaxRows = 8;
@@ -334,13 +337,13 @@ std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q, const int32
   return tiles;
 }
 
-// Runs fn(index, scratch) for index in [0, n) on all threads, each index taken by the first
-// free thread.
+// Runs fn(index, scratch) for index in [0, n) on `threads` threads, each index taken by the
+// first free thread.
 template <typename Fn>
-void parallel_dynamic(int64_t n, const Problem& pb, int64_t max_rows, bool packing,
-                      const Fn& fn) {
+void parallel_dynamic(int64_t n, int64_t threads, const Problem& pb, int64_t max_rows,
+                      bool packing, const Fn& fn) {
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(n, threads), 1, [&](int64_t, int64_t) {
     Scratch scratch(max_rows, pb.head_dim, pb.head_dim_padded, packing);
     for (int64_t i = next++; i < n; i = next++) fn(i, scratch);
   });
@@ -355,26 +358,27 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const Strides3 qs(q), ks(k), vs(v), os(out);
   const int64_t n_tiles = tiles.size();
-  int64_t max_rows = 1;
+  int64_t max_rows = 1, work = 0;
   bool packing = false;
   for (const auto& t : tiles) {
     max_rows = std::max(max_rows, t.rows(pb));
     packing |= !t.direct;
+    work += t.rows(pb) * (t.key_hi - t.key_lo) * pb.head_dim;
   }
+  const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
 
   // Few tiles with long key ranges (decode, small batches): split the keys so every thread has
   // work, then merge the partial softmaxes.
   int64_t max_keys = 0;
   for (const auto& t : tiles) max_keys = std::max(max_keys, t.key_hi - t.key_lo);
-  const int64_t threads = at::get_num_threads();
   int64_t n_split = 1;
-  if (n_tiles < 2 * threads) {
+  if (threads > 1 && n_tiles < 2 * threads) {
     n_split = std::min((2 * threads + n_tiles - 1) / std::max<int64_t>(n_tiles, 1),
                        max_keys / kMinKeysPerSplit);
     n_split = std::max<int64_t>(n_split, 1);
   }
   if (n_split == 1) {
-    parallel_dynamic(n_tiles, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
+    parallel_dynamic(n_tiles, threads, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
       const Tile& t = tiles[i];
       attend_tile(pb, t, t.key_lo, t.key_hi, qp, qs, kp, ks, vp, vs, sc);
       write_tile_output(pb, t, sc.o, sc.l, op, os);
@@ -386,7 +390,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   const int64_t Dp = pb.head_dim_padded;
   const int64_t part_stride = rows * (Dp + 2);  // o [rows, Dp], m [rows], l [rows]
   std::vector<float> parts(n_tiles * n_split * part_stride);
-  parallel_dynamic(n_tiles * n_split, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
+  parallel_dynamic(n_tiles * n_split, threads, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
     const Tile& t = tiles[i / n_split];
     const int64_t split = i % n_split;
     const int64_t span = (t.key_hi - t.key_lo + n_split - 1) / n_split;
