@@ -16,11 +16,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
 #include <torch/library.h>
 
 #include "attention/attention.h"
 #include "common/dispatch.h"
+#include "common/vec.h"
 #include "common/vec_gemm.h"
 
 namespace fastllm {
@@ -71,17 +71,6 @@ inline void visible_keys(const Problem& pb, const Tile& t, int64_t p, int64_t& l
   const int64_t diag = p + t.len_k - t.len_q;
   hi = pb.causal ? std::min(t.len_k, diag + 1) : t.len_k;
   lo = pb.window_left >= 0 ? std::max<int64_t>(0, diag - pb.window_left) : 0;
-}
-
-template <typename scalar_t>
-inline VecF load_as_float(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return VecF::loadu(p);
-  } else {
-    VecF out;
-    at::vec::load_to_float<scalar_t>(p, out);
-    return out;
-  }
 }
 
 // Rows of one head sit n_kv_heads * head_dim apart in the packed and paged layouts, often a

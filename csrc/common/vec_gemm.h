@@ -4,11 +4,9 @@
 // it saves, and this keeps the kernels free of any particular BLAS.
 #pragma once
 
-#include <ATen/cpu/vec/vec.h>
+#include "common/vec.h"
 
 namespace fastllm {
-
-using VecF = at::vec::Vectorized<float>;
 
 namespace detail {
 
@@ -70,11 +68,6 @@ inline void gemm_f32(int64_t m_len, int64_t n_len, int64_t k_len, const float* a
     detail::gemm_cols<NV>(m_len, a, lda, b + n, ldb, c + n, ldc, k_len, accumulate);
   for (; n < n_len; n += W)
     detail::gemm_cols<1>(m_len, a, lda, b + n, ldb, c + n, ldc, k_len, accumulate);
-}
-
-inline int64_t round_up_to_vec(int64_t n) {
-  constexpr int64_t W = VecF::size();
-  return (n + W - 1) / W * W;
 }
 
 }  // namespace fastllm

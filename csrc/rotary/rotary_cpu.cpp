@@ -5,14 +5,34 @@
 #include <torch/library.h>
 
 #include "common/dispatch.h"
+#include "common/vec.h"
 #include "rotary/rotary.h"
 
 namespace fastllm {
 namespace {
 
+// The half-split layout with unit dim stride, a vector of channel pairs at a time.
+template <typename scalar_t>
+inline void rotate_heads_neox_vec(scalar_t* x, int64_t n_heads, int64_t head_stride,
+                                  const float* cos, const float* sin, int64_t half) {
+  constexpr int64_t W = VecF::size();
+  for (int64_t h = 0; h < n_heads; ++h) {
+    scalar_t* x1 = x + h * head_stride;
+    scalar_t* x2 = x1 + half;
+    for (int64_t i = 0; i < half; i += W) {
+      const VecF a = load_as_float(x1 + i), b = load_as_float(x2 + i);
+      const VecF c = VecF::loadu(cos + i), s = VecF::loadu(sin + i);
+      store_from_float(a * c - b * s, x1 + i);
+      store_from_float(b * c + a * s, x2 + i);
+    }
+  }
+}
+
 template <typename scalar_t>
 inline void rotate_heads(scalar_t* x, int64_t n_heads, int64_t head_stride, int64_t dim_stride,
                          const float* cos, const float* sin, int64_t half, bool is_neox) {
+  if (is_neox && dim_stride == 1 && half % VecF::size() == 0)
+    return rotate_heads_neox_vec(x, n_heads, head_stride, cos, sin, half);
   // neox pairs channel i with i + half; the interleaved layout pairs 2i with 2i + 1.
   const int64_t second = is_neox ? half : 1;
   const int64_t step = is_neox ? 1 : 2;
