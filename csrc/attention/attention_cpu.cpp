@@ -83,62 +83,58 @@ inline void prefetch_row(const scalar_t* row, int64_t n) {
   for (int64_t off = 0; off < n * int64_t(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off);
 }
 
-// s[r, c] = q_r . k_c for a direct tile: key rows read in place, each one for all its heads.
+// Calls fn(c, r, row) for every key c < nk of a direct tile's block and every tile row r, with
+// `row` the K or V row of key c for r's kv head. Key rows are streamed in order, all heads of a
+// key at once, a few keys prefetched ahead.
+template <typename scalar_t, typename Fn>
+inline void for_each_key_row(const Problem& pb, const Tile& t, const scalar_t* rows, Strides3 st,
+                             int64_t nk, const Fn& fn) {
+  const int64_t G = pb.group, hp = t.heads_per_pos(pb);
+  for (int64_t c = 0; c < nk; ++c) {
+    const scalar_t* key = rows + c * st.token;
+    if (c + kPrefetchRows < nk)
+      for (int64_t j = 0; j < t.n_kv; ++j)
+        prefetch_row(key + kPrefetchRows * st.token + j * st.head, pb.head_dim);
+    for (int64_t j = 0; j < t.n_kv; ++j)
+      for (int64_t i = 0; i < t.n_pos; ++i)
+        for (int64_t g = 0; g < G; ++g) fn(c, i * hp + j * G + g, key + j * st.head);
+  }
+}
+
+// s[r, c] = q_r . k_c for a direct tile, key rows read in place.
 template <typename scalar_t>
 void scores_direct(const Problem& pb, const Tile& t, const float* qf, const scalar_t* k_rows,
                    Strides3 ks, int64_t nk, float* s, int64_t lds) {
   constexpr int64_t W = VecF::size();
-  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
-  for (int64_t c = 0; c < nk; ++c) {
-    const scalar_t* krow = k_rows + c * ks.token;
-    if (c + kPrefetchRows < nk)
-      for (int64_t j = 0; j < t.n_kv; ++j)
-        prefetch_row(krow + kPrefetchRows * ks.token + j * ks.head, D);
-    for (int64_t j = 0; j < t.n_kv; ++j) {
-      const scalar_t* kc = krow + j * ks.head;
-      for (int64_t i = 0; i < t.n_pos; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * hp + j * G + g;
-          const float* qr = qf + r * D;
-          VecF acc0(0.f), acc1(0.f);
-          int64_t d = 0;
-          for (; d + 2 * W <= D; d += 2 * W) {
-            acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
-            acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), load_as_float(kc + d + W), acc1);
-          }
-          if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
-          s[r * lds + c] =
-              at::vec::vec_reduce_all<float>([](VecF& x, VecF& y) { return x + y; }, acc0 + acc1);
-        }
+  const int64_t D = pb.head_dim;
+  for_each_key_row(pb, t, k_rows, ks, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
+    const float* qr = qf + r * D;
+    VecF acc0(0.f), acc1(0.f);
+    int64_t d = 0;
+    for (; d + 2 * W <= D; d += 2 * W) {
+      acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+      acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), load_as_float(kc + d + W), acc1);
     }
-  }
+    if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+    s[r * lds + c] =
+        at::vec::vec_reduce_all<float>([](VecF& x, VecF& y) { return x + y; }, acc0 + acc1);
+  });
 }
 
 // o[r, :] += sum_c p[r, c] * v_c for a direct tile, value rows read in place.
 template <typename scalar_t>
-void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp, const scalar_t* v_rows,
-               Strides3 vs, int64_t nk, float* o, int64_t ldo) {
+void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp,
+               const scalar_t* v_rows, Strides3 vs, int64_t nk, float* o, int64_t ldo) {
   constexpr int64_t W = VecF::size();
-  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
-  for (int64_t c = 0; c < nk; ++c) {
-    const scalar_t* vrow = v_rows + c * vs.token;
-    if (c + kPrefetchRows < nk)
-      for (int64_t j = 0; j < t.n_kv; ++j)
-        prefetch_row(vrow + kPrefetchRows * vs.token + j * vs.head, D);
-    for (int64_t j = 0; j < t.n_kv; ++j) {
-      const scalar_t* vc = vrow + j * vs.head;
-      for (int64_t i = 0; i < t.n_pos; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * hp + j * G + g;
-          const float pc = p[r * ldp + c];
-          if (pc == 0.f) continue;  // masked or underflowed: nothing to add
-          const VecF pv(pc);
-          float* orow = o + r * ldo;
-          for (int64_t d = 0; d < D; d += W)
-            at::vec::fmadd(pv, load_as_float(vc + d), VecF::loadu(orow + d)).store(orow + d);
-        }
-    }
-  }
+  const int64_t D = pb.head_dim;
+  for_each_key_row(pb, t, v_rows, vs, nk, [&](int64_t c, int64_t r, const scalar_t* vc) {
+    const float pc = p[r * ldp + c];
+    if (pc == 0.f) return;  // masked or underflowed: nothing to add
+    const VecF pv(pc);
+    float* orow = o + r * ldo;
+    for (int64_t d = 0; d < D; d += W)
+      at::vec::fmadd(pv, load_as_float(vc + d), VecF::loadu(orow + d)).store(orow + d);
+  });
 }
 
 // Calls fn(first_row, n_rows, cols) for the tile's rows in GEMM-height panels, where the panel's
