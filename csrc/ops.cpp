@@ -8,6 +8,8 @@
 #include "attention/attention.h"
 #include "mask_cache/mask_cache.h"
 #include "rotary/rotary.h"
+#include "sampling/philox.h"
+#include "sampling/sampling.h"
 
 TORCH_LIBRARY(fastllm, m) {
   // Attention over packed variable-length sequences (flash-attention varlen layout), causal mask
@@ -25,6 +27,21 @@ TORCH_LIBRARY(fastllm, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
       "bool is_neox=True, int? rotary_dim=None) -> ()");
+  // One token per row after temperature / top-k / top-p / min-p, without sorting the vocabulary;
+  // the row's random number comes from Philox keyed by (seeds[row], offsets[row]) alone.
+  m.def(
+      "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "Tensor seeds, Tensor offsets) -> Tensor");
+  // The same, with the log-probabilities of the drawn token and the top num_logprobs tokens.
+  m.def(
+      "sample_with_logprobs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, Tensor seeds, Tensor offsets, int num_logprobs) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  // Logit bias, repetition (prompt and output), frequency and presence penalties, in place.
+  m.def(
+      "apply_penalties(Tensor(a!) logits, Tensor prompt_mask, Tensor output_counts, "
+      "Tensor repetition_penalty, Tensor frequency_penalty, Tensor presence_penalty, "
+      "Tensor? logit_bias=None) -> ()");
 }
 
 namespace py = pybind11;
@@ -118,4 +135,27 @@ that raises ValueError. Safe to use from several threads.)doc")
       },
       py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos_sin_cache"), py::kw_only(),
       py::arg("is_neox") = true, py::arg("rotary_dim") = py::none());
+  composite.def("sample", &fastllm::sample_composite, py::arg("logits"), py::arg("temperature"),
+                py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("seeds"),
+                py::arg("offsets"));
+  composite.def("sample_with_logprobs", &fastllm::sample_with_logprobs_composite,
+                py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+                py::arg("min_p"), py::arg("seeds"), py::arg("offsets"), py::arg("num_logprobs"));
+  composite.def(
+      "apply_penalties",
+      [](at::Tensor logits, const at::Tensor& prompt_mask, const at::Tensor& output_counts,
+         const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
+         const at::Tensor& presence_penalty, std::optional<at::Tensor> logit_bias) {
+        fastllm::apply_penalties_composite(logits, prompt_mask, output_counts, repetition_penalty,
+                                           frequency_penalty, presence_penalty, logit_bias);
+      },
+      py::arg("logits"), py::arg("prompt_mask"), py::arg("output_counts"),
+      py::arg("repetition_penalty"), py::arg("frequency_penalty"), py::arg("presence_penalty"),
+      py::arg("logit_bias") = py::none());
+
+  m.def(
+      "philox_uniform",
+      [](uint64_t seed, uint64_t offset) { return fastllm::philox_uniform(seed, offset); },
+      py::arg("seed"), py::arg("offset"),
+      "The uniform number in [0, 1) that sampling draws for (seed, offset): Philox4x32-10.");
 }

@@ -1,7 +1,8 @@
 """fastllm: fast LLM inference kernels and orchestration for PyTorch users.
 
 ``fastllm.ops`` holds the ops (registered as ``torch.ops.fastllm.*`` and dispatched per device),
-``fastllm.reference`` their plain-PyTorch twins, and ``fastllm.MaskCache`` the causal-mask cache.
+``fastllm.reference`` their plain-PyTorch twins, ``fastllm.MaskCache`` the causal-mask cache and
+``fastllm.SamplingParams`` / ``fastllm.sample_next_tokens`` the sampling step.
 """
 
 import torch
@@ -15,8 +16,15 @@ if _C.torch_version != torch.__version__:
     )
 
 from fastllm import ops, reference  # noqa: E402  (needs the op registry loaded above)
+from fastllm.sampling import (  # noqa: E402
+    SampleOutput,
+    SamplingParams,
+    SamplingTensors,
+    sample_next_tokens,
+)
 
 MaskCache = _C.MaskCache
 
-__all__ = ["MaskCache", "ops", "reference"]
+__all__ = ["MaskCache", "SampleOutput", "SamplingParams", "SamplingTensors", "ops", "reference",
+           "sample_next_tokens"]
 __version__ = "0.1.0"

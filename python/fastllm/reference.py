@@ -7,6 +7,8 @@ reference and a call in the kernel's dtype is the "plain composition" tolerances
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -71,3 +73,107 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cac
         return x
 
     return rotate(q), None if k is None else rotate(k)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def philox_uniform(seed: int, offset: int) -> float:
+    """The uniform number in [0, 1) that row sampling draws for ``(seed, offset)``.
+
+    Philox4x32-10 (Salmon et al., Random123) with key ``(seed mod 2^32, seed >> 32)`` and counter
+    ``(offset mod 2^32, offset >> 32, 0, 0)``, both taken as unsigned 64-bit; 53 bits of the
+    first two output words make the double.
+    """
+    seed &= (1 << 64) - 1
+    offset &= (1 << 64) - 1
+    k0, k1 = seed & _MASK32, seed >> 32
+    c0, c1, c2, c3 = offset & _MASK32, offset >> 32, 0, 0
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK32)
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return ((c0 >> 5) * 67108864.0 + (c1 >> 6)) / 9007199254740992.0
+
+
+def filtered_probs(logits: Tensor, temperature: float, top_k: int, top_p: float,
+                   min_p: float) -> Tensor:
+    """The distribution one row is sampled from (see :func:`fastllm.ops.sample`), in the dtype
+    of ``logits``; for temperature 0, a one-hot on the first maximum."""
+    vocab = logits.shape[-1]
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(), vocab).to(logits.dtype)
+    x = logits / temperature
+    keep = torch.ones(vocab, dtype=torch.bool, device=logits.device)
+    if 0 < top_k < vocab:
+        keep &= x >= x.topk(top_k).values[-1]
+    if top_p < 1:
+        probs = x.masked_fill(~keep, float("-inf")).softmax(-1)
+        # Mass of the tokens strictly more likely than each token: its tie group's start.
+        sorted_probs, order = probs.sort(descending=True)
+        exclusive = sorted_probs.cumsum(0) - sorted_probs
+        first_of_tie = torch.searchsorted(-sorted_probs, -sorted_probs, side="left")
+        mass_above = torch.empty_like(probs)
+        mass_above[order] = exclusive[first_of_tie]
+        keep &= mass_above < top_p
+    if min_p > 0:
+        keep &= x >= x.max() + math.log(min_p)
+    return x.masked_fill(~keep, float("-inf")).softmax(-1)
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+           seeds: Tensor, offsets: Tensor) -> Tensor:
+    """Twin of :func:`fastllm.ops.sample`: the filtered distribution, inverted at the row's
+    Philox uniform in vocabulary order."""
+    tokens = []
+    for r in range(logits.shape[0]):
+        probs = filtered_probs(logits[r], float(temperature[r]), int(top_k[r]), float(top_p[r]),
+                               float(min_p[r]))
+        if float(temperature[r]) == 0:
+            tokens.append(int(probs.argmax()))
+            continue
+        u = philox_uniform(int(seeds[r]), int(offsets[r]))
+        cdf = probs.cumsum(0)
+        token = int(torch.searchsorted(cdf, cdf.new_tensor(u * float(cdf[-1])), right=True))
+        tokens.append(min(token, int(probs.nonzero().max())))  # never past the last kept token
+    return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+
+
+def sample_with_logprobs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                         min_p: Tensor, seeds: Tensor, offsets: Tensor, num_logprobs: int
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Twin of :func:`fastllm.ops.sample_with_logprobs`."""
+    tokens = sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    batch = logits.shape[0]
+    token_logprobs = torch.empty(batch, dtype=logits.dtype, device=logits.device)
+    top_ids = torch.full((batch, num_logprobs), -1, dtype=torch.int64, device=logits.device)
+    top_logprobs = torch.full((batch, num_logprobs), float("-inf"), dtype=logits.dtype,
+                              device=logits.device)
+    for r in range(batch):
+        if float(temperature[r]) == 0:
+            logprobs = logits[r].log_softmax(-1)
+        else:
+            logprobs = filtered_probs(logits[r], float(temperature[r]), int(top_k[r]),
+                                      float(top_p[r]), float(min_p[r])).log()
+        token_logprobs[r] = logprobs[tokens[r]]
+        # Most likely first, ties by lower id (a stable sort of the negated values).
+        order = torch.sort(-logprobs, stable=True).indices[:num_logprobs]
+        order = order[logprobs[order] > float("-inf")]
+        top_ids[r, : len(order)] = order
+        top_logprobs[r, : len(order)] = logprobs[order]
+    return tokens, token_logprobs, top_ids, top_logprobs
+
+
+def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor,
+                    repetition_penalty: Tensor, frequency_penalty: Tensor,
+                    presence_penalty: Tensor, logit_bias: Tensor | None = None) -> Tensor:
+    """Twin of :func:`fastllm.ops.apply_penalties`; returns a penalized copy."""
+    x = logits.clone()
+    if logit_bias is not None:
+        x += logit_bias.to(x.dtype)
+    seen = prompt_mask | (output_counts > 0)
+    penalty = repetition_penalty.to(x.dtype)[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    x -= frequency_penalty.to(x.dtype)[:, None] * output_counts.to(x.dtype)
+    x -= presence_penalty.to(x.dtype)[:, None] * (output_counts > 0).to(x.dtype)
+    return x
