@@ -1,5 +1,7 @@
-"""Fixtures shared by every test: a reproducible seed per test and the devices to run on."""
+"""Fixtures shared by every test: a reproducible seed per test and the devices to run on; and
+``num_threads``, which test modules import (``from conftest import num_threads``)."""
 
+import contextlib
 import zlib
 
 import pytest
@@ -26,3 +28,15 @@ def _seed(request):
 def device(request) -> torch.device:
     """Each device present; tests taking it run once per device."""
     return torch.device(request.param)
+
+
+@contextlib.contextmanager
+def num_threads(n: int | None):
+    """Runs the block with ``n`` intra-op threads (None: leave the default), then restores."""
+    saved = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -44,8 +44,9 @@ Filtered filter_and_draw(const at::Tensor& logits, const at::Tensor& temperature
   const int64_t batch = x.size(0), vocab = x.size(1);
   const auto greedy = temperature.eq(0);
   const auto t = at::where(greedy, at::ones_like(temperature), temperature).unsqueeze(1);
-  const auto z = x / t;
-  const auto max = std::get<0>(z.max(1, /*keepdim=*/true));
+  // Scaled relative to the maximum (x / t alone can overflow float32): z <= 0, max(z) = 0.
+  const auto z = (x - std::get<0>(x.max(1, /*keepdim=*/true))) / t;
+  const auto max = at::zeros({batch, 1}, z.options());
   const auto sorted = z.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
   const auto& values = std::get<0>(sorted);
   const auto& order = std::get<1>(sorted);

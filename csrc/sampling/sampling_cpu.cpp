@@ -119,10 +119,12 @@ struct RowScratch {
   Ranked ranked;
 };
 
+// Samples one row; with want_logprobs, also the token's log-probability and the top
+// num_logprobs entries (into top_ids / top_logprobs).
 template <typename scalar_t>
 RowResult sample_row(const scalar_t* row, int64_t vocab, int64_t r, const RowParams& p,
-                     int64_t num_logprobs, int64_t* top_ids, float* top_logprobs,
-                     RowScratch& sc) {
+                     bool want_logprobs, int64_t num_logprobs, int64_t* top_ids,
+                     float* top_logprobs, RowScratch& sc) {
   const float* x;
   if constexpr (std::is_same_v<scalar_t, float>) {
     x = row;
@@ -142,12 +144,16 @@ RowResult sample_row(const scalar_t* row, int64_t vocab, int64_t r, const RowPar
   const bool greedy = p.temperature == 0;
   const int64_t heap = std::max(greedy ? 0 : p.top_k, num_logprobs);
   top_values(x, vocab, std::min(heap, vocab), sc.ranked);
-  auto fill_logprobs = [&](float threshold, float scale, double log_norm) {
+  // Entries with probability: at or above the threshold and, for a sampled row, a nonzero
+  // float32 weight (the same test that admits a token to the draw).
+  auto fill_logprobs = [&](float threshold, float scale, double log_norm, bool weighted) {
     int64_t n = 0;
     for (; n < num_logprobs && n < int64_t(sc.ranked.size()); ++n) {
-      if (sc.ranked[n].first < threshold || sc.ranked[n].first == kNegInf) break;
+      const float value = sc.ranked[n].first;
+      if (value < threshold || value == kNegInf) break;
+      if (weighted && std::exp((value - max) * scale) == 0.f) break;
       top_ids[n] = sc.ranked[n].second;
-      top_logprobs[n] = float((sc.ranked[n].first - max) * scale - log_norm);
+      top_logprobs[n] = float((value - max) * scale - log_norm);
     }
     for (; n < num_logprobs; ++n) {
       top_ids[n] = -1;
@@ -157,11 +163,11 @@ RowResult sample_row(const scalar_t* row, int64_t vocab, int64_t r, const RowPar
 
   if (greedy) {
     const int64_t token = std::find(x, x + vocab, max) - x;  // the first maximum
-    if (num_logprobs == 0) return {token, 0.f};
+    if (!want_logprobs) return {token, 0.f};
     double sum = 0;
     for (int64_t i = 0; i < vocab; ++i) sum += std::exp(x[i] - max);
     const double log_norm = std::log(sum);
-    fill_logprobs(kNegInf, 1.f, log_norm);
+    fill_logprobs(kNegInf, 1.f, log_norm, /*weighted=*/false);
     return {token, float(-log_norm)};
   }
 
@@ -218,7 +224,7 @@ RowResult sample_row(const scalar_t* row, int64_t vocab, int64_t r, const RowPar
     if (acc > target) break;
   }
   const double log_norm = std::log(kept);
-  fill_logprobs(threshold, inv_t, log_norm);
+  if (want_logprobs) fill_logprobs(threshold, inv_t, log_norm, /*weighted=*/true);
   return {token, float((x[token] - max) * inv_t - log_norm)};
 }
 
@@ -251,7 +257,7 @@ void sample_cpu_impl(const at::Tensor& logits_in, const at::Tensor& temperature,
       RowScratch scratch;
       for (int64_t r = begin; r < end; ++r) {
         const RowResult res =
-            sample_row(base + r * vocab, vocab, r, params[r], num_logprobs,
+            sample_row(base + r * vocab, vocab, r, params[r], tok_lp != nullptr, num_logprobs,
                        ids ? ids + r * num_logprobs : nullptr,
                        lps ? lps + r * num_logprobs : nullptr, scratch);
         tok[r] = res.token;

@@ -165,9 +165,10 @@ def sample_with_logprobs(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`sample`, plus log-probabilities under the distribution each token was drawn from.
 
-    A sampled row reports the filtered, temperature-scaled distribution (filtered-out tokens
-    have probability 0); a greedy row (temperature 0) reports ``log_softmax(logits)``, the
-    distribution its argmax was taken of. Computed in the sampling pass, without another pass
+    A sampled row reports the filtered, temperature-scaled distribution (filtered-out tokens,
+    and tokens whose probability underflows float32, have probability 0, so the draw can never
+    pick them); a greedy row (temperature 0) reports ``log_softmax(logits)``, the distribution
+    its argmax was taken of. Computed in the sampling pass, without another pass
     over the vocabulary.
 
     Returns:

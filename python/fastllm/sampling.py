@@ -115,7 +115,8 @@ class SamplingTensors:
     presence_penalty: Tensor  # float32 [batch]
     logit_bias: Tensor | None  # float32 [batch, vocab], None when no row has a bias
     seeds: Tensor  # int64 [batch]
-    num_logprobs: int  # the most any row asked for
+    wants_logprobs: bool  # some row set logprobs (0 = the sampled token's alone)
+    num_logprobs: int  # the most alternatives any row asked for
     needs_penalties: bool
 
     @classmethod
@@ -146,6 +147,7 @@ class SamplingTensors:
             logit_bias=logit_bias,
             seeds=column([secrets.randbelow(_MAX_SEED) if p.seed is None else p.seed
                           for p in params], torch.int64),
+            wants_logprobs=any(p.logprobs is not None for p in params),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             needs_penalties=logit_bias is not None or any(
                 p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
@@ -185,6 +187,6 @@ def sample_next_tokens(logits: Tensor, tensors: SamplingTensors, offsets: Tensor
                             tensors.logit_bias)
     args = (logits, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p,
             tensors.seeds, offsets)
-    if tensors.num_logprobs == 0:
+    if not tensors.wants_logprobs:
         return SampleOutput(ops.sample(*args))
     return SampleOutput(*ops.sample_with_logprobs(*args, tensors.num_logprobs))

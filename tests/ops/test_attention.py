@@ -9,13 +9,13 @@ tight in float32, flash-attention's 2x rule in bfloat16/float16.
 composition MPS runs, called directly so it is tested on every device.
 """
 
-import contextlib
 import itertools
 import math
 
 import pytest
 import torch
 
+from conftest import num_threads
 from fastllm import ops, reference
 from fastllm._C import composite
 
@@ -72,18 +72,6 @@ def assert_within_twice_plain_error(got, plain, expected):
     assert err <= 2 * plain_err + LOW_PRECISION_SLACK, (
         f"max error {err:.3g} vs the float64 reference exceeds 2x the plain composition's "
         f"{plain_err:.3g}")
-
-
-@contextlib.contextmanager
-def num_threads(n):
-    """Runs the block with `n` intra-op threads (None: leave the default), then restores."""
-    saved = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def check(impl, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):

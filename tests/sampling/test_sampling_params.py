@@ -1,0 +1,194 @@
+"""SamplingParams validation, SamplingTensors.from_params and the sample_next_tokens step."""
+
+import math
+
+import pytest
+import torch
+
+from fastllm import SampleOutput, SamplingParams, SamplingTensors, reference, sample_next_tokens
+
+# id: (keyword arguments, pattern the ValueError must match: the field and the value)
+BAD_PARAMS = {
+    "negative_temperature": (dict(temperature=-0.5), r"temperature.*-0\.5"),
+    "nan_temperature": (dict(temperature=math.nan), r"temperature.*nan"),
+    "inf_temperature": (dict(temperature=math.inf), r"temperature.*inf"),
+    "top_p_0": (dict(top_p=0.0), r"top_p.*got 0\.0"),
+    "top_p_1.5": (dict(top_p=1.5), r"top_p.*1\.5"),
+    "min_p_-0.1": (dict(min_p=-0.1), r"min_p.*-0\.1"),
+    "min_p_1.1": (dict(min_p=1.1), r"min_p.*1\.1"),
+    "repetition_penalty_0": (dict(repetition_penalty=0.0), r"repetition_penalty.*got 0\.0"),
+    "repetition_penalty_-1": (dict(repetition_penalty=-1.0), r"repetition_penalty.*-1\.0"),
+    "seed_-1": (dict(seed=-1), r"seed.*-1"),
+    "seed_2**63": (dict(seed=2**63), r"seed.*9223372036854775808"),
+    "max_tokens_0": (dict(max_tokens=0), r"max_tokens.*got 0"),
+    "logprobs_-1": (dict(logprobs=-1), r"logprobs.*-1"),
+    "frequency_penalty_nan": (dict(frequency_penalty=math.nan), r"frequency_penalty.*nan"),
+    "logit_bias_inf": (dict(logit_bias={3: math.inf}), r"logit_bias.*inf"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PARAMS)
+def test_bad_params(case):
+    kwargs, match = BAD_PARAMS[case]
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_edge_values_are_accepted():
+    SamplingParams(temperature=0.0, top_p=1.0, min_p=0.0, seed=0, max_tokens=1, logprobs=0)
+    SamplingParams(min_p=1.0, seed=2**63 - 1, top_k=-1, repetition_penalty=0.01,
+                   presence_penalty=-2.0, frequency_penalty=2.0)
+    assert SamplingParams(temperature=0.0).is_greedy and not SamplingParams().is_greedy
+    assert SamplingParams(stop="###").stop == ["###"]
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids"])
+def test_unknown_token_ids_are_named(field):
+    def with_ids(ids):
+        return SamplingParams(**{field: {t: 1.0 for t in ids} if field == "logit_bias" else ids})
+
+    with_ids([3, 50, 49]).check_vocab(51)  # 50 exists in a vocabulary of 51
+    params = with_ids([3, 50, -1, 49])
+    with pytest.raises(ValueError, match=rf"{field}.*\[-1\]"):
+        params.check_vocab(51)
+    with pytest.raises(ValueError, match=rf"{field}.*\[50, -1\]"):
+        params.check_vocab(50)
+    with pytest.raises(ValueError, match=rf"{field}.*\[50, -1\].*\[0, 50\)"):
+        SamplingTensors.from_params([SamplingParams(), params], vocab_size=50)
+
+
+def test_from_params(device):
+    vocab = 10
+    params = [
+        SamplingParams(temperature=0.0, seed=7),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=2**63 - 1,
+                       logprobs=3, logit_bias={2: 1.5, 9: -4.0}),
+        SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.25,
+                       logprobs=1),
+    ]
+    t = SamplingTensors.from_params(params, vocab, device=device)
+    columns = dict(temperature=(torch.float32, [0.0, 0.8, 1.0]),
+                   top_k=(torch.int32, [0, 5, 0]), top_p=(torch.float32, [1.0, 0.9, 1.0]),
+                   min_p=(torch.float32, [0.0, 0.05, 0.0]),
+                   repetition_penalty=(torch.float32, [1.0, 1.0, 1.2]),
+                   frequency_penalty=(torch.float32, [0.0, 0.0, 0.5]),
+                   presence_penalty=(torch.float32, [0.0, 0.0, -0.25]))
+    for name, (dtype, values) in columns.items():
+        column = getattr(t, name)
+        assert column.dtype == dtype and column.device.type == device.type, name
+        assert torch.equal(column.cpu(), torch.tensor(values, dtype=dtype)), name
+    assert t.seeds.dtype == torch.int64 and t.seeds[:2].tolist() == [7, 2**63 - 1]
+    assert 0 <= t.seeds[2].item() < 2**63
+    bias = torch.zeros(3, vocab)
+    bias[1, 2], bias[1, 9] = 1.5, -4.0
+    assert t.logit_bias.dtype == torch.float32 and t.logit_bias.device.type == device.type
+    assert torch.equal(t.logit_bias.cpu(), bias)
+    assert t.num_logprobs == 3 and t.needs_penalties
+
+    plain = SamplingTensors.from_params([SamplingParams(), SamplingParams(temperature=0.0)],
+                                        vocab, device=device)
+    assert plain.logit_bias is None and not plain.needs_penalties and plain.num_logprobs == 0
+    for one in [dict(repetition_penalty=0.9), dict(frequency_penalty=0.1),
+                dict(presence_penalty=0.1), dict(logit_bias={0: 0.0})]:
+        assert SamplingTensors.from_params([SamplingParams(), SamplingParams(**one)],
+                                           vocab).needs_penalties, one
+
+
+def test_unseeded_requests_get_fresh_seeds():
+    seeds = SamplingTensors.from_params([SamplingParams()] * 64, 10).seeds
+    assert ((seeds >= 0) & (seeds < 2**63 - 1)).all()
+    assert len(seeds.unique()) == 64
+
+
+def step_inputs(batch, vocab, device):
+    logits = torch.randn(batch, vocab, device=device) * 2
+    prompt_mask = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+    output_counts = torch.zeros(batch, vocab, dtype=torch.int32, device=device)
+    offsets = torch.arange(batch, dtype=torch.int64, device=device) + 3
+    return logits, prompt_mask, output_counts, offsets
+
+
+def test_sample_next_tokens_without_penalties(device):
+    params = [SamplingParams(seed=1), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=3, seed=2)]
+    tensors = SamplingTensors.from_params(params, 20, device=device)
+    logits, _, _, offsets = step_inputs(3, 20, device)
+    before = logits.clone()
+    out = sample_next_tokens(logits, tensors, offsets)
+    assert isinstance(out, SampleOutput)
+    assert out.token_logprobs is None and out.top_ids is None and out.top_logprobs is None
+    assert torch.equal(logits, before), "logits changed without penalties"
+    expected = reference.sample(logits.cpu().double(), tensors.temperature.cpu(),
+                                tensors.top_k.cpu(), tensors.top_p.cpu(), tensors.min_p.cpu(),
+                                tensors.seeds.cpu(), offsets.cpu())
+    assert torch.equal(out.tokens.cpu(), expected)
+    assert out.tokens[1] == logits[1].argmax()
+
+
+def test_sample_next_tokens_needs_masks_for_penalties(device):
+    tensors = SamplingTensors.from_params([SamplingParams(), SamplingParams(presence_penalty=1.0)],
+                                          20, device=device)
+    logits, prompt_mask, output_counts, offsets = step_inputs(2, 20, device)
+    for kwargs in [{}, dict(prompt_mask=prompt_mask), dict(output_counts=output_counts)]:
+        with pytest.raises(ValueError, match="prompt_mask and output_counts"):
+            sample_next_tokens(logits, tensors, offsets, **kwargs)
+
+
+def test_sample_next_tokens_applies_penalties(device):
+    vocab = 16
+    logits, prompt_mask, output_counts, offsets = step_inputs(4, vocab, device)
+    top = logits.argmax(-1)
+    output_counts[2, top[2]] = 1
+    output_counts[2, 5] = 3
+    prompt_mask[3, top[3]] = True
+    params = [SamplingParams(logit_bias={7: 100.0}, seed=11),  # forced even at temperature 1
+              SamplingParams(temperature=0.0),  # no penalty: untouched
+              SamplingParams(temperature=0.0, frequency_penalty=1e4),  # the argmax is penalized
+              SamplingParams(temperature=0.0, repetition_penalty=1e4, logprobs=2)]
+    tensors = SamplingTensors.from_params(params, vocab, device=device)
+    before = logits.clone()
+    out = sample_next_tokens(logits, tensors, offsets, prompt_mask=prompt_mask,
+                             output_counts=output_counts)
+    penalized = reference.apply_penalties(before.cpu(), prompt_mask.cpu(), output_counts.cpu(),
+                                          tensors.repetition_penalty.cpu(),
+                                          tensors.frequency_penalty.cpu(),
+                                          tensors.presence_penalty.cpu(),
+                                          tensors.logit_bias.cpu())
+    torch.testing.assert_close(logits.cpu(), penalized)  # in place
+    assert torch.equal(logits[1], before[1])
+    assert out.tokens[0] == 7
+    assert out.tokens[1] == top[1]
+    assert out.tokens[2] != top[2] and out.tokens[2] == penalized[2].argmax()
+    assert out.tokens[3] == penalized[3].argmax()
+    if before[3, top[3]] > 1e-3:  # divided by 1e4: now about 0, below any positive logit left
+        assert out.tokens[3] != top[3]
+    assert out.top_ids.shape == (4, 2) and out.top_logprobs.shape == (4, 2)
+    assert out.token_logprobs.shape == (4,)
+    # Row 0's bias makes token 7 all but certain: log-probability about 0.
+    assert out.top_ids[0, 0] == 7 and abs(out.token_logprobs[0].item()) < 1e-5
+
+    # The same seeds and offsets draw the same tokens again.
+    again = sample_next_tokens(before.clone(), tensors, offsets, prompt_mask=prompt_mask,
+                               output_counts=output_counts)
+    assert torch.equal(again.tokens, out.tokens)
+
+
+def test_a_forced_token_wins_every_draw(device):
+    # logit_bias +100 on one token at temperature 1, over 200 seeds: always that token.
+    params = [SamplingParams(logit_bias={5: 100.0}, seed=s) for s in range(200)]
+    tensors = SamplingTensors.from_params(params, 12, device=device)
+    logits, prompt_mask, output_counts, offsets = step_inputs(200, 12, device)
+    out = sample_next_tokens(logits, tensors, offsets, prompt_mask=prompt_mask,
+                             output_counts=output_counts)
+    assert (out.tokens == 5).all()
+
+
+def test_logprobs_zero_reports_the_token_logprob(device):
+    # vLLM's meaning (which SamplingParams adopts): logprobs=0 asks for the sampled token's
+    # log-probability and no alternatives; only None asks for nothing.
+    params = [SamplingParams(seed=1, logprobs=0), SamplingParams(seed=2)]
+    tensors = SamplingTensors.from_params(params, 20, device=device)
+    logits, _, _, offsets = step_inputs(2, 20, device)
+    out = sample_next_tokens(logits, tensors, offsets)
+    assert out.token_logprobs is not None and out.token_logprobs.shape == (2,)
+    assert out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
