@@ -6,6 +6,8 @@
 #include <torch/library.h>
 
 #include "attention/attention.h"
+#include "kv_cache/cache_write.h"
+#include "kv_cache/kv_cache_bindings.h"
 #include "mask_cache/mask_cache.h"
 #include "rotary/rotary.h"
 #include "sampling/philox.h"
@@ -23,6 +25,16 @@ TORCH_LIBRARY(fastllm, m) {
       "attention_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
       "int window_left=-1, Tensor(a!) out) -> ()");
+  // Attention of packed queries over K/V read through block tables from paged caches
+  // [num_blocks, block_size, n_kv_heads, head_dim]: decode and chunked prefill, same semantics.
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, *, bool causal=True, "
+      "float? scale=None, int window_left=-1) -> Tensor");
+  // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips).
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
   // Rotary position embedding applied in place to q and, if given, k.
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
@@ -127,6 +139,19 @@ that raises ValueError. Safe to use from several threads.)doc")
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
       py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::kw_only(), py::arg("causal") = true,
       py::arg("scale") = py::none(), py::arg("window_left") = -1, py::arg("out"));
+  composite.def("paged_attention", &fastllm::paged_attention_composite, py::arg("q"),
+                py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+                py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("max_seqlen_q"),
+                py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
+                py::arg("window_left") = -1);
+  composite.def(
+      "reshape_and_cache",
+      [](const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+         const at::Tensor& slot_mapping) {
+        fastllm::reshape_and_cache_composite(key, value, k_cache, v_cache, slot_mapping);
+      },
+      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
+      py::arg("slot_mapping"));
   composite.def(
       "rotary_embedding",
       [](const at::Tensor& positions, at::Tensor q, std::optional<at::Tensor> k,
@@ -158,4 +183,5 @@ that raises ValueError. Safe to use from several threads.)doc")
       [](uint64_t seed, uint64_t offset) { return fastllm::philox_uniform(seed, offset); },
       py::arg("seed"), py::arg("offset"),
       "The uniform number in [0, 1) that sampling draws for (seed, offset): Philox4x32-10.");
+  fastllm::bind_kv_cache(m);
 }

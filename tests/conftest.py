@@ -1,5 +1,6 @@
 """Fixtures shared by every test: a reproducible seed per test and the devices to run on; and
-``num_threads``, which test modules import (``from conftest import num_threads``)."""
+helpers that test modules import (``from conftest import num_threads``): a thread-count
+context, and the attention oracles' row and tolerance checks."""
 
 import contextlib
 import zlib
@@ -40,3 +41,30 @@ def num_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+LOW_PRECISION_SLACK = 1e-5  # added to 2 * (plain error) for bfloat16/float16
+
+
+def blind_rows(lens_q, lens_k, causal: bool, window_left: int) -> torch.Tensor:
+    """Bool [total_q]: the queries that see no key, whose output must be exactly 0."""
+    rows = []
+    for len_q, len_k in zip(lens_q, lens_k):
+        for i in range(len_q):
+            diag = i + len_k - len_q  # the last key query i may see under the causal mask
+            first = max(0, diag - window_left) if window_left >= 0 else 0
+            last = min(len_k - 1, diag) if causal else len_k - 1
+            rows.append(first > last)
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def assert_within_twice_plain_error(got, plain, expected) -> None:
+    """flash-attention's rule: the kernel errs at most twice as much as plain PyTorch does in
+    the same dtype (all three arguments float64 copies on the CPU)."""
+    if expected.numel() == 0:
+        return
+    err = (got - expected).abs().max().item()
+    plain_err = (plain - expected).abs().max().item()
+    assert err <= 2 * plain_err + LOW_PRECISION_SLACK, (
+        f"max error {err:.3g} vs the float64 reference exceeds 2x the plain composition's "
+        f"{plain_err:.3g}")

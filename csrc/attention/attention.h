@@ -20,6 +20,19 @@ AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
                                      const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                      int64_t max_seqlen_k, int64_t window_left);
 
+// Metadata checks of paged attention: q as in attention, caches [num_blocks, block_size,
+// n_kv_heads, head_dim], block_tables int32 [batch, max_blocks], seq_lens int32 [batch].
+AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache,
+                                           const at::Tensor& block_tables,
+                                           const at::Tensor& seq_lens,
+                                           const at::Tensor& cu_seqlens_q, int64_t max_seqlen_q,
+                                           int64_t window_left);
+
+// Checks CPU block tables against the sequence lengths: every block a sequence reads exists.
+void check_block_table_values(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu,
+                              int64_t num_blocks, int64_t block_size);
+
 // Checks the values of a CPU int32 cu_seqlens: starts at 0, non-decreasing, ends at `total`,
 // no sequence longer than `max_seqlen`.
 void check_cu_seqlens_values(const at::Tensor& cu_seqlens_cpu, int64_t total, int64_t max_seqlen,
@@ -33,6 +46,11 @@ void check_attention_out(const at::Tensor& out, const at::Tensor& q, const at::T
 double resolve_attention_scale(std::optional<double> scale, int64_t head_dim);
 
 // ATen composition of the op, registered for devices without a native kernel (MPS).
+at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                                     int64_t max_seqlen_q, bool causal,
+                                     std::optional<double> scale, int64_t window_left);
 void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,

@@ -8,6 +8,34 @@
 
 namespace fastllm {
 
+namespace {
+
+// What q must satisfy against keys of n_kv_heads heads of key_head_dim channels: shared by the
+// packed and the paged layouts.
+void check_query_against_keys(const at::Tensor& q, int64_t n_kv_heads, int64_t key_head_dim,
+                              int64_t window_left) {
+  check_float_storage(q, "q");
+  TORCH_CHECK_VALUE(q.size(2) == key_head_dim, "q and k must have the same head_dim, got ",
+                    q.size(2), " and ", key_head_dim);
+  TORCH_CHECK_VALUE(q.size(2) > 0, "head_dim must be positive, got ", q.size(2));
+  TORCH_CHECK_VALUE(q.size(1) > 0 && n_kv_heads > 0, "q and k need at least one head, got n_heads=",
+                    q.size(1), " and n_kv_heads=", n_kv_heads);
+  TORCH_CHECK_VALUE(q.size(1) % n_kv_heads == 0,
+                    "n_heads must be a multiple of n_kv_heads, got n_heads=", q.size(1),
+                    " and n_kv_heads=", n_kv_heads);
+  TORCH_CHECK_VALUE(window_left >= -1, "window_left must be -1 (no window) or >= 0, got ",
+                    window_left);
+}
+
+void check_int32_vector(const at::Tensor& t, const char* name, const char* layout,
+                        const at::Tensor& q) {
+  check_same_device(t, name, q, "q");
+  check_dtype(t, at::kInt, name);
+  check_rank(t, 1, name, layout);
+}
+
+}  // namespace
+
 AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& cu_seqlens_q,
                                      const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
@@ -20,31 +48,70 @@ AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
   check_same_dtype(v, "v", q, "q");
   check_same_device(k, "k", q, "q");
   check_same_device(v, "v", q, "q");
-  check_same_device(cu_seqlens_q, "cu_seqlens_q", q, "q");
-  check_same_device(cu_seqlens_k, "cu_seqlens_k", q, "q");
-  check_dtype(cu_seqlens_q, at::kInt, "cu_seqlens_q");
-  check_dtype(cu_seqlens_k, at::kInt, "cu_seqlens_k");
-  check_rank(cu_seqlens_q, 1, "cu_seqlens_q", "[batch + 1]");
-  check_rank(cu_seqlens_k, 1, "cu_seqlens_k", "[batch + 1]");
+  check_int32_vector(cu_seqlens_q, "cu_seqlens_q", "[batch + 1]", q);
+  check_int32_vector(cu_seqlens_k, "cu_seqlens_k", "[batch + 1]", q);
   TORCH_CHECK_VALUE(cu_seqlens_q.size(0) >= 1, "cu_seqlens_q must hold at least one offset (0)");
   TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == cu_seqlens_k.size(0),
                     "cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got ",
                     cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),
                     " and ", v.sizes());
-  TORCH_CHECK_VALUE(q.size(2) == k.size(2), "q and k must have the same head_dim, got ", q.size(2),
-                    " and ", k.size(2));
-  TORCH_CHECK_VALUE(q.size(2) > 0, "head_dim must be positive, got ", q.size(2));
-  TORCH_CHECK_VALUE(q.size(1) > 0 && k.size(1) > 0, "q and k need at least one head, got n_heads=",
-                    q.size(1), " and n_kv_heads=", k.size(1));
-  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0,
-                    "n_heads must be a multiple of n_kv_heads, got n_heads=", q.size(1),
-                    " and n_kv_heads=", k.size(1));
+  check_query_against_keys(q, k.size(1), k.size(2), window_left);
   TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got ", max_seqlen_q);
   TORCH_CHECK_VALUE(max_seqlen_k >= 0, "max_seqlen_k must be >= 0, got ", max_seqlen_k);
-  TORCH_CHECK_VALUE(window_left >= -1, "window_left must be -1 (no window) or >= 0, got ",
-                    window_left);
   return {cu_seqlens_q.size(0) - 1, q.size(1), k.size(1), q.size(2)};
+}
+
+AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache,
+                                           const at::Tensor& block_tables,
+                                           const at::Tensor& seq_lens,
+                                           const at::Tensor& cu_seqlens_q, int64_t max_seqlen_q,
+                                           int64_t window_left) {
+  constexpr const char* kCacheLayout = "[num_blocks, block_size, n_kv_heads, head_dim]";
+  check_rank(q, 3, "q", "[total_q, n_heads, head_dim]");
+  check_rank(k_cache, 4, "k_cache", kCacheLayout);
+  check_rank(v_cache, 4, "v_cache", kCacheLayout);
+  check_float_storage(q, "q");
+  check_same_dtype(k_cache, "k_cache", q, "q");
+  check_same_dtype(v_cache, "v_cache", q, "q");
+  check_same_device(k_cache, "k_cache", q, "q");
+  check_same_device(v_cache, "v_cache", q, "q");
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(),
+                    "k_cache and v_cache must have the same shape, got ", k_cache.sizes(),
+                    " and ", v_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.size(1) > 0, "block_size must be positive, got ", k_cache.size(1));
+  check_query_against_keys(q, k_cache.size(2), k_cache.size(3), window_left);
+  check_int32_vector(cu_seqlens_q, "cu_seqlens_q", "[batch + 1]", q);
+  check_int32_vector(seq_lens, "seq_lens", "[batch]", q);
+  check_same_device(block_tables, "block_tables", q, "q");
+  check_dtype(block_tables, at::kInt, "block_tables");
+  check_rank(block_tables, 2, "block_tables", "[batch, max_blocks_per_seq]");
+  const int64_t batch = seq_lens.size(0);
+  TORCH_CHECK_VALUE(cu_seqlens_q.size(0) == batch + 1, "cu_seqlens_q must have batch + 1 = ",
+                    batch + 1, " entries (seq_lens has ", batch, "), got ", cu_seqlens_q.size(0));
+  TORCH_CHECK_VALUE(block_tables.size(0) == batch, "block_tables has ", block_tables.size(0),
+                    " rows but seq_lens has ", batch);
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got ", max_seqlen_q);
+  return {batch, q.size(1), k_cache.size(2), q.size(2)};
+}
+
+void check_block_table_values(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu,
+                              int64_t num_blocks, int64_t block_size) {
+  const int32_t* tables = block_tables_cpu.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens_cpu.const_data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables_cpu.size(1);
+  for (int64_t b = 0; b < seq_lens_cpu.numel(); ++b) {
+    TORCH_CHECK_VALUE(lens[b] >= 0, "seq_lens[", b, "]=", lens[b], " must be >= 0");
+    const int64_t needed = (int64_t(lens[b]) + block_size - 1) / block_size;
+    TORCH_CHECK_VALUE(needed <= max_blocks, "seq_lens[", b, "]=", lens[b], " needs ", needed,
+                      " blocks of ", block_size, " but block_tables has ", max_blocks, " columns");
+    for (int64_t i = 0; i < needed; ++i) {
+      const int32_t block = tables[b * max_blocks + i];
+      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "block_tables[", b, "][", i, "]=", block,
+                        " is not a block of the cache (num_blocks=", num_blocks, ")");
+    }
+  }
 }
 
 void check_cu_seqlens_values(const at::Tensor& cu_seqlens_cpu, int64_t total, int64_t max_seqlen,

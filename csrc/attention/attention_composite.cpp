@@ -1,6 +1,8 @@
 // Attention written with ATen ops: what a device without a native kernel runs (MPS).
 // Sequences are handled one at a time on the host; the GQA group is folded into the query rows
 // so K and V are read by index, never repeated.
+#include <vector>
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -53,6 +55,40 @@ void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at:
   }
 }
 
+at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                                     int64_t max_seqlen_q, bool causal,
+                                     std::optional<double> scale, int64_t window_left) {
+  const AttentionDims dims = check_paged_attention_inputs(
+      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+  const auto tables = block_tables.to(at::kCPU).contiguous();
+  const auto lens = seq_lens.to(at::kCPU).contiguous();
+  check_block_table_values(tables, lens, k_cache.size(0), k_cache.size(1));
+  // Gather each sequence's keys into the packed layout, then attend as usual.
+  const int64_t block_size = k_cache.size(1);
+  std::vector<at::Tensor> keys, values;
+  std::vector<int32_t> cu_k{0};
+  int64_t max_seqlen_k = 0;
+  for (int64_t b = 0; b < dims.batch; ++b) {
+    const int64_t len = lens.const_data_ptr<int32_t>()[b];
+    const int64_t n_blocks = (len + block_size - 1) / block_size;
+    const auto blocks = tables[b].narrow(0, 0, n_blocks).to(at::kLong).to(q.device());
+    keys.push_back(k_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len));
+    values.push_back(v_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len));
+    cu_k.push_back(cu_k.back() + int32_t(len));
+    max_seqlen_k = std::max(max_seqlen_k, len);
+  }
+  const auto cu_seqlens_k = at::tensor(cu_k, at::kInt).to(q.device());
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto cat = [&](const std::vector<at::Tensor>& parts) {
+    return parts.empty() ? k_cache.new_empty({0, dims.n_kv_heads, dims.head_dim}) : at::cat(parts);
+  };
+  attention_out_composite(q, cat(keys), cat(values), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, causal, scale, window_left, out);
+  return out;
+}
+
 namespace {
 
 at::Tensor attention_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -71,6 +107,7 @@ at::Tensor attention_composite(const at::Tensor& q, const at::Tensor& k, const a
 TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) {
   m.impl("attention", &attention_composite);
   m.impl("attention_out", &attention_out_composite);
+  m.impl("paged_attention", &paged_attention_composite);
 }
 
 }  // namespace fastllm

@@ -50,11 +50,41 @@ struct Problem {
   bool direct_ok;  // head_dim a whole number of vectors and unit dim strides on k and v
 };
 
+// Where the K or V row of key j of sequence b starts, in elements: packed varlen rows found
+// through cu_seqlens_k, or cache pages found through a block table.
+struct KeyLayout {
+  int64_t head, dim;  // strides of a row's heads and channels
+  const int32_t* cu_k = nullptr;  // packed: first key token of each sequence
+  int64_t token = 0;
+  const int32_t* block_tables = nullptr;  // paged: [batch, max_blocks]
+  int64_t max_blocks = 0, block_size = 1, block = 0, slot = 0;
+
+  // rows[c] = base + the row of key j0 + c of sequence b, for c < n; a block's keys are one run.
+  template <typename scalar_t>
+  void fill_rows(int64_t b, int64_t j0, int64_t n, const scalar_t* base,
+                 const scalar_t** rows) const {
+    if (!block_tables) {
+      const scalar_t* first = base + (int64_t(cu_k[b]) + j0) * token;
+      for (int64_t c = 0; c < n; ++c) rows[c] = first + c * token;
+      return;
+    }
+    for (int64_t c = 0, j = j0; c < n;) {
+      const int64_t offset = j % block_size;
+      const int64_t run = std::min(block_size - offset, n - c);
+      const scalar_t* first =
+          base + int64_t(block_tables[b * max_blocks + j / block_size]) * block + offset * slot;
+      for (int64_t i = 0; i < run; ++i) rows[c + i] = first + i * slot;
+      c += run;
+      j += run;
+    }
+  }
+};
+
 struct Tile {
   int64_t q_token;   // first query token of the tile in the packed q
   int64_t q_pos;     // position of that token within its sequence
   int64_t n_pos;     // query positions in the tile
-  int64_t k_token;   // first key token of the sequence in the packed k/v
+  int64_t seq;       // the sequence (row of cu_seqlens / block_tables)
   int64_t len_q, len_k;
   int64_t kv_head0, n_kv;  // kv heads [kv_head0, kv_head0 + n_kv)
   bool direct;             // K/V rows read in place (else packed for the GEMMs; then n_kv == 1)
@@ -84,30 +114,30 @@ inline void prefetch_row(const scalar_t* row, int64_t n) {
 }
 
 // Calls fn(c, r, row) for every key c < nk of a direct tile's block and every tile row r, with
-// `row` the K or V row of key c for r's kv head. Key rows are streamed in order, all heads of a
-// key at once, a few keys prefetched ahead.
+// `row` the K or V row of key c for r's kv head (rows[c] is key c's row at the tile's first kv
+// head). Key rows are streamed in order, all heads of a key at once, a few keys prefetched ahead.
 template <typename scalar_t, typename Fn>
-inline void for_each_key_row(const Problem& pb, const Tile& t, const scalar_t* rows, Strides3 st,
-                             int64_t nk, const Fn& fn) {
+inline void for_each_key_row(const Problem& pb, const Tile& t, const scalar_t* const* rows,
+                             int64_t head_stride, int64_t nk, const Fn& fn) {
   const int64_t G = pb.group, hp = t.heads_per_pos(pb);
   for (int64_t c = 0; c < nk; ++c) {
-    const scalar_t* key = rows + c * st.token;
     if (c + kPrefetchRows < nk)
       for (int64_t j = 0; j < t.n_kv; ++j)
-        prefetch_row(key + kPrefetchRows * st.token + j * st.head, pb.head_dim);
+        prefetch_row(rows[c + kPrefetchRows] + j * head_stride, pb.head_dim);
     for (int64_t j = 0; j < t.n_kv; ++j)
       for (int64_t i = 0; i < t.n_pos; ++i)
-        for (int64_t g = 0; g < G; ++g) fn(c, i * hp + j * G + g, key + j * st.head);
+        for (int64_t g = 0; g < G; ++g) fn(c, i * hp + j * G + g, rows[c] + j * head_stride);
   }
 }
 
 // s[r, c] = q_r . k_c for a direct tile, key rows read in place.
 template <typename scalar_t>
-void scores_direct(const Problem& pb, const Tile& t, const float* qf, const scalar_t* k_rows,
-                   Strides3 ks, int64_t nk, float* s, int64_t lds) {
+void scores_direct(const Problem& pb, const Tile& t, const float* qf,
+                   const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
+                   int64_t lds) {
   constexpr int64_t W = VecF::size();
   const int64_t D = pb.head_dim;
-  for_each_key_row(pb, t, k_rows, ks, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
+  for_each_key_row(pb, t, k_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
     const float* qr = qf + r * D;
     VecF acc0(0.f), acc1(0.f);
     int64_t d = 0;
@@ -124,10 +154,11 @@ void scores_direct(const Problem& pb, const Tile& t, const float* qf, const scal
 // o[r, :] += sum_c p[r, c] * v_c for a direct tile, value rows read in place.
 template <typename scalar_t>
 void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp,
-               const scalar_t* v_rows, Strides3 vs, int64_t nk, float* o, int64_t ldo) {
+               const scalar_t* const* v_rows, int64_t head_stride, int64_t nk, float* o,
+               int64_t ldo) {
   constexpr int64_t W = VecF::size();
   const int64_t D = pb.head_dim;
-  for_each_key_row(pb, t, v_rows, vs, nk, [&](int64_t c, int64_t r, const scalar_t* vc) {
+  for_each_key_row(pb, t, v_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* vc) {
     const float pc = p[r * ldp + c];
     if (pc == 0.f) return;  // masked or underflowed: nothing to add
     const VecF pv(pc);
@@ -176,8 +207,8 @@ struct Scratch {
 // Unnormalized output (o), running max (m) and sum (l) of one tile over keys [k_begin, k_end).
 template <typename scalar_t>
 void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_end,
-                 const scalar_t* q, Strides3 qs, const scalar_t* k, Strides3 ks,
-                 const scalar_t* v, Strides3 vs, Scratch& sc) {
+                 const scalar_t* q, Strides3 qs, const scalar_t* k, const KeyLayout& kl,
+                 const scalar_t* v, const KeyLayout& vl, Scratch& sc) {
   const int64_t D = pb.head_dim, Dp = pb.head_dim_padded, hp = t.heads_per_pos(pb);
   const int64_t rows = t.rows(pb);
   float* qf = sc.q;
@@ -200,10 +231,13 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
     const int64_t nk = std::min(kTileKeys, k_end - k0);
     const int64_t nk_padded = round_up_to_vec(nk);
     float* s = sc.s;  // [rows, nk_padded]
-    const scalar_t* k_rows = k + (t.k_token + k0) * ks.token + t.kv_head0 * ks.head;
-    const scalar_t* v_rows = v + (t.k_token + k0) * vs.token + t.kv_head0 * vs.head;
+    // Key c's K and V rows at the tile's first kv head (packed or paged alike).
+    const scalar_t* k_rows[kTileKeys];
+    const scalar_t* v_rows[kTileKeys];
+    kl.fill_rows(t.seq, k0, nk, k + t.kv_head0 * kl.head, k_rows);
+    vl.fill_rows(t.seq, k0, nk, v + t.kv_head0 * vl.head, v_rows);
     if (t.direct) {
-      scores_direct(pb, t, qf, k_rows, ks, nk, s, nk_padded);
+      scores_direct(pb, t, qf, k_rows, kl.head, nk, s, nk_padded);
     } else {
       float* kt = sc.kt;  // [D, nk_padded]: keys along the vector lanes
       // Transpose K a vector's worth of keys at a time: each d writes one contiguous vector.
@@ -212,8 +246,7 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
         const int64_t n = std::min<int64_t>(W, nk - c0);
         for (int64_t d = 0; d < D; ++d) {
           float* dst = kt + d * nk_padded + c0;
-          const scalar_t* src = k_rows + c0 * ks.token + d * ks.dim;
-          for (int64_t j = 0; j < n; ++j) dst[j] = float(src[j * ks.token]);
+          for (int64_t j = 0; j < n; ++j) dst[j] = float(k_rows[c0 + j][d * kl.dim]);
           for (int64_t j = n; j < W; ++j) dst[j] = 0.f;
         }
       }
@@ -257,16 +290,16 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
       }
     }
     if (t.direct) {
-      pv_direct(pb, t, s, nk_padded, v_rows, vs, nk, o, Dp);
+      pv_direct(pb, t, s, nk_padded, v_rows, vl.head, nk, o, Dp);
     } else {
       float* vf = sc.v;  // [nk, Dp]
       for (int64_t c = 0; c < nk; ++c) {
         float* dst = vf + c * Dp;
-        const scalar_t* src = v_rows + c * vs.token;
-        if (vs.dim == 1)
+        const scalar_t* src = v_rows[c];
+        if (vl.dim == 1)
           at::vec::convert(src, dst, D);
         else
-          for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * vs.dim]);
+          for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * vl.dim]);
         std::fill(dst + D, dst + Dp, 0.f);
       }
 
@@ -293,16 +326,17 @@ void write_tile_output(const Problem& pb, const Tile& t, const float* o, const f
     }
 }
 
-std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q, const int32_t* cu_k,
-                             int64_t batch) {
+std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q,
+                             const std::vector<int64_t>& key_lens) {
+  const int64_t batch = int64_t(key_lens.size());
   const int64_t gemm_positions = std::max<int64_t>(1, kTileRows / pb.group);
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len_q = cu_q[b + 1] - cu_q[b], len_k = cu_k[b + 1] - cu_k[b];
+    const int64_t len_q = cu_q[b + 1] - cu_q[b], len_k = key_lens[b];
     const bool direct = pb.direct_ok && len_q * pb.group <= kDirectMaxRows;
     const int64_t positions = direct ? len_q : gemm_positions;
     for (int64_t p0 = 0; p0 < len_q; p0 += positions) {
-      Tile t{cu_q[b] + p0, p0, std::min(positions, len_q - p0), cu_k[b], len_q, len_k,
+      Tile t{cu_q[b] + p0, p0, std::min(positions, len_q - p0), b, len_q, len_k,
              0, direct ? pb.n_kv_heads : 1, direct, 0, 0};
       int64_t lo_first, hi_first, lo_last, hi_last;
       visible_keys(pb, t, p0, lo_first, hi_first);
@@ -336,12 +370,13 @@ void parallel_dynamic(int64_t n, int64_t threads, const Problem& pb, int64_t max
 
 template <typename scalar_t>
 void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const at::Tensor& q,
-                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
+                      const at::Tensor& k, const KeyLayout& kl, const at::Tensor& v,
+                      const KeyLayout& vl, const at::Tensor& out) {
   const scalar_t* qp = q.const_data_ptr<scalar_t>();
   const scalar_t* kp = k.const_data_ptr<scalar_t>();
   const scalar_t* vp = v.const_data_ptr<scalar_t>();
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
-  const Strides3 qs(q), ks(k), vs(v), os(out);
+  const Strides3 qs(q), os(out);
   const int64_t n_tiles = tiles.size();
   int64_t max_rows = 1, work = 0;
   bool packing = false;
@@ -365,7 +400,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   if (n_split == 1) {
     parallel_dynamic(n_tiles, threads, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
       const Tile& t = tiles[i];
-      attend_tile(pb, t, t.key_lo, t.key_hi, qp, qs, kp, ks, vp, vs, sc);
+      attend_tile(pb, t, t.key_lo, t.key_hi, qp, qs, kp, kl, vp, vl, sc);
       write_tile_output(pb, t, sc.o, sc.l, op, os);
     });
     return;
@@ -381,7 +416,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
     const int64_t span = (t.key_hi - t.key_lo + n_split - 1) / n_split;
     const int64_t begin = std::min(t.key_hi, t.key_lo + split * span);
     const int64_t end = std::min(t.key_hi, begin + span);
-    attend_tile(pb, t, begin, end, qp, qs, kp, ks, vp, vs, sc);
+    attend_tile(pb, t, begin, end, qp, qs, kp, kl, vp, vl, sc);
     float* part = parts.data() + i * part_stride;
     const int64_t tile_rows = t.rows(pb);
     std::copy(sc.o, sc.o + tile_rows * Dp, part);
@@ -416,6 +451,30 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   });
 }
 
+Problem make_problem(const AttentionDims& dims, bool causal, std::optional<double> scale,
+                     int64_t window_left, bool unit_dim_strides) {
+  return {dims.n_heads,
+          dims.n_kv_heads,
+          dims.n_heads / dims.n_kv_heads,
+          dims.head_dim,
+          round_up_to_vec(dims.head_dim),
+          causal,
+          window_left,
+          float(resolve_attention_scale(scale, dims.head_dim)),
+          dims.head_dim % VecF::size() == 0 && unit_dim_strides};
+}
+
+void run_attention(const Problem& pb, const at::Tensor& cu_seqlens_q,
+                   const std::vector<int64_t>& key_lens, const at::Tensor& q,
+                   const at::Tensor& k, const KeyLayout& kl, const at::Tensor& v,
+                   const KeyLayout& vl, const at::Tensor& out) {
+  const auto cu_q = cu_seqlens_q.contiguous();
+  const auto tiles = make_tiles(pb, cu_q.const_data_ptr<int32_t>(), key_lens);
+  FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::attention_cpu", [&] {
+    attention_kernel<scalar_t>(pb, tiles, q, k, kl, v, vl, out);
+  });
+}
+
 void attention_out_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
@@ -425,23 +484,38 @@ void attention_out_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   check_attention_out(out, q, k, v);
   check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
   check_cu_seqlens_values(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k");
-
-  const Problem pb{dims.n_heads,
-                   dims.n_kv_heads,
-                   dims.n_heads / dims.n_kv_heads,
-                   dims.head_dim,
-                   round_up_to_vec(dims.head_dim),
-                   causal,
-                   window_left,
-                   float(resolve_attention_scale(scale, dims.head_dim)),
-                   dims.head_dim % VecF::size() == 0 && k.stride(2) == 1 && v.stride(2) == 1};
-  const auto cu_q = cu_seqlens_q.contiguous();
   const auto cu_k = cu_seqlens_k.contiguous();
-  const auto tiles =
-      make_tiles(pb, cu_q.const_data_ptr<int32_t>(), cu_k.const_data_ptr<int32_t>(), dims.batch);
-  FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::attention_cpu", [&] {
-    attention_kernel<scalar_t>(pb, tiles, q, k, v, out);
-  });
+  const int32_t* ck = cu_k.const_data_ptr<int32_t>();
+  std::vector<int64_t> key_lens(dims.batch);
+  for (int64_t b = 0; b < dims.batch; ++b) key_lens[b] = ck[b + 1] - ck[b];
+  const KeyLayout kl{k.stride(1), k.stride(2), ck, k.stride(0)};
+  const KeyLayout vl{v.stride(1), v.stride(2), ck, v.stride(0)};
+  run_attention(make_problem(dims, causal, scale, window_left, kl.dim == 1 && vl.dim == 1),
+                cu_seqlens_q, key_lens, q, k, kl, v, vl, out);
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                               int64_t max_seqlen_q, bool causal, std::optional<double> scale,
+                               int64_t window_left) {
+  const AttentionDims dims = check_paged_attention_inputs(
+      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+  check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  check_block_table_values(tables, lens, k_cache.size(0), k_cache.size(1));
+  std::vector<int64_t> key_lens(lens.const_data_ptr<int32_t>(),
+                                lens.const_data_ptr<int32_t>() + dims.batch);
+  auto paged = [&](const at::Tensor& cache) {
+    return KeyLayout{cache.stride(2), cache.stride(3), nullptr, 0, tables.const_data_ptr<int32_t>(),
+                     tables.size(1), cache.size(1), cache.stride(0), cache.stride(1)};
+  };
+  const KeyLayout kl = paged(k_cache), vl = paged(v_cache);
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  run_attention(make_problem(dims, causal, scale, window_left, kl.dim == 1 && vl.dim == 1),
+                cu_seqlens_q, key_lens, q, k_cache, kl, v_cache, vl, out);
+  return out;
 }
 
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -459,6 +533,7 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 TORCH_LIBRARY_IMPL(fastllm, CPU, m) {
   m.impl("attention", &attention_cpu);
   m.impl("attention_out", &attention_out_cpu);
+  m.impl("paged_attention", &paged_attention_cpu);
 }
 
 }  // namespace fastllm

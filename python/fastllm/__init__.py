@@ -1,8 +1,9 @@
 """fastllm: fast LLM inference kernels and orchestration for PyTorch users.
 
 ``fastllm.ops`` holds the ops (registered as ``torch.ops.fastllm.*`` and dispatched per device),
-``fastllm.reference`` their plain-PyTorch twins, ``fastllm.MaskCache`` the causal-mask cache and
-``fastllm.SamplingParams`` / ``fastllm.sample_next_tokens`` the sampling step.
+``fastllm.reference`` their plain-PyTorch twins, ``fastllm.MaskCache`` the causal-mask cache,
+``fastllm.SamplingParams`` / ``fastllm.sample_next_tokens`` the sampling step and
+``fastllm.kv_cache`` the KV caches, with ``fastllm.BlockManager`` handing out paged-KV blocks.
 """
 
 import torch
@@ -15,7 +16,8 @@ if _C.torch_version != torch.__version__:
         "installed; rebuild it with `pip install --no-build-isolation .`"
     )
 
-from fastllm import ops, reference  # noqa: E402  (needs the op registry loaded above)
+from fastllm import kv_cache, ops, reference  # noqa: E402  (needs the op registry loaded above)
+from fastllm.kv_cache import BlockManager, KVCacheFullError  # noqa: E402
 from fastllm.sampling import (  # noqa: E402
     SampleOutput,
     SamplingParams,
@@ -25,6 +27,6 @@ from fastllm.sampling import (  # noqa: E402
 
 MaskCache = _C.MaskCache
 
-__all__ = ["MaskCache", "SampleOutput", "SamplingParams", "SamplingTensors", "ops", "reference",
-           "sample_next_tokens"]
+__all__ = ["BlockManager", "KVCacheFullError", "MaskCache", "SampleOutput", "SamplingParams",
+           "SamplingTensors", "kv_cache", "ops", "reference", "sample_next_tokens"]
 __version__ = "0.1.0"

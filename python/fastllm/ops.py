@@ -14,8 +14,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["apply_penalties", "attention", "rope_cos_sin_cache", "rotary_embedding", "sample",
-           "sample_with_logprobs"]
+__all__ = ["apply_penalties", "attention", "paged_attention", "reshape_and_cache",
+           "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs"]
 
 
 def attention(
@@ -62,6 +62,57 @@ def attention(
         return torch.ops.fastllm.attention.default(*args, **kwargs)
     torch.ops.fastllm.attention_out.default(*args, **kwargs, out=out)
     return out
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    cu_seqlens_q: Tensor,
+    max_seqlen_q: int,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    window_left: int = -1,
+) -> Tensor:
+    """:func:`attention` with each sequence's keys read from paged caches through its block table.
+
+    Args:
+        q: ``[total_q, n_heads, head_dim]``, packed as in :func:`attention`.
+        k_cache, v_cache: ``[num_blocks, block_size, n_kv_heads, head_dim]``; key ``j`` of
+            sequence ``b`` is in block ``block_tables[b, j // block_size]`` at offset
+            ``j % block_size`` (written there by :func:`reshape_and_cache`).
+        block_tables: int32 ``[batch, max_blocks_per_seq]``; entries past a sequence's length
+            are never read.
+        seq_lens: int32 ``[batch]``, each sequence's number of keys, its new queries' own tokens
+            included.
+        cu_seqlens_q, max_seqlen_q: the queries' offsets and longest length, as in
+            :func:`attention`.
+
+    Decode is one query per sequence; chunked prefill is many queries against a cached prefix
+    plus themselves; the bottom-right causal mask, sliding window and GQA are those of
+    :func:`attention`.
+    """
+    return torch.ops.fastllm.paged_attention.default(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, int(max_seqlen_q),
+        causal=bool(causal), scale=None if scale is None else float(scale),
+        window_left=int(window_left))
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      slot_mapping: Tensor) -> None:
+    """Writes new tokens' K and V rows into their cache slots, in place.
+
+    Args:
+        key, value: ``[tokens, n_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, n_kv_heads, head_dim]``, key's dtype.
+        slot_mapping: int64 ``[tokens]``; token ``t`` goes to block ``slot // block_size``,
+            offset ``slot % block_size``; a negative slot skips the token (padding). A slot past
+            the cache is a ``ValueError`` and nothing is written.
+    """
+    torch.ops.fastllm.reshape_and_cache.default(key, value, k_cache, v_cache, slot_mapping)
 
 
 def rotary_embedding(
@@ -265,3 +316,17 @@ def _apply_penalties_fake(logits, prompt_mask, output_counts, repetition_penalty
     _check_one_device(logits=logits, prompt_mask=prompt_mask, output_counts=output_counts,
                       repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                       presence_penalty=presence_penalty, logit_bias=logit_bias)
+
+
+@torch.library.register_fake("fastllm::paged_attention")
+def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                          max_seqlen_q, *, causal=True, scale=None, window_left=-1):
+    _check_one_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                      seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q)
+    return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("fastllm::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping):
+    _check_one_device(k_cache=k_cache, key=key, value=value, v_cache=v_cache,
+                      slot_mapping=slot_mapping)

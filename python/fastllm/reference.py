@@ -51,6 +51,41 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
     return out
 
 
+def gather_paged(cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> Tensor:
+    """The packed ``[sum(seq_lens), n_kv_heads, head_dim]`` rows that paged caches hold."""
+    rows = []
+    block_size = cache.shape[1]
+    for table, length in zip(block_tables.tolist(), seq_lens.tolist()):
+        blocks = cache[torch.tensor(table[: -(-length // block_size)], dtype=torch.long,
+                                    device=cache.device)]
+        rows.append(blocks.flatten(0, 1)[:length])
+    return torch.cat(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                    seq_lens: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, *,
+                    causal: bool = True, scale: float | None = None,
+                    window_left: int = -1) -> Tensor:
+    """Twin of :func:`fastllm.ops.paged_attention`: gather the keys, then :func:`attention`."""
+    cu_seqlens_k = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+    return attention(q, gather_paged(k_cache, block_tables, seq_lens),
+                     gather_paged(v_cache, block_tables, seq_lens), cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, int(seq_lens.max()) if len(seq_lens) else 0, causal=causal,
+                     scale=scale, window_left=window_left)
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                      slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+    """Twin of :func:`fastllm.ops.reshape_and_cache`; returns updated copies of the caches."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = key[t]
+            v_cache[slot // block_size, slot % block_size] = value[t]
+    return k_cache, v_cache
+
+
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, *,
                      is_neox: bool = True, rotary_dim: int | None = None
                      ) -> tuple[Tensor, Tensor | None]:

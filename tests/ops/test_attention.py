@@ -15,13 +15,12 @@ import math
 import pytest
 import torch
 
-from conftest import num_threads
+from conftest import assert_within_twice_plain_error, blind_rows, num_threads
 from fastllm import ops, reference
 from fastllm._C import composite
 
 IMPLS = ["native", "composite"]
 F32_TOL = 2e-5  # float32 kernel vs the float64 reference, atol and rtol
-LOW_PRECISION_SLACK = 1e-5  # added to 2 * (plain error) for bfloat16/float16
 
 
 def make_inputs(lens_q, lens_k, n_heads, n_kv_heads, head_dim, dtype=torch.float32,
@@ -48,32 +47,6 @@ def run(impl, q, k, v, cu_q, cu_k, max_q, max_k, *, out, **kwargs):
     return out
 
 
-def blind_rows(cu_q, cu_k, causal, window_left):
-    """Bool [total_q]: the queries that see no key, whose output must be exactly 0."""
-    starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
-    rows = []
-    for b in range(len(starts_q) - 1):
-        len_q, len_k = starts_q[b + 1] - starts_q[b], starts_k[b + 1] - starts_k[b]
-        for i in range(len_q):
-            diag = i + len_k - len_q  # the last key query i may see under the causal mask
-            first = max(0, diag - window_left) if window_left >= 0 else 0
-            last = min(len_k - 1, diag) if causal else len_k - 1
-            rows.append(first > last)
-    return torch.tensor(rows, dtype=torch.bool)
-
-
-def assert_within_twice_plain_error(got, plain, expected):
-    """flash-attention's rule: the kernel errs at most twice as much as plain PyTorch does in
-    the same dtype (all three arguments float64 copies on the CPU)."""
-    if expected.numel() == 0:
-        return
-    err = (got - expected).abs().max().item()
-    plain_err = (plain - expected).abs().max().item()
-    assert err <= 2 * plain_err + LOW_PRECISION_SLACK, (
-        f"max error {err:.3g} vs the float64 reference exceeds 2x the plain composition's "
-        f"{plain_err:.3g}")
-
-
 def check(impl, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
     """Runs one case through `impl` and checks it every way described in the module docstring."""
     args = (q, k, v, cu_q, cu_k, max_q, max_k)
@@ -87,7 +60,8 @@ def check(impl, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
     # the machine's cores are shared. The op under test ran above with the default threads.
     with num_threads(1):
         got = out.cpu().double()
-        blind = blind_rows(cu_q, cu_k, kwargs.get("causal", True), kwargs.get("window_left", -1))
+        blind = blind_rows(cu_q.diff().tolist(), cu_k.diff().tolist(), kwargs.get("causal", True),
+                           kwargs.get("window_left", -1))
         assert (got[blind] == 0).all(), "a query that sees no key must output exactly 0"
 
         expected = reference.attention(q.cpu().double(), k.cpu().double(), v.cpu().double(),
@@ -188,7 +162,8 @@ def test_strided_inputs(impl, dtype, layout, device):
     check(impl, q, k, v, cu, cu, max(lens), max(lens))
 
 
-OUT_VIEWS = {  # (buffer shape, view of the buffer) given the output's shape (tokens, heads, head_dim)
+# (buffer shape, view of the buffer) given the output's shape (tokens, heads, head_dim)
+OUT_VIEWS = {
     "slice": (lambda t, h, d: (t + 6, h + 2, d + 5),
               lambda b, t, h, d: b[3:t + 3, 1:h + 1, 2:d + 2]),
     "every_other": (lambda t, h, d: (t, h, 2 * d), lambda b, t, h, d: b[..., 1::2]),

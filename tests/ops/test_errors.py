@@ -139,7 +139,8 @@ ZERO_HEADS = textwrap.dedent("""
     cu = torch.tensor([0, 3], dtype=torch.int32)
     try:
         if "{impl}" == "composite":
-            fastllm._C.composite.attention_out(q, k, k.clone(), cu, cu, 3, 3, out=torch.empty_like(q))
+            out = torch.empty_like(q)
+            fastllm._C.composite.attention_out(q, k, k.clone(), cu, cu, 3, 3, out=out)
         else:
             fastllm.ops.attention(q, k, k.clone(), cu, cu, 3, 3)
         print("no error")

@@ -17,6 +17,7 @@ class AttentionShape:
 
     name: str
     hidden_size: int
+    num_layers: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
@@ -31,10 +32,10 @@ class AttentionShape:
 MODEL_SHAPES: dict[str, AttentionShape] = {
     shape.name: shape
     for shape in (
-        AttentionShape("qwen3-0.6b", hidden_size=1024, n_heads=16, n_kv_heads=8, head_dim=128,
-                       rope_theta=1_000_000.0),
-        AttentionShape("llama-3-8b", hidden_size=4096, n_heads=32, n_kv_heads=8, head_dim=128,
-                       rope_theta=500_000.0),
+        AttentionShape("qwen3-0.6b", hidden_size=1024, num_layers=28, n_heads=16, n_kv_heads=8,
+                       head_dim=128, rope_theta=1_000_000.0),
+        AttentionShape("llama-3-8b", hidden_size=4096, num_layers=32, n_heads=32, n_kv_heads=8,
+                       head_dim=128, rope_theta=500_000.0),
     )
 }
 

@@ -1,0 +1,22 @@
+// Writing new tokens' K/V into paged caches: shared by the implementations of every device.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace fastllm {
+
+// Metadata checks: key/value [tokens, n_kv_heads, head_dim], caches
+// [num_blocks, block_size, n_kv_heads, head_dim] of the same dtype, slot_mapping int64 [tokens].
+void check_cache_write_inputs(const at::Tensor& key, const at::Tensor& value,
+                              const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& slot_mapping);
+
+// Every slot of a CPU slot_mapping is < num_blocks * block_size (negative slots are skipped).
+void check_slot_values(const at::Tensor& slot_mapping_cpu, int64_t num_slots);
+
+// ATen composition, registered for devices without a native kernel (MPS).
+void reshape_and_cache_composite(const at::Tensor& key, const at::Tensor& value,
+                                 at::Tensor& k_cache, at::Tensor& v_cache,
+                                 const at::Tensor& slot_mapping);
+
+}  // namespace fastllm

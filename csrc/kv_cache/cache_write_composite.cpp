@@ -1,0 +1,30 @@
+// reshape_and_cache written with ATen ops: what a device without a native kernel runs (MPS).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "kv_cache/cache_write.h"
+
+namespace fastllm {
+
+void reshape_and_cache_composite(const at::Tensor& key, const at::Tensor& value,
+                                 at::Tensor& k_cache, at::Tensor& v_cache,
+                                 const at::Tensor& slot_mapping) {
+  check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping);
+  check_slot_values(slot_mapping.to(at::kCPU).contiguous(), k_cache.size(0) * k_cache.size(1));
+  const auto keep = slot_mapping.ge(0);
+  const auto slots = slot_mapping.masked_select(keep);
+  const auto block = slots.div(k_cache.size(1), "floor"), offset = slots.remainder(k_cache.size(1));
+  const auto rows = keep.nonzero().squeeze(1);
+  k_cache.index_put_({block, offset}, key.index_select(0, rows));
+  v_cache.index_put_({block, offset}, value.index_select(0, rows));
+}
+
+namespace {
+
+// Any device without a native kernel (MPS, XPU, ...) falls back to this.
+TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_composite);
+}
+
+}  // namespace
+}  // namespace fastllm

@@ -1,0 +1,47 @@
+// reshape_and_cache on the CPU: each new token's K and V rows copied into its cache slot.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "common/dispatch.h"
+#include "kv_cache/cache_write.h"
+
+namespace fastllm {
+namespace {
+
+template <typename scalar_t>
+void copy_rows_to_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+  const int64_t tokens = src.size(0), heads = src.size(1), dim = src.size(2);
+  const int64_t block_size = cache.size(1);
+  const scalar_t* in = src.const_data_ptr<scalar_t>();
+  scalar_t* out = cache.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;  // padding: no slot
+      scalar_t* row = out + (slots[t] / block_size) * cache.stride(0) +
+                      (slots[t] % block_size) * cache.stride(1);
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t d = 0; d < dim; ++d)
+          row[h * cache.stride(2) + d * cache.stride(3)] =
+              in[t * src.stride(0) + h * src.stride(1) + d * src.stride(2)];
+    }
+  });
+}
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping);
+  const auto slots = slot_mapping.contiguous();
+  // All slots are checked before anything is written: bad input leaves the caches unchanged.
+  check_slot_values(slots, k_cache.size(0) * k_cache.size(1));
+  FASTLLM_DISPATCH_FLOAT_TYPES(k_cache.scalar_type(), "fastllm::reshape_and_cache_cpu", [&] {
+    copy_rows_to_slots<scalar_t>(key, k_cache, slots.const_data_ptr<int64_t>());
+    copy_rows_to_slots<scalar_t>(value, v_cache, slots.const_data_ptr<int64_t>());
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastllm, CPU, m) { m.impl("reshape_and_cache", &reshape_and_cache_cpu); }
+
+}  // namespace fastllm

@@ -1,0 +1,251 @@
+"""KV caches: sizing, a static per-row cache and a paged cache with a block manager.
+
+:class:`KVCacheSpec` describes what one token's K/V cost; :func:`plan_pool` turns a workload or
+a memory budget into a pool size. :class:`StaticKVCache` preallocates ``[max_batch, max_len]``
+rows (simple batched generation); :class:`PagedKVCache` preallocates pools of fixed-size blocks
+that its :class:`BlockManager` (C++) hands out to sequences, with prefix caching and
+copy-on-write forks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fastllm import _C
+
+__all__ = ["BlockManager", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan", "PagedKVCache",
+           "StaticKVCache", "plan_pool"]
+
+BlockManager = _C.BlockManager
+KVCacheFullError = _C.KVCacheFullError
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one model's KV cache.
+
+    Attributes:
+        num_layers: decoder layers, each with its own K and V.
+        n_kv_heads: key/value heads per layer (fewer than query heads under GQA).
+        head_dim: size of one head.
+        dtype: storage dtype of the cache.
+        block_size: tokens per block of a paged pool (unused by :class:`StaticKVCache`).
+    """
+
+    num_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "n_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVCacheSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """A paged pool size and what it costs.
+
+    Attributes:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        nbytes: bytes of the K and V pools of all layers together.
+        bytes_per_token: K and V of one token over all layers.
+        max_tokens: tokens the pool holds, ``num_blocks * block_size``.
+    """
+
+    num_blocks: int
+    block_size: int
+    nbytes: int
+    bytes_per_token: int
+    max_tokens: int
+
+    def describe(self) -> str:
+        """One line: the pool's size in blocks and tokens and its memory cost."""
+        return (f"{self.num_blocks:,} blocks x {self.block_size} tokens = {self.max_tokens:,} "
+                f"tokens of KV at {self.bytes_per_token:,} bytes each: {_format_bytes(self.nbytes)}"
+                f" ({self.nbytes:,} bytes)")
+
+
+def _format_bytes(n: int) -> str:
+    """1536 -> '1.50 KiB'."""
+    exponent = min((n.bit_length() - 1) // 10, 4) if n > 0 else 0
+    return f"{n / 1024**exponent:.2f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exponent]}"
+
+
+def plan_pool(spec: KVCacheSpec, *, max_num_seqs: int | None = None,
+              max_model_len: int | None = None, memory_bytes: int | None = None) -> KVPoolPlan:
+    """Sizes a paged pool, one of two ways (passing both, or neither, is a ValueError).
+
+    ``max_num_seqs`` and ``max_model_len`` together: room for that many sequences at full length,
+    each rounded up to whole blocks. ``memory_bytes`` alone: as many blocks as fit in that budget
+    (an explicit number: the pool never claims "all free memory" by itself).
+    """
+    by_workload = max_num_seqs is not None or max_model_len is not None
+    if by_workload == (memory_bytes is not None):
+        raise ValueError("plan_pool takes either max_num_seqs and max_model_len, or memory_bytes, "
+                         f"got max_num_seqs={max_num_seqs}, max_model_len={max_model_len}, "
+                         f"memory_bytes={memory_bytes}")
+    if by_workload:
+        if max_num_seqs is None or max_model_len is None:
+            raise ValueError("plan_pool needs both max_num_seqs and max_model_len, got "
+                             f"max_num_seqs={max_num_seqs}, max_model_len={max_model_len}")
+        if max_num_seqs <= 0 or max_model_len <= 0:
+            raise ValueError("plan_pool: max_num_seqs and max_model_len must be positive, got "
+                             f"max_num_seqs={max_num_seqs}, max_model_len={max_model_len}")
+        num_blocks = max_num_seqs * math.ceil(max_model_len / spec.block_size)
+    else:
+        num_blocks = memory_bytes // spec.bytes_per_block
+        if num_blocks <= 0:
+            raise ValueError(f"plan_pool: memory_bytes={memory_bytes} holds no block of "
+                             f"{spec.bytes_per_block:,} bytes ({spec.block_size} tokens)")
+    return KVPoolPlan(num_blocks=num_blocks, block_size=spec.block_size,
+                      nbytes=num_blocks * spec.bytes_per_block,
+                      bytes_per_token=spec.bytes_per_token,
+                      max_tokens=num_blocks * spec.block_size)
+
+
+class StaticKVCache:
+    """K/V rows ``[max_batch, max_len]`` per layer, allocated once and written in place.
+
+    ``k_cache[layer]`` / ``v_cache[layer]`` are ``[max_batch, max_len, n_kv_heads, head_dim]``.
+    Each batch row fills from position 0 without gaps; ``lengths[b]`` is how far row b is
+    written, and ``reset(b)`` makes the row reusable (its stale values are overwritten later).
+    """
+
+    def __init__(self, spec: KVCacheSpec, max_batch: int, max_len: int,
+                 device: torch.device | str = "cpu") -> None:
+        if max_batch <= 0 or max_len <= 0:
+            raise ValueError("StaticKVCache: max_batch and max_len must be positive, got "
+                             f"max_batch={max_batch}, max_len={max_len}")
+        self.spec = spec
+        self.max_batch = max_batch
+        self.max_len = max_len
+        shape = (spec.num_layers, max_batch, max_len, spec.n_kv_heads, spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self._lengths = [0] * max_batch
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    @property
+    def lengths(self) -> list[int]:
+        """Positions written so far, per batch row (a copy)."""
+        return list(self._lengths)
+
+    def _check_row(self, layer: int, batch_index: int) -> None:
+        if not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer {layer} is not in [0, {self.spec.num_layers})")
+        self._check_batch_index(batch_index)
+
+    def _check_batch_index(self, batch_index: int) -> None:
+        if not 0 <= batch_index < self.max_batch:
+            raise ValueError(f"batch_index {batch_index} is not in [0, {self.max_batch})")
+
+    def write(self, layer: int, batch_index: int, start: int, k: Tensor, v: Tensor) -> None:
+        """Copies ``k, v [n, n_kv_heads, head_dim]`` into positions ``[start, start + n)``."""
+        self._check_row(layer, batch_index)
+        expected = (self.spec.n_kv_heads, self.spec.head_dim)
+        if k.dim() != 3 or k.shape[1:] != expected or v.shape != k.shape:
+            raise ValueError(f"k and v must be [n, {expected[0]}, {expected[1]}] alike, got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype != self.spec.dtype or v.dtype != self.spec.dtype:
+            raise TypeError(f"k and v must be {self.spec.dtype} like the cache, got {k.dtype} and "
+                            f"{v.dtype}")
+        length = self._lengths[batch_index]
+        if not 0 <= start <= length:
+            raise ValueError(f"start={start} must be in [0, {length}] (row {batch_index} holds "
+                             f"{length} positions; a gap would leave positions unwritten)")
+        end = start + k.shape[0]
+        if end > self.max_len:
+            raise ValueError(f"writing {k.shape[0]} positions at {start} reaches {end}, past "
+                             f"max_len={self.max_len}")
+        self.k_cache[layer, batch_index, start:end].copy_(k)
+        self.v_cache[layer, batch_index, start:end].copy_(v)
+        self._lengths[batch_index] = max(length, end)
+
+    def _view(self, cache: Tensor, layer: int, batch_index: int, length: int | None) -> Tensor:
+        self._check_row(layer, batch_index)
+        written = self._lengths[batch_index]
+        if length is None:
+            length = written
+        if not 0 <= length <= written:
+            raise ValueError(f"length={length} must be in [0, {written}], the positions written "
+                             f"in row {batch_index}")
+        return cache[layer, batch_index, :length]
+
+    def keys(self, layer: int, batch_index: int, length: int | None = None) -> Tensor:
+        """View ``[length, n_kv_heads, head_dim]`` of the row's keys (default: all written)."""
+        return self._view(self.k_cache, layer, batch_index, length)
+
+    def values(self, layer: int, batch_index: int, length: int | None = None) -> Tensor:
+        """View ``[length, n_kv_heads, head_dim]`` of the row's values (default: all written)."""
+        return self._view(self.v_cache, layer, batch_index, length)
+
+    def reset(self, batch_index: int) -> None:
+        """Marks row ``batch_index`` empty, for a new sequence."""
+        self._check_batch_index(batch_index)
+        self._lengths[batch_index] = 0
+
+
+class PagedKVCache:
+    """Paged K/V pools for all layers and the :class:`BlockManager` that hands out their blocks.
+
+    ``k_cache[layer]`` / ``v_cache[layer]`` are the layer's pools
+    ``[num_blocks, block_size, n_kv_heads, head_dim]`` (one allocation for all layers).
+    """
+
+    def __init__(self, spec: KVCacheSpec, pool: KVPoolPlan | int, *,
+                 device: torch.device | str = "cpu", enable_prefix_caching: bool = True) -> None:
+        """``pool`` is a :func:`plan_pool` result for ``spec`` or a number of blocks."""
+        if isinstance(pool, KVPoolPlan):
+            if pool.block_size != spec.block_size or pool.bytes_per_token != spec.bytes_per_token:
+                raise ValueError(f"the pool plan {pool} was not made for {spec}")
+            num_blocks = pool.num_blocks
+        else:
+            num_blocks = pool
+        self.spec = spec
+        self.block_manager = BlockManager(num_blocks, spec.block_size, enable_prefix_caching)
+        shape = (spec.num_layers, num_blocks, spec.block_size, spec.n_kv_heads, spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copies each ``(src, dst)`` block on every layer's K and V pools (copy-on-write)."""
+        if not copies:
+            return
+        for src, dst in copies:
+            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+                raise ValueError(f"block copy {(src, dst)} is outside [0, {self.num_blocks})")
+        src, dst = (torch.tensor(ids, device=self.k_cache.device) for ids in zip(*copies))
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
