@@ -30,7 +30,8 @@ from torch import Tensor
 import fastllm
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare
-from fastllm.bench.workloads import MODEL_SHAPES, AttentionInputs, make_attention_inputs, repeat_kv
+from fastllm.bench.workloads import (MODEL_SHAPES, AttentionInputs, add_shape_arguments,
+                                     make_attention_inputs, repeat_kv)
 
 MEMCPY = "memcpy"
 
@@ -169,12 +170,8 @@ def parse_args(argv: list[str] | None) -> tuple[AttentionBenchConfig, Path]:
     """The config and output folder from the command line."""
     defaults = AttentionBenchConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help="folder for attention.json and attention.md (default %(default)s)")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODEL_SHAPES),
-                        default=list(defaults.models), help="default %(default)s")
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-                        default=list(defaults.dtypes), help="default %(default)s")
+    add_shape_arguments(parser, benchmark="attention", models=defaults.models,
+                        dtypes=defaults.dtypes)
     parser.add_argument("--prefill-lengths", type=int, nargs="*",
                         default=list(defaults.prefill_lengths),
                         help="prefill sequence lengths; none to skip prefill (default "

@@ -25,7 +25,7 @@ from torch import Tensor
 import fastllm
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
-from fastllm.bench.workloads import MODEL_SHAPES, make_attention_inputs
+from fastllm.bench.workloads import MODEL_SHAPES, add_shape_arguments, make_attention_inputs
 from fastllm.kv_cache import KVCacheSpec
 
 GOAL_PAGED_VS_CONTIGUOUS = 0.9
@@ -140,12 +140,8 @@ def parse_args(argv: list[str] | None) -> tuple[KVCacheBenchConfig, Path]:
     """The config and output folder from the command line."""
     defaults = KVCacheBenchConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help="folder for kv_cache.json and kv_cache.md (default %(default)s)")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODEL_SHAPES),
-                        default=list(defaults.models), help="default %(default)s")
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-                        default=list(defaults.dtypes), help="default %(default)s")
+    add_shape_arguments(parser, benchmark="kv_cache", models=defaults.models,
+                        dtypes=defaults.dtypes)
     parser.add_argument("--decode-batches", type=int, nargs="+",
                         default=list(defaults.decode_batches), help="default %(default)s")
     parser.add_argument("--decode-len-k", type=int, default=defaults.decode_len_k,

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-__all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "make_attention_inputs",
-           "repeat_kv"]
+__all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "add_shape_arguments",
+           "make_attention_inputs", "repeat_kv"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +110,15 @@ def repeat_kv(x: Tensor, group: int) -> Tensor:
         return x
     expanded = x[:, :, None].expand(batch, n_kv_heads, group, length, head_dim)
     return expanded.reshape(batch, n_kv_heads * group, length, head_dim)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, *, benchmark: str,
+                        models: tuple[str, ...], dtypes: tuple[str, ...]) -> None:
+    """Adds the ``--out``, ``--models`` and ``--dtypes`` options of model-shaped benchmarks."""
+    parser.add_argument("--out", type=Path, default=Path("results"),
+                        help=f"folder for {benchmark}.json and {benchmark}.md "
+                             "(default %(default)s)")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODEL_SHAPES),
+                        default=list(models), help="default %(default)s")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
+                        default=list(dtypes), help="default %(default)s")
