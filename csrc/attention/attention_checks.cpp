@@ -68,19 +68,14 @@ AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& seq_lens,
                                            const at::Tensor& cu_seqlens_q, int64_t max_seqlen_q,
                                            int64_t window_left) {
-  constexpr const char* kCacheLayout = "[num_blocks, block_size, n_kv_heads, head_dim]";
   check_rank(q, 3, "q", "[total_q, n_heads, head_dim]");
-  check_rank(k_cache, 4, "k_cache", kCacheLayout);
-  check_rank(v_cache, 4, "v_cache", kCacheLayout);
   check_float_storage(q, "q");
-  check_same_dtype(k_cache, "k_cache", q, "q");
-  check_same_dtype(v_cache, "v_cache", q, "q");
-  check_same_device(k_cache, "k_cache", q, "q");
-  check_same_device(v_cache, "v_cache", q, "q");
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(),
-                    "k_cache and v_cache must have the same shape, got ", k_cache.sizes(),
-                    " and ", v_cache.sizes());
-  TORCH_CHECK_VALUE(k_cache.size(1) > 0, "block_size must be positive, got ", k_cache.size(1));
+  for (const auto& [cache, name] :
+       {std::pair(&k_cache, "k_cache"), std::pair(&v_cache, "v_cache")}) {
+    check_same_dtype(*cache, name, q, "q");
+    check_same_device(*cache, name, q, "q");
+  }
+  check_paged_caches(k_cache, v_cache);
   check_query_against_keys(q, k_cache.size(2), k_cache.size(3), window_left);
   check_int32_vector(cu_seqlens_q, "cu_seqlens_q", "[batch + 1]", q);
   check_int32_vector(seq_lens, "seq_lens", "[batch]", q);

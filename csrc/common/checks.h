@@ -40,4 +40,19 @@ inline void check_float_storage(const at::Tensor& t, const char* name) {
                    " must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(dt));
 }
 
+// Paged K/V pools: [num_blocks, block_size, n_kv_heads, head_dim] each, float storage, one shape,
+// dtype and device, blocks of at least one token.
+inline void check_paged_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  constexpr const char* kLayout = "[num_blocks, block_size, n_kv_heads, head_dim]";
+  check_rank(k_cache, 4, "k_cache", kLayout);
+  check_rank(v_cache, 4, "v_cache", kLayout);
+  check_float_storage(k_cache, "k_cache");
+  check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
+  check_same_device(v_cache, "v_cache", k_cache, "k_cache");
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(),
+                    "k_cache and v_cache must have the same shape, got ", k_cache.sizes(),
+                    " and ", v_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.size(1) > 0, "block_size must be positive, got ", k_cache.size(1));
+}
+
 }  // namespace fastllm

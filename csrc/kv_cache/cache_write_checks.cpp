@@ -6,25 +6,16 @@ namespace fastllm {
 void check_cache_write_inputs(const at::Tensor& key, const at::Tensor& value,
                               const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& slot_mapping) {
-  constexpr const char* kCacheLayout = "[num_blocks, block_size, n_kv_heads, head_dim]";
   check_rank(key, 3, "key", "[tokens, n_kv_heads, head_dim]");
   check_rank(value, 3, "value", "[tokens, n_kv_heads, head_dim]");
-  check_rank(k_cache, 4, "k_cache", kCacheLayout);
-  check_rank(v_cache, 4, "v_cache", kCacheLayout);
-  check_float_storage(k_cache, "k_cache");
-  check_same_dtype(v_cache, "v_cache", k_cache, "k_cache");
+  check_paged_caches(k_cache, v_cache);
   check_same_dtype(key, "key", k_cache, "k_cache");
   check_same_dtype(value, "value", k_cache, "k_cache");
   for (const auto& [t, name] : {std::pair(&key, "key"), std::pair(&value, "value"),
-                                std::pair(&v_cache, "v_cache"),
                                 std::pair(&slot_mapping, "slot_mapping")})
     check_same_device(*t, name, k_cache, "k_cache");
   check_dtype(slot_mapping, at::kLong, "slot_mapping");
   check_rank(slot_mapping, 1, "slot_mapping", "[tokens]");
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(),
-                    "k_cache and v_cache must have the same shape, got ", k_cache.sizes(),
-                    " and ", v_cache.sizes());
-  TORCH_CHECK_VALUE(k_cache.size(1) > 0, "block_size must be positive, got ", k_cache.size(1));
   TORCH_CHECK_VALUE(key.sizes() == value.sizes(), "key and value must have the same shape, got ",
                     key.sizes(), " and ", value.sizes());
   TORCH_CHECK_VALUE(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
