@@ -27,10 +27,12 @@ TORCH_LIBRARY(fastllm, m) {
       "int window_left=-1, Tensor(a!) out) -> ()");
   // Attention of packed queries over K/V read through block tables from paged caches
   // [num_blocks, block_size, n_kv_heads, head_dim]: decode and chunked prefill, same semantics.
+  // With a cos|sin table the cached keys are pre-RoPE and rotated on read by their position.
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, *, bool causal=True, "
-      "float? scale=None, int window_left=-1) -> Tensor");
+      "float? scale=None, int window_left=-1, Tensor? rotary_cos_sin_cache=None, "
+      "bool rotary_is_neox=True) -> Tensor");
   // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips).
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -143,7 +145,8 @@ that raises ValueError. Safe to use from several threads.)doc")
                 py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
                 py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("max_seqlen_q"),
                 py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
-                py::arg("window_left") = -1);
+                py::arg("window_left") = -1, py::arg("rotary_cos_sin_cache") = py::none(),
+                py::arg("rotary_is_neox") = true);
   composite.def(
       "reshape_and_cache",
       [](const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,

@@ -33,6 +33,15 @@ AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor
 void check_block_table_values(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu,
                               int64_t num_blocks, int64_t block_size);
 
+// Position-independent (pre-RoPE) caches hold keys before rotary embedding; paged attention
+// rotates key j of a sequence by position j as it reads it. Checks the float32 cos|sin table
+// [max_position, rotary_dim] against the caches and returns rotary_dim (0 without a table).
+int64_t check_key_rotary(const std::optional<at::Tensor>& rotary_cos_sin_cache,
+                         const at::Tensor& k_cache);
+// Checks that the table covers every key position the CPU seq_lens reach.
+void check_key_rotary_positions(const at::Tensor& rotary_cos_sin_cache,
+                                const at::Tensor& seq_lens_cpu);
+
 // Checks the values of a CPU int32 cu_seqlens: starts at 0, non-decreasing, ends at `total`,
 // no sequence longer than `max_seqlen`.
 void check_cu_seqlens_values(const at::Tensor& cu_seqlens_cpu, int64_t total, int64_t max_seqlen,
@@ -50,7 +59,9 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                                      int64_t max_seqlen_q, bool causal,
-                                     std::optional<double> scale, int64_t window_left);
+                                     std::optional<double> scale, int64_t window_left,
+                                     const std::optional<at::Tensor>& rotary_cos_sin_cache,
+                                     bool rotary_is_neox);
 void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,

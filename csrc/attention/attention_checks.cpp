@@ -109,6 +109,31 @@ void check_block_table_values(const at::Tensor& block_tables_cpu, const at::Tens
   }
 }
 
+int64_t check_key_rotary(const std::optional<at::Tensor>& rotary_cos_sin_cache,
+                         const at::Tensor& k_cache) {
+  if (!rotary_cos_sin_cache.has_value()) return 0;
+  const at::Tensor& table = *rotary_cos_sin_cache;
+  check_rank(table, 2, "rotary_cos_sin_cache", "[max_position, rotary_dim] (cos | sin halves)");
+  // Rotation happens in float32 inside the kernel: a float32 table is read as is, never copied.
+  check_dtype(table, at::kFloat, "rotary_cos_sin_cache");
+  check_same_device(table, "rotary_cos_sin_cache", k_cache, "k_cache");
+  const int64_t rot = table.size(1);
+  TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0, "rotary_cos_sin_cache.shape[1] (rotary_dim) must be "
+                    "even and positive, got ", rot);
+  TORCH_CHECK_VALUE(rot <= k_cache.size(3), "rotary_dim ", rot, " exceeds head_dim ",
+                    k_cache.size(3));
+  return rot;
+}
+
+void check_key_rotary_positions(const at::Tensor& rotary_cos_sin_cache,
+                                const at::Tensor& seq_lens_cpu) {
+  const int32_t* lens = seq_lens_cpu.const_data_ptr<int32_t>();
+  for (int64_t b = 0; b < seq_lens_cpu.numel(); ++b)
+    TORCH_CHECK_VALUE(lens[b] <= rotary_cos_sin_cache.size(0), "seq_lens[", b, "]=", lens[b],
+                      " reaches past rotary_cos_sin_cache, which covers positions [0, ",
+                      rotary_cos_sin_cache.size(0), ")");
+}
+
 void check_cu_seqlens_values(const at::Tensor& cu_seqlens_cpu, int64_t total, int64_t max_seqlen,
                              const char* name) {
   const auto cu = cu_seqlens_cpu.contiguous();

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "attention/attention.h"
+#include "rotary/rotary.h"
 
 namespace fastllm {
 
@@ -59,12 +60,16 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
                                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                                      int64_t max_seqlen_q, bool causal,
-                                     std::optional<double> scale, int64_t window_left) {
+                                     std::optional<double> scale, int64_t window_left,
+                                     const std::optional<at::Tensor>& rotary_cos_sin_cache,
+                                     bool rotary_is_neox) {
   const AttentionDims dims = check_paged_attention_inputs(
       q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+  const bool rotate_keys = check_key_rotary(rotary_cos_sin_cache, k_cache) > 0;
   const auto tables = block_tables.to(at::kCPU).contiguous();
   const auto lens = seq_lens.to(at::kCPU).contiguous();
   check_block_table_values(tables, lens, k_cache.size(0), k_cache.size(1));
+  if (rotate_keys) check_key_rotary_positions(*rotary_cos_sin_cache, lens);
   // Gather each sequence's keys into the packed layout, then attend as usual.
   const int64_t block_size = k_cache.size(1);
   std::vector<at::Tensor> keys, values;
@@ -74,7 +79,13 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
     const int64_t len = lens.const_data_ptr<int32_t>()[b];
     const int64_t n_blocks = (len + block_size - 1) / block_size;
     const auto blocks = tables[b].narrow(0, 0, n_blocks).to(at::kLong).to(q.device());
-    keys.push_back(k_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len));
+    auto key = k_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len);
+    if (rotate_keys) {  // pre-RoPE cache: key j sits at position j of its sequence
+      const auto positions = at::arange(len, q.options().dtype(at::kLong));
+      rotary_embedding_composite(positions, key, std::nullopt, *rotary_cos_sin_cache,
+                                 rotary_is_neox, std::nullopt);
+    }
+    keys.push_back(key);
     values.push_back(v_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len));
     cu_k.push_back(cu_k.back() + int32_t(len));
     max_seqlen_k = std::max(max_seqlen_k, len);

@@ -48,6 +48,10 @@ struct Problem {
   int64_t window_left;
   float scale;
   bool direct_ok;  // head_dim a whole number of vectors and unit dim strides on k and v
+  // Pre-RoPE caches: key j of a sequence is rotated by position j as it is read.
+  const float* rope_cos_sin = nullptr;  // [max_position, rope_dim], cos | sin halves
+  int64_t rope_dim = 0;                 // 0: keys are used as stored
+  bool rope_neox = true;                // pairs (i, i + rope_dim/2), else (2i, 2i + 1)
 };
 
 // Where the K or V row of key j of sequence b starts, in elements: packed varlen rows found
@@ -188,21 +192,90 @@ void for_each_row_panel(const Problem& pb, const Tile& t, int64_t k0, int64_t nk
 // written before it is read), sized for the largest tile; packing buffers only when needed.
 struct Scratch {
   std::unique_ptr<float[]> buffer;
-  float *q, *kt, *v, *s, *o, *m, *l;
-  Scratch(int64_t rows, int64_t d, int64_t dp, bool packing) {
+  float *q, *kt, *v, *s, *o, *m, *l, *rotated_k;
+  Scratch(const Problem& pb, int64_t rows, bool packing) {
+    const int64_t d = pb.head_dim, dp = pb.head_dim_padded;
     const int64_t pack = packing ? kTileKeys : 0;
-    const int64_t sizes[] = {rows * d, d * pack, pack * dp, rows * kTileKeys, rows * dp, rows, rows};
+    const int64_t rotated = pb.rope_dim > 0 ? kTileKeys * pb.n_kv_heads * d : 0;
+    const int64_t sizes[] = {rows * d,  d * pack, pack * dp, rows * kTileKeys,
+                             rows * dp, rows,     rows,      rotated};
     int64_t total = 0;
     for (int64_t n : sizes) total += n;
     buffer.reset(new float[total]);
-    float** parts[] = {&q, &kt, &v, &s, &o, &m, &l};
+    float** parts[] = {&q, &kt, &v, &s, &o, &m, &l, &rotated_k};
     float* p = buffer.get();
-    for (int i = 0; i < 7; ++i) {
+    for (int i = 0; i < 8; ++i) {
       *parts[i] = p;
       p += sizes[i];
     }
   }
 };
+
+// Rotates the pre-RoPE K rows of keys [k0, k0 + nk) by their positions into float rows:
+// dst + (c * n_kv + j) * head_dim is head j of key c, for the tile's n_kv heads.
+template <typename scalar_t>
+void rotate_key_rows(const Problem& pb, int64_t n_kv, int64_t k0, int64_t nk,
+                     const scalar_t* const* rows, int64_t head_stride, int64_t dim_stride,
+                     float* dst) {
+  constexpr int64_t W = VecF::size();
+  const int64_t D = pb.head_dim, rot = pb.rope_dim, half = rot / 2;
+  const bool vectorized = pb.rope_neox && dim_stride == 1 && half % W == 0;
+  for (int64_t c = 0; c < nk; ++c) {
+    if (c + kPrefetchRows < nk)
+      for (int64_t j = 0; j < n_kv; ++j)
+        prefetch_row(rows[c + kPrefetchRows] + j * head_stride, D);
+    const float* cos = pb.rope_cos_sin + (k0 + c) * rot;
+    const float* sin = cos + half;
+    for (int64_t j = 0; j < n_kv; ++j) {
+      const scalar_t* x = rows[c] + j * head_stride;
+      float* out = dst + (c * n_kv + j) * D;
+      if (vectorized) {
+        for (int64_t i = 0; i < half; i += W) {
+          const VecF x1 = load_as_float(x + i), x2 = load_as_float(x + half + i);
+          const VecF vc = VecF::loadu(cos + i), vs = VecF::loadu(sin + i);
+          (x1 * vc - x2 * vs).store(out + i);
+          (x2 * vc + x1 * vs).store(out + half + i);
+        }
+      } else {
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t d1 = pb.rope_neox ? i : 2 * i, d2 = pb.rope_neox ? i + half : 2 * i + 1;
+          const float x1 = float(x[d1 * dim_stride]), x2 = float(x[d2 * dim_stride]);
+          out[d1] = x1 * cos[i] - x2 * sin[i];
+          out[d2] = x2 * cos[i] + x1 * sin[i];
+        }
+      }
+      for (int64_t d = rot; d < D; ++d) out[d] = float(x[d * dim_stride]);  // not rotated
+    }
+  }
+}
+
+// s[r, c] = q_r . k_c for the tile's rows and keys [k0, k0 + nk); rows[c] is key c's K row at
+// the tile's first kv head (cache rows, or rotated float rows).
+template <typename key_t>
+void key_block_scores(const Problem& pb, const Tile& t, int64_t k0, int64_t nk, const float* qf,
+                      const key_t* const* rows, int64_t head_stride, int64_t dim_stride,
+                      float* kt, float* s, int64_t nk_padded) {
+  if (t.direct) {
+    scores_direct(pb, t, qf, rows, head_stride, nk, s, nk_padded);
+    return;
+  }
+  // kt [D, nk_padded]: keys along the vector lanes. Transposed a vector's worth of keys at a
+  // time, so each d writes one contiguous vector.
+  constexpr int64_t W = VecF::size();
+  const int64_t D = pb.head_dim;
+  for (int64_t c0 = 0; c0 < nk_padded; c0 += W) {
+    const int64_t n = std::min<int64_t>(W, nk - c0);
+    for (int64_t d = 0; d < D; ++d) {
+      float* dst = kt + d * nk_padded + c0;
+      for (int64_t j = 0; j < n; ++j) dst[j] = float(rows[c0 + j][d * dim_stride]);
+      for (int64_t j = n; j < W; ++j) dst[j] = 0.f;
+    }
+  }
+  for_each_row_panel(pb, t, k0, nk, [&](int64_t r0, int64_t n, int64_t cols) {
+    gemm_f32(n, round_up_to_vec(cols), D, qf + r0 * D, D, kt, nk_padded, s + r0 * nk_padded,
+             nk_padded, /*accumulate=*/false);
+  });
+}
 
 // Unnormalized output (o), running max (m) and sum (l) of one tile over keys [k_begin, k_end).
 template <typename scalar_t>
@@ -236,24 +309,13 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
     const scalar_t* v_rows[kTileKeys];
     kl.fill_rows(t.seq, k0, nk, k + t.kv_head0 * kl.head, k_rows);
     vl.fill_rows(t.seq, k0, nk, v + t.kv_head0 * vl.head, v_rows);
-    if (t.direct) {
-      scores_direct(pb, t, qf, k_rows, kl.head, nk, s, nk_padded);
+    if (pb.rope_dim > 0) {
+      rotate_key_rows(pb, t.n_kv, k0, nk, k_rows, kl.head, kl.dim, sc.rotated_k);
+      const float* rotated_rows[kTileKeys];
+      for (int64_t c = 0; c < nk; ++c) rotated_rows[c] = sc.rotated_k + c * t.n_kv * D;
+      key_block_scores(pb, t, k0, nk, qf, rotated_rows, D, 1, sc.kt, s, nk_padded);
     } else {
-      float* kt = sc.kt;  // [D, nk_padded]: keys along the vector lanes
-      // Transpose K a vector's worth of keys at a time: each d writes one contiguous vector.
-      constexpr int64_t W = VecF::size();
-      for (int64_t c0 = 0; c0 < nk_padded; c0 += W) {
-        const int64_t n = std::min<int64_t>(W, nk - c0);
-        for (int64_t d = 0; d < D; ++d) {
-          float* dst = kt + d * nk_padded + c0;
-          for (int64_t j = 0; j < n; ++j) dst[j] = float(k_rows[c0 + j][d * kl.dim]);
-          for (int64_t j = n; j < W; ++j) dst[j] = 0.f;
-        }
-      }
-      for_each_row_panel(pb, t, k0, nk, [&](int64_t r0, int64_t n, int64_t cols) {
-        gemm_f32(n, round_up_to_vec(cols), D, qf + r0 * D, D, kt, nk_padded, s + r0 * nk_padded,
-                 nk_padded, /*accumulate=*/false);
-      });
+      key_block_scores(pb, t, k0, nk, qf, k_rows, kl.head, kl.dim, sc.kt, s, nk_padded);
     }
 
     // Online softmax: scores become probabilities in place; columns a row cannot see are 0.
@@ -363,7 +425,7 @@ void parallel_dynamic(int64_t n, int64_t threads, const Problem& pb, int64_t max
                       bool packing, const Fn& fn) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(n, threads), 1, [&](int64_t, int64_t) {
-    Scratch scratch(max_rows, pb.head_dim, pb.head_dim_padded, packing);
+    Scratch scratch(pb, max_rows, packing);
     for (int64_t i = next++; i < n; i = next++) fn(i, scratch);
   });
 }
@@ -498,13 +560,21 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                                int64_t max_seqlen_q, bool causal, std::optional<double> scale,
-                               int64_t window_left) {
+                               int64_t window_left,
+                               const std::optional<at::Tensor>& rotary_cos_sin_cache,
+                               bool rotary_is_neox) {
   const AttentionDims dims = check_paged_attention_inputs(
       q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+  const int64_t rope_dim = check_key_rotary(rotary_cos_sin_cache, k_cache);
   check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
   check_block_table_values(tables, lens, k_cache.size(0), k_cache.size(1));
+  at::Tensor rope_table;
+  if (rope_dim > 0) {
+    check_key_rotary_positions(*rotary_cos_sin_cache, lens);
+    rope_table = rotary_cos_sin_cache->contiguous();
+  }
   std::vector<int64_t> key_lens(lens.const_data_ptr<int32_t>(),
                                 lens.const_data_ptr<int32_t>() + dims.batch);
   auto paged = [&](const at::Tensor& cache) {
@@ -512,9 +582,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                      tables.size(1), cache.size(1), cache.stride(0), cache.stride(1)};
   };
   const KeyLayout kl = paged(k_cache), vl = paged(v_cache);
+  Problem pb = make_problem(dims, causal, scale, window_left, kl.dim == 1 && vl.dim == 1);
+  if (rope_dim > 0) {
+    pb.rope_cos_sin = rope_table.const_data_ptr<float>();
+    pb.rope_dim = rope_dim;
+    pb.rope_neox = rotary_is_neox;
+  }
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  run_attention(make_problem(dims, causal, scale, window_left, kl.dim == 1 && vl.dim == 1),
-                cu_seqlens_q, key_lens, q, k_cache, kl, v_cache, vl, out);
+  run_attention(pb, cu_seqlens_q, key_lens, q, k_cache, kl, v_cache, vl, out);
   return out;
 }
 

@@ -76,6 +76,8 @@ def paged_attention(
     causal: bool = True,
     scale: float | None = None,
     window_left: int = -1,
+    rotary_cos_sin_cache: Tensor | None = None,
+    rotary_is_neox: bool = True,
 ) -> Tensor:
     """:func:`attention` with each sequence's keys read from paged caches through its block table.
 
@@ -90,6 +92,13 @@ def paged_attention(
             included.
         cu_seqlens_q, max_seqlen_q: the queries' offsets and longest length, as in
             :func:`attention`.
+        rotary_cos_sin_cache: position-independent (pre-RoPE) mode: the caches hold keys
+            *before* rotary embedding, and key ``j`` of each sequence is rotated by position ``j``
+            as it is read, with this float32 ``[max_position, rotary_dim]`` table (the layout
+            of :func:`rope_cos_sin_cache`; channels past ``rotary_dim`` are not rotated). The
+            queries must come already rotated by their own positions. Cached keys then carry no
+            position, so a cached chunk can be placed at any offset of any sequence.
+        rotary_is_neox: the pairing of rotated channels, as in :func:`rotary_embedding`.
 
     Decode is one query per sequence; chunked prefill is many queries against a cached prefix
     plus themselves; the bottom-right causal mask, sliding window and GQA are those of
@@ -98,7 +107,8 @@ def paged_attention(
     return torch.ops.fastllm.paged_attention.default(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, int(max_seqlen_q),
         causal=bool(causal), scale=None if scale is None else float(scale),
-        window_left=int(window_left))
+        window_left=int(window_left), rotary_cos_sin_cache=rotary_cos_sin_cache,
+        rotary_is_neox=bool(rotary_is_neox))
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -320,9 +330,11 @@ def _apply_penalties_fake(logits, prompt_mask, output_counts, repetition_penalty
 
 @torch.library.register_fake("fastllm::paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                          max_seqlen_q, *, causal=True, scale=None, window_left=-1):
+                          max_seqlen_q, *, causal=True, scale=None, window_left=-1,
+                          rotary_cos_sin_cache=None, rotary_is_neox=True):
     _check_one_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                      seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q)
+                      seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                      rotary_cos_sin_cache=rotary_cos_sin_cache)
     return q.new_empty(q.shape)
 
 

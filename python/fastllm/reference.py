@@ -65,10 +65,21 @@ def gather_paged(cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> Tenso
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     seq_lens: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, *,
                     causal: bool = True, scale: float | None = None,
-                    window_left: int = -1) -> Tensor:
-    """Twin of :func:`fastllm.ops.paged_attention`: gather the keys, then :func:`attention`."""
+                    window_left: int = -1, rotary_cos_sin_cache: Tensor | None = None,
+                    rotary_is_neox: bool = True) -> Tensor:
+    """Twin of :func:`fastllm.ops.paged_attention`: gather the keys (rotating pre-RoPE keys by
+    their positions in their sequences), then :func:`attention`."""
     cu_seqlens_k = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
-    return attention(q, gather_paged(k_cache, block_tables, seq_lens),
+    keys = gather_paged(k_cache, block_tables, seq_lens)
+    if rotary_cos_sin_cache is not None:
+        positions = torch.cat([torch.arange(n, device=q.device) for n in seq_lens.tolist()]
+                              + [torch.zeros(0, dtype=torch.long, device=q.device)])
+        # float32 at least, as the kernels rotate (a float64 oracle stays float64)
+        keys, _ = rotary_embedding(positions, keys.to(torch.promote_types(keys.dtype,
+                                                                          torch.float32)),
+                                   None, rotary_cos_sin_cache, is_neox=rotary_is_neox)
+        keys = keys.to(k_cache.dtype)
+    return attention(q, keys,
                      gather_paged(v_cache, block_tables, seq_lens), cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, int(seq_lens.max()) if len(seq_lens) else 0, causal=causal,
                      scale=scale, window_left=window_left)

@@ -1,0 +1,155 @@
+"""Position-independent (pre-RoPE) caches: paged_attention with ``rotary_cos_sin_cache`` rotates
+each cached key by its position as it reads it.
+
+The reference of that mode is the ordinary (post-RoPE) mode: the same keys rotated by their
+positions before they are written. Both must agree, for decode and chunked prefill, both
+channel pairings, partial rotary, every kernel path (direct decode tiles, packed prefill tiles,
+odd head_dim) and block sizes, and the float64 reference twin. Pools come from
+``paged_util.make_case``: NaN in every slot no sequence owns, so a key read from the wrong
+place, or rotated with a row of the table past the sequence, shows up.
+"""
+
+import pytest
+import torch
+
+from conftest import assert_within_twice_plain_error, num_threads
+from fastllm import ops, reference
+from paged_util import F32_TOL, IMPLS, make_case, paged_attention_op, slots
+
+
+def post_rope_caches(case, cos_sin, is_neox):
+    """The case's caches with every owned key rotated by its position (float64, rounded once)."""
+    k_cache = case.k_cache.clone()
+    block_size = k_cache.shape[1]
+    flat = k_cache.view(-1, *k_cache.shape[2:])
+    for row, length, start in zip(case.block_tables.tolist(), case.seq_lens.tolist(),
+                                  [0, *case.seq_lens.cumsum(0).tolist()]):
+        positions = torch.arange(length, device=k_cache.device)
+        keys = case.k[start:start + length].double()
+        rotated, _ = reference.rotary_embedding(positions, keys, None, cos_sin, is_neox=is_neox)
+        flat[torch.tensor(slots(row, range(length), block_size), dtype=torch.long,
+                          device=k_cache.device)] = rotated.to(k_cache.dtype)
+    return k_cache, case.v_cache
+
+
+SHAPES = {  # (lens_q, seq_lens)
+    "decode": ([1, 1, 1], [300, 1, 33]),
+    "chunked_prefill": ([7, 1, 0, 30], [57, 100, 12, 30]),
+    "prefill": ([40], [40]),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 64), (67, 32), (32, 18)],
+                         ids=["full", "partial", "odd_head_dim", "odd_half"])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_pre_rope_equals_post_rope(impl, shape, head_dim, rotary_dim, is_neox, block_size,
+                                   device):
+    lens_q, seq_lens = SHAPES[shape]
+    case = make_case(lens_q, seq_lens, 8, 2, head_dim, block_size, device=device)
+    cos_sin = ops.rope_cos_sin_cache(400, rotary_dim, device=device)
+    post_k, post_v = post_rope_caches(case, cos_sin, is_neox)
+    op = paged_attention_op(impl)
+    with num_threads(1 if impl == "composite" else None):
+        got = op(*case.args(), rotary_cos_sin_cache=cos_sin, rotary_is_neox=is_neox)
+        expected = op(case.q, post_k, post_v, *case.args()[3:])
+    assert not got.isnan().any(), "NaN: a key was read from an unowned slot"
+    # The kernel rotates in float32 where the post-RoPE keys were rotated in float64.
+    torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
+
+    with num_threads(1):
+        doubled = [t.double() if t.is_floating_point() else t for t in case.args()[:6]]
+        oracle = reference.paged_attention(*doubled, case.max_seqlen_q,
+                                           rotary_cos_sin_cache=cos_sin.double(),
+                                           rotary_is_neox=is_neox)
+    torch.testing.assert_close(got.double(), oracle, atol=F32_TOL, rtol=F32_TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", ["decode", "chunked_prefill"])
+def test_pre_rope_low_precision(impl, dtype, shape, device):
+    lens_q, seq_lens = SHAPES[shape]
+    case = make_case(lens_q, seq_lens, 4, 2, 128, 16, dtype=dtype, device=device)
+    cos_sin = ops.rope_cos_sin_cache(512, 128, base=1e6, device=device)
+    with num_threads(1 if impl == "composite" else None):
+        got = paged_attention_op(impl)(*case.args(), rotary_cos_sin_cache=cos_sin)
+    with num_threads(1):
+        plain = reference.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin)
+        doubled = [t.double() if t.is_floating_point() else t for t in case.args()[:6]]
+        oracle = reference.paged_attention(*doubled, case.max_seqlen_q,
+                                           rotary_cos_sin_cache=cos_sin.double())
+    assert_within_twice_plain_error(got.double(), plain.double(), oracle)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pre_rope_with_window_and_long_split_decode(impl, device):
+    # 3000 keys, one query: the native kernel splits the keys over threads; each split must
+    # rotate its keys by their own positions. A window skips the early keys altogether.
+    case = make_case([1, 1], [3000, 2000], 8, 2, 128, 16, device=device)
+    cos_sin = ops.rope_cos_sin_cache(4096, 128, device=device)
+    post_k, post_v = post_rope_caches(case, cos_sin, True)
+    op = paged_attention_op(impl)
+    for window_left in [-1, 700]:
+        with num_threads(1 if impl == "composite" else None):
+            got = op(*case.args(), window_left=window_left, rotary_cos_sin_cache=cos_sin)
+            expected = op(case.q, post_k, post_v, *case.args()[3:], window_left=window_left)
+        torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
+
+
+def test_cached_chunk_moves_with_its_block_table(device):
+    # The point of the mode: the same pre-RoPE K/V rows, reached through two block tables that
+    # place them at different offsets, attend as keys rotated by the offsets they appear at.
+    n_kv_heads, head_dim, block_size = 2, 32, 4
+    chunk = make_case([0], [8], 4, n_kv_heads, head_dim, block_size, extra_blocks=0,
+                      extra_columns=0, device=device)
+    prefix = torch.randn(12, n_kv_heads, head_dim, device=device)  # 3 blocks, then the chunk
+    pool_k = torch.cat([chunk.k_cache, prefix.view(3, block_size, n_kv_heads, head_dim)])
+    pool_v = torch.cat([chunk.v_cache, torch.randn_like(prefix).view(3, block_size, n_kv_heads,
+                                                                      head_dim)])
+    chunk_blocks = chunk.block_tables[0].tolist()
+    cos_sin = ops.rope_cos_sin_cache(64, head_dim, device=device)
+    q = torch.randn(1, 4, head_dim, device=device)
+    cu_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for table in ([*chunk_blocks], [2, 3, 4, *chunk_blocks]):  # at offset 0, then at offset 12
+        tables = torch.tensor([table], dtype=torch.int32, device=device)
+        seq_lens = torch.tensor([4 * len(table)], dtype=torch.int32, device=device)
+        got = ops.paged_attention(q, pool_k, pool_v, tables, seq_lens, cu_q, 1,
+                                  rotary_cos_sin_cache=cos_sin)
+        keys = reference.gather_paged(pool_k, tables, seq_lens)
+        rotated, _ = reference.rotary_embedding(torch.arange(len(keys), device=device), keys,
+                                                None, cos_sin)
+        values = reference.gather_paged(pool_v, tables, seq_lens)
+        expected = ops.attention(q, rotated, values, cu_q, torch.tensor([0, len(keys)],
+                                 dtype=torch.int32, device=device), 1, len(keys))
+        torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda t: t[:29], ValueError, r"seq_lens\[1\]=30 reaches past rotary_cos_sin_cache"),
+    (lambda t: t.half(), TypeError, "rotary_cos_sin_cache must be torch.float32"),
+    (lambda t: torch.zeros(64, 18), ValueError, "rotary_dim 18 exceeds head_dim 16"),
+    (lambda t: t[:, :7], ValueError, r"shape\[1\] \(rotary_dim\) must be even"),
+    (lambda t: t[0], ValueError, "rotary_cos_sin_cache must be"),
+], ids=["too_few_positions", "half_table", "wider_than_head", "odd_rotary_dim", "rank_1"])
+def test_bad_rotary_table(impl, bad, error, match):
+    q = torch.randn(4, 4, 16)
+    k_cache, v_cache = torch.randn(8, 16, 2, 16), torch.randn(8, 16, 2, 16)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 30], dtype=torch.int32)
+    cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
+    table = ops.rope_cos_sin_cache(64, 16)
+    with pytest.raises(error, match=match):
+        paged_attention_op(impl)(q, k_cache, v_cache, tables, seq_lens, cu_q, 3,
+                                 rotary_cos_sin_cache=bad(table))
+
+
+@pytest.mark.parametrize("dtype, is_neox", [(torch.float32, True), (torch.bfloat16, False)])
+def test_opcheck_pre_rope(dtype, is_neox, device):
+    case = make_case([2, 1, 0], [9, 17, 3], 4, 2, 16, 4, dtype=dtype, device=device)
+    torch.library.opcheck(torch.ops.fastllm.paged_attention.default, case.args(),
+                          dict(rotary_cos_sin_cache=ops.rope_cos_sin_cache(32, 16, device=device),
+                               rotary_is_neox=is_neox, window_left=4))
