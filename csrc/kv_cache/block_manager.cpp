@@ -173,7 +173,7 @@ int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token
 }
 
 std::vector<BlockManager::BlockCopy> BlockManager::append_tokens(
-    int64_t seq_id, const std::vector<int64_t>& token_ids) {
+    int64_t seq_id, const std::vector<int64_t>& token_ids, bool cacheable) {
   Sequence& seq = sequence(seq_id, "append_tokens");
   check_token_ids(token_ids, "append_tokens", seq_id);
   if (token_ids.empty()) return {};
@@ -186,6 +186,7 @@ std::vector<BlockManager::BlockCopy> BlockManager::append_tokens(
   check_capacity(num_new, num_free_blocks(), "append_tokens", seq_id);
 
   std::vector<BlockCopy> copies;
+  if (!cacheable) seq.prefix_id = kUncachablePrefix;  // the chain of cached blocks ends here
   if (copy_on_write) {
     const BlockId src = seq.blocks.back();
     const BlockId dst = take_block();

@@ -49,7 +49,11 @@ class BlockManager {
   // (a multiple of block_size, at most len - 1 so that one token is left to compute).
   int64_t allocate(int64_t seq_id, const std::vector<int64_t>& token_ids);
   // Extends a sequence; returns the copies copy-on-write needs before the new KV is written.
-  std::vector<BlockCopy> append_tokens(int64_t seq_id, const std::vector<int64_t>& token_ids);
+  // `cacheable` false: the new tokens' KV is not what a plain causal prefill of the sequence
+  // computes (independent chunks), so neither their blocks nor any later ones of the sequence
+  // enter the prefix cache.
+  std::vector<BlockCopy> append_tokens(int64_t seq_id, const std::vector<int64_t>& token_ids,
+                                       bool cacheable = true);
   void fork(int64_t parent_seq_id, int64_t child_seq_id);
   void free(int64_t seq_id);
 
@@ -73,7 +77,8 @@ class BlockManager {
   // so a cached block matches a lookup only if its parent's prefix and its own tokens are equal:
   // a hash collision is a miss, never someone else's KV.
   static constexpr uint64_t kEmptyPrefix = 0;
-  static constexpr uint64_t kUncachablePrefix = UINT64_MAX;  // lost to a hash-slot collision
+  // Lost to a hash-slot collision, or past an uncacheable append.
+  static constexpr uint64_t kUncachablePrefix = UINT64_MAX;
 
   struct Block {
     int64_t ref_count = 0;

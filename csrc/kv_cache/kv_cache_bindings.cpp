@@ -44,9 +44,13 @@ Returns how many leading prompt tokens already have their KV in the pools (reuse
 blocks): a multiple of block_size, capped at the largest one <= len - 1 so that at least the
 last token is computed and yields logits. The caller computes the tokens from there on.)doc")
       .def("append_tokens", &BlockManager::append_tokens, py::arg("seq_id"), py::arg("token_ids"),
-           R"doc(
+           py::arg("cacheable") = true, R"doc(
 Extends sequence ``seq_id`` by ``token_ids`` (decoded tokens or a prefill chunk), taking new
 blocks as needed; blocks that fill up enter the prefix cache.
+
+``cacheable=False`` says the new tokens' KV is not that of a plain causal prefill (independent
+chunks under block attention): from then on none of the sequence's blocks enter the prefix cache,
+so no later request can mistake that KV for its own.
 
 Returns the ``(src_block, dst_block)`` copies to perform on the pools before writing the new KV:
 one when the partial last block was shared with a fork (copy-on-write), else [].)doc")

@@ -153,6 +153,25 @@ def test_blocks_filled_by_append_enter_the_prefix_cache():
     assert manager.append_tokens(1, []) == [] and manager.num_tokens(1) == 9
 
 
+def test_uncacheable_append_ends_the_cached_chain():
+    # Independent chunks: their KV is not a causal prefill's, so from the first uncacheable
+    # append on, no block of the sequence enters the prefix cache, not even the partial one the
+    # append completes, nor blocks filled by later (cacheable) appends.
+    manager = BlockManager(16, 4)
+    manager.allocate(1, [1, 2, 3, 4, 5, 6])  # one full block cached, 2 tokens in the tail
+    assert manager.stats()["cached_blocks"] == 1
+    manager.append_tokens(1, [7, 8, 9, 10, 11], cacheable=False)  # completes block 2, fills 3
+    manager.append_tokens(1, [12, 13, 14, 15, 16])
+    assert manager.stats()["cached_blocks"] == 1
+    assert manager.allocate(2, list(range(1, 18))) == 4  # only the causal first block
+    # The uncacheable sequence's blocks are freed, not kept as evictable cache.
+    manager.free(1)
+    assert manager.stats()["evictable_blocks"] == 0
+    # The flag is per append: a fresh sequence caches normally.
+    manager.append_tokens(2, [0, 0, 0])
+    assert manager.stats()["cached_blocks"] == 5
+
+
 def test_a_prefix_computed_twice_is_cached_once_and_chained_through():
     # Two sequences fill the same blocks before either is cached: the second's copies stay
     # uncached, and its later blocks chain onto the cached copies' prefix.
