@@ -68,3 +68,26 @@ def assert_within_twice_plain_error(got, plain, expected) -> None:
     assert err <= 2 * plain_err + LOW_PRECISION_SLACK, (
         f"max error {err:.3g} vs the float64 reference exceeds 2x the plain composition's "
         f"{plain_err:.3g}")
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    """``model_path(name)`` -> the folder of a small real model under ``$FASTLLM_MODELS_DIR``
+    (default ``<repo>/../shared/models``). A missing model skips the test, but fails it when
+    ``CI=true``: there a missing model is a broken setup, not an optional extra."""
+    import os
+    from pathlib import Path
+
+    root = Path(os.environ.get("FASTLLM_MODELS_DIR",
+                               Path(__file__).resolve().parents[1].parent / "shared" / "models"))
+
+    def find(name: str) -> Path:
+        path = root / name
+        if not path.is_dir():
+            message = f"model {name} not found under {root} (set FASTLLM_MODELS_DIR)"
+            if os.environ.get("CI") == "true":
+                pytest.fail(message)
+            pytest.skip(message)
+        return path
+
+    return find

@@ -1,0 +1,237 @@
+"""The Llama decoder family: Llama, Mistral, Qwen2, Qwen3 and SmolLM3 in one model.
+
+The forward pass runs on packed variable-length batches (sequences back to back, no padding)
+against a :class:`~fastllm.kv_cache.PagedKVCache`: every layer writes its new K/V rows into the
+cache, then attends over the cached keys through each sequence's block table. Prefill, chunked
+prefill and decode are the same call; only :class:`AttentionMetadata` differs. Projections are
+plain matmuls, with q/k/v fused into one and gate/up into another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastllm import ops
+from fastllm.kv_cache import KVCacheSpec, PagedKVCache
+from fastllm.models.config import ModelConfig
+from fastllm.models.rope import build_cos_sin_cache
+
+__all__ = ["AttentionMetadata", "DecoderLM"]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where one step's tokens sit in the batch and in the paged cache.
+
+    Attributes:
+        cu_seqlens_q: int32 ``[B + 1]`` offsets of each sequence's new tokens in the packed batch.
+        max_seqlen_q: the most new tokens of any sequence.
+        seq_lens: int32 ``[B]`` keys per sequence once this step's tokens are written.
+        block_tables: int32 ``[B, max_blocks]`` each sequence's cache blocks, in token order.
+        slot_mapping: int64 ``[T]`` cache slot (``block * block_size + offset``) of each new token.
+        positions: int64 ``[T]`` each new token's position in its sequence (the ``positions``
+            argument of :meth:`DecoderLM.forward`).
+    """
+
+    cu_seqlens_q: Tensor
+    max_seqlen_q: int
+    seq_lens: Tensor
+    block_tables: Tensor
+    slot_mapping: Tensor
+    positions: Tensor
+
+    @classmethod
+    def build(cls, kv_cache: PagedKVCache, seq_ids: Sequence[int],
+              num_new_tokens: Sequence[int], device: torch.device | str) -> AttentionMetadata:
+        """Metadata for the last ``num_new_tokens[b]`` tokens of each sequence ``seq_ids[b]``.
+
+        The sequences must already hold these tokens in the block manager (``allocate`` /
+        ``append_tokens`` called, and their copy-on-write copies applied), so the new tokens are
+        logical positions ``[num_tokens - n, num_tokens)``. Runs on the CPU, then moves the
+        tensors to ``device`` once.
+        """
+        if len(seq_ids) != len(num_new_tokens):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(num_new_tokens)} num_new_tokens")
+        manager = kv_cache.block_manager
+        seq_lens = [manager.num_tokens(seq_id) for seq_id in seq_ids]
+        for seq_id, n, length in zip(seq_ids, num_new_tokens, seq_lens):
+            if not 0 <= n <= length:
+                raise ValueError(f"sequence {seq_id} holds {length} tokens, so it cannot have "
+                                 f"{n} new ones")
+        new = torch.tensor(num_new_tokens, dtype=torch.int64)
+        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        block_tables = manager.block_tables(list(seq_ids))  # [B, max_blocks]
+        # Each new token's sequence and logical position, then its physical slot.
+        seq_index = torch.repeat_interleave(torch.arange(len(seq_ids)), new)  # [T]
+        starts = torch.cumsum(new, 0) - new  # [B] first packed row of each sequence
+        positions = (lens - new)[seq_index] + torch.arange(int(new.sum())) - starts[seq_index]
+        block_size = manager.block_size
+        blocks = block_tables[seq_index, positions // block_size].long()  # [T]
+        cu_seqlens_q = F.pad(torch.cumsum(new, 0), (1, 0)).to(torch.int32)
+        return cls(cu_seqlens_q=cu_seqlens_q.to(device),
+                   max_seqlen_q=max(num_new_tokens, default=0),
+                   seq_lens=lens.to(dtype=torch.int32, device=device),
+                   block_tables=block_tables.to(device),
+                   slot_mapping=(blocks * block_size + positions % block_size).to(device),
+                   positions=positions.to(device))
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalized in float32, cast back, then scaled by the weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Fused QKV projection, optional q/k RMSNorm, RoPE, paged cache write and attention."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.use_rope = config.rope_layers[layer]
+        self.window_left = config.window_left(layer)
+
+    def rotate(self, positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor,
+               pre_rope: bool) -> Tensor | None:
+        """Applies RoPE in place to q, and to k unless the cache holds keys before RoPE; then
+        returns the table attention rotates the cached keys with. NoPE layers rotate nothing."""
+        if not self.use_rope:
+            return None
+        ops.rotary_embedding(positions, q, None if pre_rope else k, cos_sin_cache, is_neox=True)
+        return cos_sin_cache if pre_rope else None
+
+    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
+                v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # strided views of one matmul
+        q = q.view(tokens, self.n_heads, self.head_dim)  # [T, n_heads, head_dim]
+        k = k.view(tokens, self.n_kv_heads, self.head_dim)  # [T, n_kv_heads, head_dim]
+        v = v.view(tokens, self.n_kv_heads, self.head_dim)  # [T, n_kv_heads, head_dim]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        key_rotation = self.rotate(positions, q, k, cos_sin_cache, pre_rope)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                  meta.cu_seqlens_q, meta.max_seqlen_q, causal=True,
+                                  window_left=self.window_left,
+                                  rotary_cos_sin_cache=key_rotation)  # [T, n_heads, head_dim]
+        return self.o_proj(out.view(tokens, -1))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
+                v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache,
+                               cos_sin_cache, pre_rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only causal LM of the Llama family, for inference (no parameter needs grad).
+
+    Parameter names are fastllm's own (``layers.{i}.self_attn.qkv_proj.weight``, ...);
+    :func:`fastllm.models.loader.load_model` maps HF checkpoints onto them. With tied
+    embeddings there is no ``lm_head``: :meth:`compute_logits` reads ``embed_tokens.weight``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings else
+                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        # Derived from the config, never loaded: non-persistent, rebuilt by init_rope_cache.
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.init_rope_cache()
+        self.requires_grad_(False)
+
+    def init_rope_cache(self) -> None:
+        """(Re)builds the RoPE table on the parameters' device, once per model (and again after
+        materializing a model built on the meta device)."""
+        device = self.embed_tokens.weight.device
+        if device.type == "meta":
+            shape = (self.config.max_position_embeddings, self.config.head_dim)
+            self.cos_sin_cache = torch.empty(shape, device=device)
+        else:
+            self.cos_sin_cache = build_cos_sin_cache(self.config, device=device)
+
+    def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
+        """The KV cache this model needs, in its parameters' dtype."""
+        return KVCacheSpec(num_layers=self.config.num_layers, n_kv_heads=self.config.n_kv_heads,
+                           head_dim=self.config.head_dim, dtype=self.embed_tokens.weight.dtype,
+                           block_size=block_size)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                kv_cache: PagedKVCache) -> Tensor:
+        """Runs one step over a packed batch and writes its K/V into ``kv_cache``.
+
+        Args:
+            input_ids: int64 ``[T]``, every sequence's new tokens back to back.
+            positions: int64 ``[T]``, each token's position in its sequence.
+            meta: the step's :class:`AttentionMetadata` (``AttentionMetadata.build``).
+            kv_cache: the paged cache the tokens' K/V go into and are read from (post-RoPE
+                keys, or pre-RoPE ones rotated as attention reads them: ``kv_cache.pre_rope``).
+
+        Returns:
+            ``[T, hidden]`` final-norm hidden states; pass the rows that need logits (usually
+            each sequence's last) to :meth:`compute_logits`.
+        """
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, meta, kv_cache.k_cache[i], kv_cache.v_cache[i],
+                      self.cos_sin_cache, kv_cache.pre_rope)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

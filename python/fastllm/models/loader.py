@@ -1,0 +1,160 @@
+"""Loads a Hugging Face safetensors checkpoint into a :class:`~fastllm.models.llama.DecoderLM`.
+
+The files are memory-mapped (``safetensors.safe_open``) and read tensor by tensor through an
+explicit HF name -> fastllm name map that also fuses q/k/v and gate/up. The model is built on
+the meta device and materialized once, by assigning the loaded tensors. Pickle checkpoints
+(``.bin``, ``.pt``, ``.pth``) are refused: loading them can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from fastllm.models.config import ModelConfig
+from fastllm.models.llama import DecoderLM
+
+__all__ = ["hf_weight_map", "load_model"]
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+# Buffers some older HF checkpoints saved; HF skips them on load too.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# One HF tensor: its checkpoint name and the shape it must have.
+HFTensor = tuple[str, tuple[int, ...]]
+
+
+def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
+    """fastllm parameter name -> the HF tensors it is made of, concatenated along dim 0."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.n_heads * d, config.n_kv_heads * d
+    names: dict[str, list[HFTensor]] = {
+        "embed_tokens.weight": [("model.embed_tokens.weight", (config.vocab_size, h))],
+        "norm.weight": [("model.norm.weight", (h,))],
+    }
+    if not config.tie_word_embeddings:
+        names["lm_head.weight"] = [("lm_head.weight", (config.vocab_size, h))]
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        names[dst + "input_layernorm.weight"] = [(src + "input_layernorm.weight", (h,))]
+        names[dst + "post_attention_layernorm.weight"] = [
+            (src + "post_attention_layernorm.weight", (h,))]
+        names[dst + "self_attn.qkv_proj.weight"] = [
+            (attn + "q_proj.weight", (q, h)), (attn + "k_proj.weight", (kv, h)),
+            (attn + "v_proj.weight", (kv, h))]
+        if config.qkv_bias:
+            names[dst + "self_attn.qkv_proj.bias"] = [
+                (attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)),
+                (attn + "v_proj.bias", (kv,))]
+        if config.qk_norm:
+            names[dst + "self_attn.q_norm.weight"] = [(attn + "q_norm.weight", (d,))]
+            names[dst + "self_attn.k_norm.weight"] = [(attn + "k_norm.weight", (d,))]
+        names[dst + "self_attn.o_proj.weight"] = [(attn + "o_proj.weight", (h, q))]
+        if config.o_bias:
+            names[dst + "self_attn.o_proj.bias"] = [(attn + "o_proj.bias", (h,))]
+        names[dst + "mlp.gate_up_proj.weight"] = [
+            (mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
+        names[dst + "mlp.down_proj.weight"] = [(mlp + "down_proj.weight", (h, inter))]
+        if config.mlp_bias:
+            names[dst + "mlp.gate_up_proj.bias"] = [
+                (mlp + "gate_proj.bias", (inter,)), (mlp + "up_proj.bias", (inter,))]
+            names[dst + "mlp.down_proj.bias"] = [(mlp + "down_proj.bias", (h,))]
+    return names
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> DecoderLM:
+    """Loads the HF model folder ``path`` (``config.json`` plus ``*.safetensors``).
+
+    Sharded checkpoints are read through ``model.safetensors.index.json`` when present. Weights
+    are cast to ``dtype`` and placed on ``device``. A missing, unexpected or wrongly shaped
+    tensor is a ``ValueError`` naming the first one; with tied embeddings an ``lm_head.weight``
+    in the checkpoint is ignored, as HF does.
+    """
+    folder = Path(path)
+    if folder.suffix in _PICKLE_SUFFIXES:
+        raise ValueError(_pickle_refusal(folder))
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a model folder (expected a Hugging Face folder "
+                                "with config.json and *.safetensors)")
+    config = ModelConfig.from_pretrained(folder)
+    files_by_name = _checkpoint_index(folder)
+    weight_map = hf_weight_map(config)
+    _check_keys(weight_map, files_by_name, config)
+
+    state: dict[str, Tensor] = {}
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                   for file in sorted(set(files_by_name.values()))}
+        for name, parts in weight_map.items():
+            tensors = []
+            for hf_name, shape in parts:
+                tensor = handles[files_by_name[hf_name]].get_tensor(hf_name)
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(f"{hf_name} has shape {tuple(tensor.shape)}, expected "
+                                     f"{shape} from config.json")
+                tensors.append(tensor)
+            fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+            state[name] = fused.to(device=device, dtype=dtype)
+
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_rope_cache()
+    return model.eval()
+
+
+def _checkpoint_index(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map'")
+        files = {name: folder / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} names {file.name}, which is not in {folder}")
+        return files
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        pickles = [p for p in sorted(folder.iterdir()) if p.suffix in _PICKLE_SUFFIXES]
+        if pickles:
+            raise ValueError(_pickle_refusal(pickles[0]))
+        raise FileNotFoundError(f"no *.safetensors file in {folder}")
+    files: dict[str, Path] = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in files:
+                    raise ValueError(f"{name} is in both {files[name].name} and {shard.name}")
+                files[name] = shard
+    return files
+
+
+def _check_keys(weight_map: dict[str, list[HFTensor]], files_by_name: dict[str, Path],
+                config: ModelConfig) -> None:
+    expected = [hf_name for parts in weight_map.values() for hf_name, _ in parts]
+    missing = [name for name in expected if name not in files_by_name]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {missing[0]} ({len(missing)} missing tensor(s) "
+                         f"for a {config.architecture})")
+    known = set(expected) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    unexpected = sorted(name for name in files_by_name
+                        if name not in known and not name.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]} in the checkpoint "
+                         f"({len(unexpected)} unexpected for a {config.architecture})")
+
+
+def _pickle_refusal(path: Path) -> str:
+    return (f"{path} is a pickle checkpoint; fastllm loads only safetensors, since unpickling can "
+            "run arbitrary code. Convert it first, e.g. with transformers: "
+            "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(out, "
+            "safe_serialization=True)")
