@@ -214,10 +214,17 @@ class PagedKVCache:
 
     ``k_cache[layer]`` / ``v_cache[layer]`` are the layer's pools
     ``[num_blocks, block_size, n_kv_heads, head_dim]`` (one allocation for all layers).
+
+    ``pre_rope=True`` makes the cache position-independent: it holds keys *before* rotary
+    embedding, and attention rotates each key by its position in its sequence as it reads it
+    (``paged_attention(..., rotary_cos_sin_cache=...)``), so cached K/V can be placed at any
+    offset (:mod:`fastllm.chunk_prefill`). Attention results equal the default (post-RoPE)
+    mode's; reading costs a rotation per key.
     """
 
     def __init__(self, spec: KVCacheSpec, pool: KVPoolPlan | int, *,
-                 device: torch.device | str = "cpu", enable_prefix_caching: bool = True) -> None:
+                 device: torch.device | str = "cpu", enable_prefix_caching: bool = True,
+                 pre_rope: bool = False) -> None:
         """``pool`` is a :func:`plan_pool` result for ``spec`` or a number of blocks."""
         if isinstance(pool, KVPoolPlan):
             if pool.block_size != spec.block_size or pool.bytes_per_token != spec.bytes_per_token:
@@ -226,6 +233,7 @@ class PagedKVCache:
         else:
             num_blocks = pool
         self.spec = spec
+        self.pre_rope = bool(pre_rope)
         self.block_manager = BlockManager(num_blocks, spec.block_size, enable_prefix_caching)
         shape = (spec.num_layers, num_blocks, spec.block_size, spec.n_kv_heads, spec.head_dim)
         self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)

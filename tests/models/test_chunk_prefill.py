@@ -1,0 +1,189 @@
+"""KV reuse at the model level, on the real stories260K weights against HF transformers.
+
+- pre-RoPE caches give the same logits and greedy tokens as post-RoPE ones (prefill, decode);
+- a prompt whose prefix blocks come from the prefix cache gives the logits of a recompute;
+- independent-chunk prefill equals an independent reference of block attention built from HF
+  transformers (each prefix + chunk run causally, the chunk's K/V re-rotated from the positions
+  it was encoded at to those it occupies, then the suffix run over that cache), whether the
+  chunks are encoded now or come from the store, in any order and at any offset; with a single
+  chunk it is plain causal prefill.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from fastllm.chunk_prefill import ChunkedPrompt, ChunkKVStore, prefill_independent_chunks
+from fastllm.kv_cache import PagedKVCache
+from fastllm.model_runner import run_step
+from fastllm.models import DecoderLM, load_model
+
+ATOL = 1e-4  # float32 logits of a 5-layer model, fastllm vs HF
+
+
+@pytest.fixture(scope="module")
+def stories(model_path) -> tuple[transformers.PreTrainedModel, DecoderLM]:
+    path = model_path("stories260K_hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, load_model(path)
+
+
+def make_cache(model: DecoderLM, *, pre_rope: bool, num_blocks: int = 96,
+               block_size: int = 8) -> PagedKVCache:
+    return PagedKVCache(model.kv_cache_spec(block_size), num_blocks, pre_rope=pre_rope)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=generator).tolist()
+
+
+def greedy(model: DecoderLM, cache: PagedKVCache, seq_id: int, prompt: list[int],
+           steps: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill then greedy decode; returns the tokens and the prefill's last logits."""
+    cached = cache.block_manager.allocate(seq_id, prompt)
+    first = run_step(model, cache, [seq_id], [prompt[cached:]])[0]
+    out, logits = [], first
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [out[-1]]))
+        logits = run_step(model, cache, [seq_id], [[out[-1]]])[0]
+    return out, first
+
+
+@torch.no_grad()
+def test_pre_rope_cache_equals_post_rope(stories):
+    hf, model = stories
+    prompt = [1, *tokens(40, 0)]
+    post_tokens, post_logits = greedy(model, make_cache(model, pre_rope=False), 0, prompt, 24)
+    pre_tokens, pre_logits = greedy(model, make_cache(model, pre_rope=True), 0, prompt, 24)
+    assert pre_tokens == post_tokens
+    torch.testing.assert_close(pre_logits, post_logits, atol=1e-5, rtol=1e-5)
+    hf_logits = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(pre_logits, hf_logits, atol=ATOL, rtol=ATOL)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_prefix_reuse_equals_recompute(stories, pre_rope):
+    _, model = stories
+    system = [1, *tokens(37, 1)]  # 4 full blocks of 8 and a partial one
+    cache = make_cache(model, pre_rope=pre_rope)
+    greedy(model, cache, 0, [*system, *tokens(5, 2)], 0)
+    cache.block_manager.free(0)
+    question = [*system, *tokens(11, 3)]
+    reused_tokens, reused = greedy(model, cache, 1, question, 16)
+    assert cache.block_manager.stats()["hits"] == 4
+    fresh_tokens, fresh = greedy(model, make_cache(model, pre_rope=pre_rope), 0, question, 16)
+    assert reused_tokens == fresh_tokens
+    torch.testing.assert_close(reused, fresh, atol=1e-5, rtol=1e-5)
+
+
+def rotate_keys(hf: transformers.PreTrainedModel, keys: torch.Tensor, shift: int) -> torch.Tensor:
+    """HF post-RoPE keys ``[1, kv_heads, n, head_dim]`` moved ``shift`` positions later: RoPE
+    rotations compose, so rotating by the shift's angle re-encodes them at their new positions."""
+    cos, sin = hf.model.rotary_emb(keys, torch.tensor([[shift]]))  # [1, 1, head_dim]
+    half = keys.shape[-1] // 2
+    rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+    return keys * cos[:, None] + rotated_half * sin[:, None]
+
+
+@torch.no_grad()
+def hf_block_attention(hf: transformers.PreTrainedModel, prompt: ChunkedPrompt) -> torch.Tensor:
+    """The reference: last logits of the suffix over [prefix][chunks] K/V built chunk by chunk
+    with HF transformers."""
+    prefix = list(prompt.prefix)
+    layers = hf.config.num_hidden_layers
+    keys = [[] for _ in range(layers)]
+    values = [[] for _ in range(layers)]
+    offset = len(prefix)
+    for i, chunk in enumerate(prompt.chunks):
+        cache = hf(torch.tensor([prefix + list(chunk)]), use_cache=True).past_key_values
+        for layer, (k, v, _) in enumerate(cache):
+            if i == 0:  # the prefix's K/V, causal
+                keys[layer].append(k[:, :, :len(prefix)])
+                values[layer].append(v[:, :, :len(prefix)])
+            keys[layer].append(rotate_keys(hf, k[:, :, len(prefix):], offset - len(prefix)))
+            values[layer].append(v[:, :, len(prefix):])
+        offset += len(chunk)
+    cache = DynamicCache(ddp_cache_data=[(torch.cat(k, 2), torch.cat(v, 2))
+                                         for k, v in zip(keys, values)])
+    suffix = torch.tensor([list(prompt.suffix)])
+    positions = torch.arange(offset, offset + suffix.shape[1])[None]
+    return hf(suffix, position_ids=positions, past_key_values=cache).logits[0, -1]
+
+
+@torch.no_grad()
+def test_independent_chunks_equal_the_block_attention_reference(stories):
+    hf, model = stories
+    cache = make_cache(model, pre_rope=True)
+    store = ChunkKVStore(max_bytes=2**24)
+    prefix = [1, *tokens(13, 10)]
+    docs = [tokens(n, 11 + n) for n in (9, 16, 5)]
+    first = ChunkedPrompt(prefix, docs, tokens(6, 20))
+    got = prefill_independent_chunks(model, cache, 0, first, store)
+    torch.testing.assert_close(got, hf_block_attention(hf, first), atol=ATOL, rtol=ATOL)
+    assert (store.hits, store.misses, len(store)) == (0, 3, 3)
+
+    # The same documents in another order, one twice, after another question: every chunk comes
+    # from the store and lands at a new offset.
+    second = ChunkedPrompt(prefix, [docs[2], docs[0], docs[2], docs[1]], tokens(4, 21))
+    got = prefill_independent_chunks(model, cache, 1, second, store)
+    assert (store.hits, store.misses) == (3, 3)
+    torch.testing.assert_close(got, hf_block_attention(hf, second), atol=ATOL, rtol=ATOL)
+
+    # Decoding goes on from the whole prompt like any sequence.
+    manager = cache.block_manager
+    assert manager.num_tokens(1) == len(second.token_ids)
+    cache.copy_blocks(manager.append_tokens(1, [int(got.argmax())]))
+    assert run_step(model, cache, [1], [[int(got.argmax())]]).shape == (1, 512)
+
+
+@torch.no_grad()
+def test_one_chunk_is_causal_prefill(stories):
+    hf, model = stories
+    prompt = ChunkedPrompt([1, *tokens(10, 30)], [tokens(20, 31)], tokens(3, 32))
+    got = prefill_independent_chunks(model, make_cache(model, pre_rope=True), 0, prompt,
+                                     ChunkKVStore(max_bytes=2**20))
+    expected = hf(torch.tensor([prompt.token_ids])).logits[0, -1]
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+
+
+@torch.no_grad()
+def test_chunk_kv_never_enters_the_prefix_cache(stories):
+    # A causal request with the same tokens as a chunked one must not reuse its chunk blocks.
+    hf, model = stories
+    cache = make_cache(model, pre_rope=True)
+    prompt = ChunkedPrompt([1, *tokens(15, 40)], [tokens(16, 41), tokens(16, 42)], [7])
+    prefill_independent_chunks(model, cache, 0, prompt, ChunkKVStore(max_bytes=2**20))
+    _, logits = greedy(model, cache, 1, prompt.token_ids, 0)
+    assert cache.block_manager.stats()["hits"] == 2  # the 16 prefix tokens only
+    expected = hf(torch.tensor([prompt.token_ids])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=ATOL)
+
+
+def test_store_bound_and_errors(stories):
+    _, model = stories
+    store = ChunkKVStore(max_bytes=3000)
+    k = torch.zeros(5, 10, 4, 8)  # 6400 bytes with v: more than the bound, never kept
+    store.put((1,), (2,), k, k)
+    assert len(store) == 0 and store.nbytes == 0
+    small = torch.zeros(1, 5, 4, 8)  # 640 bytes each, 1280 a pair
+    store.put((1,), (2,), small, small)
+    store.put((1,), (3,), small, small)
+    assert store.get((1,), (2,)) is not None  # (3,) is now the least recently used
+    store.put((1,), (4,), small, small)
+    assert store.get((1,), (3,)) is None and store.get((1,), (2,)) is not None
+    assert store.nbytes <= 3000 and len(store) == 2
+    with pytest.raises(ValueError, match="max_bytes"):
+        ChunkKVStore(max_bytes=-1)
+    with pytest.raises(ValueError, match="non-empty suffix"):
+        ChunkedPrompt([1], [[2]], [])
+    with pytest.raises(ValueError, match="chunk 1 is empty"):
+        ChunkedPrompt([1], [[2], []], [3])
+    with pytest.raises(ValueError, match="pre_rope=True"):
+        prefill_independent_chunks(model, make_cache(model, pre_rope=False), 0,
+                                   ChunkedPrompt([1], [[2]], [3]), store)
