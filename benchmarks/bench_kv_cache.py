@@ -1,14 +1,24 @@
-"""Paged KV cache against a contiguous one: decode attention through block tables, and memory.
+"""KV cache: paged decode attention, KV reuse across requests, and memory.
 
-Per case, interleaved in one process:
+Each comparison is interleaved in one process:
 
-- contiguous: ``fastllm.ops.attention`` over each sequence's keys stored back to back;
-- paged: ``fastllm.ops.paged_attention`` over the same keys scattered in ``block_size`` blocks
-  of a shared pool, in shuffled order (as a long-running server's pool ends up).
+- decode attention: ``fastllm.ops.attention`` over each sequence's keys stored back to back
+  against ``fastllm.ops.paged_attention`` over the same keys scattered in ``block_size`` blocks
+  of a shared pool in shuffled order (as a long-running server's pool ends up); goal: paged
+  >= 0.9x the contiguous speed;
+- time to first token of a prompt whose prefix blocks are in the prefix cache against the same
+  prompt computed cold (goal: >= 5x lower), on a model of ``--prefill-model``'s dimensions with
+  random weights and ``--prefill-layers`` layers (each layer costs the same, so the ratio does
+  not depend on how many are run);
+- independent-chunk prefill (block attention, :mod:`fastllm.chunk_prefill`) of a prompt made
+  of a prefix, reused chunks and a suffix, against a full causal prefill of the same tokens,
+  with the chunks found in the store and with them encoded on the spot;
+- how far independent-chunk prefill moves the next-token distribution from full causal
+  attention, on the real stories260K model (``--models-dir``), over prompts cut from stories
+  it writes itself.
 
-The ratio is the paged path's speed relative to the contiguous one (goal >= 0.9x). The memory
-table gives, per model shape, the KV bytes of one token and of one sequence at the decode length,
-for the cache dtype.
+The memory table gives, per model shape, the KV bytes of one token and of one sequence at the
+decode length, for the cache dtype.
 
     python benchmarks/bench_kv_cache.py --out results
 """
@@ -25,10 +35,16 @@ from torch import Tensor
 import fastllm
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
-from fastllm.bench.workloads import MODEL_SHAPES, add_shape_arguments, make_attention_inputs
-from fastllm.kv_cache import KVCacheSpec
+from fastllm.bench.workloads import (MODEL_SHAPES, add_shape_arguments, make_attention_inputs,
+                                     random_model)
+from fastllm.chunk_prefill import ChunkedPrompt, ChunkKVStore, prefill_independent_chunks
+from fastllm.kv_cache import KVCacheSpec, PagedKVCache
+from fastllm.model_runner import run_step
+from fastllm.models import DecoderLM, load_model
 
 GOAL_PAGED_VS_CONTIGUOUS = 0.9
+GOAL_CACHED_TTFT_SPEEDUP = 5.0
+DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[2] / "shared" / "models"
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,20 @@ class KVCacheBenchConfig:
     device: str = "cpu"
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=2, repeats=20,
                                                                    budget_s=0.5))
+    # KV reuse, on a random-weight model of prefill_model's dimensions with prefill_layers layers.
+    prefill_model: str = "qwen3-0.6b"
+    prefill_layers: int = 4
+    ttft_prompt_len: int = 1024
+    ttft_cached_len: int = 960
+    chunk_prefix_len: int = 64
+    num_chunks: int = 8
+    chunk_len: int = 256
+    chunk_suffix_len: int = 32
+    prefill_timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=5,
+                                                                           budget_s=10.0))
+    # Logit drift of block attention on a real model.
+    models_dir: str = str(DEFAULT_MODELS_DIR)
+    drift_prompts: int = 16
 
 
 @dataclass(frozen=True)
@@ -101,6 +131,146 @@ def decode_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
     return rows
 
 
+def random_tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill_once(model: DecoderLM, cache: PagedKVCache, seq_id: int, prompt: list[int]) -> Tensor:
+    """Allocates and prefills ``prompt`` (from its first uncached token), then frees it:
+    returns the last logits. Full blocks stay in the prefix cache for the next request."""
+    cached = cache.block_manager.allocate(seq_id, prompt)
+    try:
+        return run_step(model, cache, [seq_id], [prompt[cached:]])[0]
+    finally:
+        cache.block_manager.free(seq_id)
+
+
+def reuse_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
+    """TTFT with a cached prefix vs cold, and independent-chunk prefill vs full prefill."""
+    shape = MODEL_SHAPES[config.prefill_model]
+    model = random_model(shape, num_layers=config.prefill_layers, device=config.device)
+    spec = model.kv_cache_spec(config.block_size)
+    longest = max(config.ttft_prompt_len, config.chunk_prefix_len + config.chunk_suffix_len
+                  + config.num_chunks * config.chunk_len)
+    num_blocks = 4 * -(-longest // config.block_size)
+    base = {"model": config.prefill_model, "layers": config.prefill_layers, "dtype": "float32"}
+    rows = []
+
+    # TTFT: the same 1024-token prompt, cold (no prefix caching) and with 960 tokens cached.
+    prompt = random_tokens(config.ttft_prompt_len, shape.vocab_size, 0)
+    cold_cache = PagedKVCache(spec, num_blocks, device=config.device,
+                              enable_prefix_caching=False)
+    warm_cache = PagedKVCache(spec, num_blocks, device=config.device)
+    other_tail = random_tokens(config.ttft_prompt_len - config.ttft_cached_len, shape.vocab_size,
+                               1)
+    prefill_once(model, warm_cache, 0, prompt[:config.ttft_cached_len] + other_tail)
+    timings = compare({"cold": lambda: prefill_once(model, cold_cache, 0, prompt),
+                       "cached prefix": lambda: prefill_once(model, warm_cache, 0, prompt)},
+                      config.prefill_timer, device=config.device)
+    reused = warm_cache.block_manager.allocate(1, prompt)  # what each timed request reused
+    warm_cache.block_manager.free(1)
+    rows.append({**base, "case": f"TTFT, {config.ttft_prompt_len}-token prompt",
+                 "reused_tokens": reused,
+                 "peer": "cold prefill", "method": "prefix cache hit",
+                 "peer_ms": timings["cold"].median_s * 1e3,
+                 "method_ms": timings["cached prefix"].median_s * 1e3,
+                 "speedup": timings["cold"].median_s / timings["cached prefix"].median_s})
+
+    # Independent chunks: [prefix][8 x 256][suffix], chunks reused from the store or encoded,
+    # against a causal prefill of the same tokens.
+    vocab = shape.vocab_size
+    chunked = ChunkedPrompt(random_tokens(config.chunk_prefix_len, vocab, 2),
+                            [random_tokens(config.chunk_len, vocab, 10 + i)
+                             for i in range(config.num_chunks)],
+                            random_tokens(config.chunk_suffix_len, vocab, 3))
+    chunk_cache = PagedKVCache(spec, num_blocks, device=config.device, pre_rope=True)
+    full_cache = PagedKVCache(spec, num_blocks, device=config.device,
+                              enable_prefix_caching=False)
+    store = ChunkKVStore(max_bytes=2 * config.num_chunks * config.chunk_len * spec.bytes_per_token)
+
+    def chunks(store: ChunkKVStore) -> Tensor:
+        try:
+            return prefill_independent_chunks(model, chunk_cache, 0, chunked, store)
+        finally:
+            chunk_cache.block_manager.free(0)
+
+    chunks(store)  # fills the store
+    timings = compare({
+        "full prefill": lambda: prefill_once(model, full_cache, 0, chunked.token_ids),
+        "chunks reused": lambda: chunks(store),
+        "chunks encoded": lambda: chunks(ChunkKVStore(max_bytes=0)),  # keeps nothing
+    }, config.prefill_timer, device=config.device)
+    case = (f"{config.chunk_prefix_len} + {config.num_chunks} x {config.chunk_len} + "
+            f"{config.chunk_suffix_len} tokens")
+    for method in ("chunks reused", "chunks encoded"):
+        rows.append({**base, "case": f"independent chunks, {case}",
+                     "reused_tokens": (config.num_chunks * config.chunk_len
+                                       if method == "chunks reused" else 0),
+                     "peer": "full causal prefill", "method": method,
+                     "peer_ms": timings["full prefill"].median_s * 1e3,
+                     "method_ms": timings[method].median_s * 1e3,
+                     "speedup": timings["full prefill"].median_s / timings[method].median_s})
+    print("kv_cache: KV reuse measured", flush=True)
+    return rows
+
+
+def drift_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
+    """How far block attention moves the next-token distribution from causal attention on
+    stories260K: prompts cut from its own stories into a prefix, 4 chunks and a suffix."""
+    path = Path(config.models_dir) / "stories260K_hf"
+    if not path.is_dir():
+        print(f"kv_cache: {path} not found; skipping the logit drift table", flush=True)
+        return []
+    model = load_model(path)
+    spec = model.kv_cache_spec(config.block_size)
+    cache = PagedKVCache(spec, 256, device="cpu", pre_rope=True, enable_prefix_caching=False)
+    generator = torch.Generator().manual_seed(0)
+    n_chunks, chunk_len, prefix_len, suffix_len, continuation = 4, 24, 16, 8, 32
+    rows = []
+    for i in range(config.drift_prompts):
+        # A story the model writes itself (sampled at temperature 1 from BOS), then cut up.
+        story = [1]
+        need = prefix_len + n_chunks * chunk_len + suffix_len
+        while len(story) < need:
+            logits = prefill_once(model, cache, 0, story)
+            story.append(int(torch.multinomial(logits.softmax(-1), 1, generator=generator)))
+        prompt = ChunkedPrompt(story[:prefix_len],
+                               [story[prefix_len + c * chunk_len:prefix_len + (c + 1) * chunk_len]
+                                for c in range(n_chunks)], story[need - suffix_len:need])
+        full = greedy_continuation(model, cache, prompt, continuation, chunked=False)
+        block = greedy_continuation(model, cache, prompt, continuation, chunked=True)
+        p, q = full[0].log_softmax(-1), block[0].log_softmax(-1)
+        agree = next((t for t, (a, b) in enumerate(zip(full[1], block[1])) if a != b),
+                     continuation)
+        rows.append({"prompt": i, "max_abs_logit_diff": float((full[0] - block[0]).abs().max()),
+                     "kl_full_to_chunks": float((p.exp() * (p - q)).sum()),
+                     "same_top1": bool(full[0].argmax() == block[0].argmax()),
+                     "greedy_tokens_agreeing": agree})
+    print("kv_cache: logit drift measured", flush=True)
+    return rows
+
+
+def greedy_continuation(model: DecoderLM, cache: PagedKVCache, prompt: ChunkedPrompt,
+                        steps: int, *, chunked: bool) -> tuple[Tensor, list[int]]:
+    """The prompt's next-token logits (block attention or causal) and ``steps`` greedy
+    tokens decoded after it."""
+    manager = cache.block_manager
+    if chunked:
+        first = prefill_independent_chunks(model, cache, 0, prompt, ChunkKVStore(max_bytes=0))
+    else:
+        manager.allocate(0, prompt.token_ids)
+        first = run_step(model, cache, [0], [prompt.token_ids])[0]
+    try:
+        tokens, logits = [], first
+        for _ in range(steps):
+            tokens.append(int(logits.argmax()))
+            cache.copy_blocks(manager.append_tokens(0, tokens[-1:]))
+            logits = run_step(model, cache, [0], [tokens[-1:]])[0]
+        return first, tokens
+    finally:
+        manager.free(0)
+
+
 def memory_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
     """KV bytes per token and per sequence of decode length, per model shape and dtype."""
     rows = []
@@ -118,7 +288,8 @@ def memory_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
     return rows
 
 
-def tables(decode: list[dict[str, object]], memory: list[dict[str, object]]) -> dict[str, str]:
+def tables(decode: list[dict[str, object]], reuse: list[dict[str, object]],
+           drift: list[dict[str, object]], memory: list[dict[str, object]]) -> dict[str, str]:
     """The markdown tables of the report, by title."""
     worst = min((row["paged_vs_contiguous"] for row in decode), default=float("nan"))
     verdict = "met" if worst >= GOAL_PAGED_VS_CONTIGUOUS else "NOT met"
@@ -131,9 +302,36 @@ def tables(decode: list[dict[str, object]], memory: list[dict[str, object]]) -> 
     memory_table = markdown_table(memory, {
         "model": "model", "dtype": "dtype", "bytes_per_token": "KV bytes per token",
         "seq_tokens": "tokens per sequence", "mib_per_seq": "MiB per sequence"})
-    return {"Decode attention: paged pool vs contiguous cache (speed > 1: paged faster)":
-            summary + "\n\n" + decode_table,
-            "KV memory (all layers, K and V)": memory_table}
+    ttft = [row["speedup"] for row in reuse if row["method"] == "prefix cache hit"]
+    ttft_verdict = ("met" if min(ttft) >= GOAL_CACHED_TTFT_SPEEDUP else "NOT met") if ttft else ""
+    reuse_summary = (f"Goal: TTFT with the prefix cached >= {GOAL_CACHED_TTFT_SPEEDUP}x lower "
+                     f"than cold: {min(ttft):.1f}x ({ttft_verdict})." if ttft else "")
+    reuse_table = markdown_table(reuse, {
+        "case": "case", "model": "model", "layers": "layers", "reused_tokens": "reused tokens",
+        "peer": "peer", "peer_ms": "peer (ms)", "method": "method", "method_ms": "method (ms)",
+        "speedup": "speedup"})
+    result = {"Decode attention: paged pool vs contiguous cache (speed > 1: paged faster)":
+              summary + "\n\n" + decode_table,
+              "KV reuse: prefix cache and independent chunks (random weights)":
+              reuse_summary + "\n\n" + reuse_table}
+    if drift:
+        n = len(drift)
+        summary_row = {
+            "prompts": n,
+            "median_kl": sorted(r["kl_full_to_chunks"] for r in drift)[n // 2],
+            "max_kl": max(r["kl_full_to_chunks"] for r in drift),
+            "median_max_logit_diff": sorted(r["max_abs_logit_diff"] for r in drift)[n // 2],
+            "same_top1": sum(r["same_top1"] for r in drift) / n,
+            "median_greedy_agreeing": sorted(r["greedy_tokens_agreeing"] for r in drift)[n // 2]}
+        result["Block attention vs causal attention on stories260K (next-token logits)"] = (
+            "Prompts: BOS + 15 story tokens, 4 chunks of 24, 8 suffix tokens; 32 greedy tokens "
+            "decoded after each.\n\n" + markdown_table([summary_row], {
+                "prompts": "prompts", "median_kl": "median KL(causal, chunks)",
+                "max_kl": "max KL", "median_max_logit_diff": "median max abs logit diff",
+                "same_top1": "same next token", "median_greedy_agreeing":
+                "median greedy tokens before the first difference"}))
+    result["KV memory (all layers, K and V)"] = memory_table
+    return result
 
 
 def parse_args(argv: list[str] | None) -> tuple[KVCacheBenchConfig, Path]:
@@ -149,12 +347,28 @@ def parse_args(argv: list[str] | None) -> tuple[KVCacheBenchConfig, Path]:
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help="tokens per cache block (default %(default)s)")
     parser.add_argument("--device", default=defaults.device, help="default %(default)s")
+    parser.add_argument("--prefill-model", choices=sorted(MODEL_SHAPES),
+                        default=defaults.prefill_model,
+                        help="dimensions of the KV-reuse model (default %(default)s)")
+    sizes = ("prefill_layers", "ttft_prompt_len", "ttft_cached_len", "chunk_prefix_len",
+             "num_chunks", "chunk_len", "chunk_suffix_len", "drift_prompts")
+    for name in sizes:
+        parser.add_argument("--" + name.replace("_", "-"), type=int,
+                            default=getattr(defaults, name), help="default %(default)s")
+    parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
+                        help="folder holding stories260K_hf (default %(default)s)")
     TimerConfig.add_arguments(parser, defaults.timer)
     args = parser.parse_args(argv)
+    timer = TimerConfig.from_arguments(args)
     config = KVCacheBenchConfig(
         models=tuple(args.models), dtypes=tuple(args.dtypes),
         decode_batches=tuple(args.decode_batches), decode_len_k=args.decode_len_k,
-        block_size=args.block_size, device=args.device, timer=TimerConfig.from_arguments(args))
+        block_size=args.block_size, device=args.device, timer=timer,
+        prefill_model=args.prefill_model, models_dir=str(args.models_dir),
+        # Prefills last seconds: fewer repeats than the decode timer's, the same warm-up.
+        prefill_timer=TimerConfig(warmup=min(timer.warmup, 1), repeats=min(timer.repeats, 5),
+                                  budget_s=max(timer.budget_s, 10.0)),
+        **{name: getattr(args, name) for name in sizes})
     return config, args.out
 
 
@@ -164,9 +378,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     config, out = parse_args(argv)
     with torch.inference_mode():
         decode = decode_rows(config)
+        reuse = reuse_rows(config)
+        drift = drift_rows(config)
     memory = memory_rows(config)
     return publish(benchmark="kv_cache", device=config.device, config=config,
-                   rows=decode + memory, tables=tables(decode, memory), out=out)
+                   rows=decode + reuse + drift + memory,
+                   tables=tables(decode, reuse, drift, memory), out=out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Model-shaped attention inputs shared by the benchmarks (random values: only speed matters)."""
+"""Model-shaped inputs and models shared by the benchmarks (random values: only speed matters)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fastllm.models import DecoderLM, ModelConfig
+
 __all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "add_shape_arguments",
-           "make_attention_inputs", "repeat_kv"]
+           "make_attention_inputs", "random_model", "repeat_kv"]
 
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """The attention geometry of one model family member."""
+    """The attention geometry of one model family member, and what else its whole model needs
+    (:func:`random_model`)."""
 
     name: str
     hidden_size: int
@@ -24,6 +27,10 @@ class AttentionShape:
     n_kv_heads: int
     head_dim: int
     rope_theta: float
+    architecture: str
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
 
     @property
     def group(self) -> int:
@@ -35,9 +42,11 @@ MODEL_SHAPES: dict[str, AttentionShape] = {
     shape.name: shape
     for shape in (
         AttentionShape("qwen3-0.6b", hidden_size=1024, num_layers=28, n_heads=16, n_kv_heads=8,
-                       head_dim=128, rope_theta=1_000_000.0),
+                       head_dim=128, rope_theta=1_000_000.0, architecture="Qwen3ForCausalLM",
+                       intermediate_size=3072, vocab_size=151_936, tie_word_embeddings=True),
         AttentionShape("llama-3-8b", hidden_size=4096, num_layers=32, n_heads=32, n_kv_heads=8,
-                       head_dim=128, rope_theta=500_000.0),
+                       head_dim=128, rope_theta=500_000.0, architecture="LlamaForCausalLM",
+                       intermediate_size=14_336, vocab_size=128_256, tie_word_embeddings=False),
     )
 }
 
@@ -100,6 +109,27 @@ def make_attention_inputs(shape: AttentionShape, *, batch: int, len_q: int, len_
         len_q=len_q,
         len_k=len_k,
     )
+
+
+def random_model(shape: AttentionShape, *, num_layers: int | None = None,
+                 max_position: int = 8192, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", seed: int = 0) -> DecoderLM:
+    """A :class:`~fastllm.models.DecoderLM` of the shape's dimensions with random weights
+    (``num_layers`` of them, default the model's own count): the real model's cost per layer."""
+    layers = shape.num_layers if num_layers is None else num_layers
+    config = ModelConfig(
+        architecture=shape.architecture, vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_layers=layers, sliding_layers=(False,) * layers, rope_layers=(True,) * layers,
+        n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+        rms_norm_eps=1e-6, rope_theta=shape.rope_theta, max_position_embeddings=max_position,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        qk_norm=shape.architecture == "Qwen3ForCausalLM")
+    torch.manual_seed(seed)
+    model = DecoderLM(config)
+    for param in model.parameters():  # small weights keep activations in range over the layers
+        param.normal_(0.0, 0.02)
+    return model.to(dtype=dtype, device=device)
 
 
 def repeat_kv(x: Tensor, group: int) -> Tensor:
