@@ -2,13 +2,15 @@
 
 The files are memory-mapped (``safetensors.safe_open``) and read tensor by tensor through an
 explicit HF name -> fastllm name map that also fuses q/k/v and gate/up. The model is built on
-the meta device and materialized once, by assigning the loaded tensors. Pickle checkpoints
-(``.bin``, ``.pt``, ``.pth``) are refused: loading them can run arbitrary code.
+the meta device and materialized once, by assigning the loaded tensors (:func:`build_model`,
+shared with the GGUF loader, :mod:`fastllm.models.gguf`, to which a ``.gguf`` path is handed).
+Pickle checkpoints (``.bin``, ``.pt``, ``.pth``) are refused: loading them can run arbitrary code.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from torch import Tensor
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
 
-__all__ = ["hf_weight_map", "load_model"]
+__all__ = ["build_model", "hf_weight_map", "load_model"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 # Buffers some older HF checkpoints saved; HF skips them on load too.
@@ -68,9 +70,31 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
     return names
 
 
+def build_model(config: ModelConfig, read: Callable[[str, tuple[int, ...]], Tensor], *,
+                dtype: torch.dtype, device: torch.device | str) -> DecoderLM:
+    """Builds a :class:`DecoderLM` on the meta device and materializes it once.
+
+    ``read(hf_name, shape)`` returns the checkpoint's tensor ``hf_name``, already checked to
+    have ``shape``; the parts of each fused parameter are concatenated in
+    :func:`hf_weight_map`'s order, then cast to ``dtype`` and placed on ``device``.
+    """
+    state: dict[str, Tensor] = {}
+    for name, parts in hf_weight_map(config).items():
+        tensors = [read(hf_name, shape) for hf_name, shape in parts]
+        fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        state[name] = fused.to(device=device, dtype=dtype)
+
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_rope_cache()
+    return model.eval()
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> DecoderLM:
-    """Loads the HF model folder ``path`` (``config.json`` plus ``*.safetensors``).
+    """Loads the HF model folder ``path`` (``config.json`` plus ``*.safetensors``), or the
+    llama.cpp GGUF file ``path`` (``*.gguf``, see :func:`fastllm.models.gguf.load_gguf`).
 
     Sharded checkpoints are read through ``model.safetensors.index.json`` when present. Weights
     are cast to ``dtype`` and placed on ``device``. A missing, unexpected or wrongly shaped
@@ -78,6 +102,10 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     in the checkpoint is ignored, as HF does.
     """
     folder = Path(path)
+    if folder.suffix == ".gguf":
+        from fastllm.models.gguf import load_gguf  # imported here: gguf.py imports this module
+
+        return load_gguf(folder, dtype=dtype, device=device)
     if folder.suffix in _PICKLE_SUFFIXES:
         raise ValueError(_pickle_refusal(folder))
     if not folder.is_dir():
@@ -88,26 +116,18 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     weight_map = hf_weight_map(config)
     _check_keys(weight_map, files_by_name, config)
 
-    state: dict[str, Tensor] = {}
     with ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
                    for file in sorted(set(files_by_name.values()))}
-        for name, parts in weight_map.items():
-            tensors = []
-            for hf_name, shape in parts:
-                tensor = handles[files_by_name[hf_name]].get_tensor(hf_name)
-                if tuple(tensor.shape) != shape:
-                    raise ValueError(f"{hf_name} has shape {tuple(tensor.shape)}, expected "
-                                     f"{shape} from config.json")
-                tensors.append(tensor)
-            fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-            state[name] = fused.to(device=device, dtype=dtype)
 
-    with torch.device("meta"):
-        model = DecoderLM(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.init_rope_cache()
-    return model.eval()
+        def read(hf_name: str, shape: tuple[int, ...]) -> Tensor:
+            tensor = handles[files_by_name[hf_name]].get_tensor(hf_name)
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{hf_name} has shape {tuple(tensor.shape)}, expected "
+                                 f"{shape} from config.json")
+            return tensor
+
+        return build_model(config, read, dtype=dtype, device=device)
 
 
 def _checkpoint_index(folder: Path) -> dict[str, Path]:

@@ -1,0 +1,239 @@
+"""Loads a llama.cpp GGUF checkpoint into a :class:`~fastllm.models.llama.DecoderLM`.
+
+The file is memory-mapped with ``gguf.GGUFReader``. Its metadata (``{arch}.block_count``, ...)
+is translated into the HF ``config.json`` keys it came from, so :meth:`ModelConfig.from_hf_config`
+applies the same per-architecture rules as for a HF folder. Each tensor is dequantized to
+float32 with ``gguf.quants`` and handed to the safetensors loader's :func:`build_model` under its
+HF name, so the fused q/k/v and gate/up layout and the meta-device build are the same code.
+
+Two conventions of llama.cpp's ``convert_hf_to_gguf.py`` are undone here:
+
+- ggml lists a tensor's dimensions innermost first, so a torch ``[out, in]`` weight is ggml
+  ``[in, out]``; the reader's ``tensor.data`` is already in numpy (torch) order.
+- For the ``llama`` architecture, q/k rows (weights and biases) are permuted from HF's
+  half-split RoPE pairs ``(j, j + d/2)`` to interleaved pairs ``(2j, 2j + 1)``, because
+  llama.cpp rotates llama with its "normal" (GPT-J) RoPE. fastllm rotates HF's way (neox), so
+  the rows are permuted back. Qwen2 and Qwen3 are converted without the permutation: llama.cpp
+  runs them with neox RoPE, which already is HF's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf.quants import dequantize
+from torch import Tensor
+
+from fastllm.models.config import ModelConfig
+from fastllm.models.llama import DecoderLM
+from fastllm.models.loader import build_model, hf_weight_map
+from fastllm.models.rope import rope_inv_freq
+
+__all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",
+           "load_gguf"]
+
+# general.architecture -> the HF architecture whose conventions the file keeps.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
+
+# The tensor types dequantized at load (all through gguf.quants.dequantize).
+GGUF_TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in
+                          ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"))
+
+# HF module name -> llama.cpp's (gguf.constants.TENSOR_NAMES); ".weight" / ".bias" kept.
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+                 "lm_head": "output"}
+_LAYER_NAMES = {  # after "model.layers.{i}." -> after "blk.{i}."
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down"}
+
+# Llama 3.1 RoPE scaling: convert_hf_to_gguf.py stores it as per-frequency divisors in this
+# tensor, [head_dim / 2] F32, rather than as metadata.
+_ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.x's llama3 scaling parameters (also the converter's defaults), all but the factor.
+_LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name for the HF tensor ``hf_name``: ``model.layers.3.mlp.up_proj.weight``
+    -> ``blk.3.ffn_up.weight``."""
+    module, kind = hf_name.rsplit(".", 1)  # kind: weight or bias
+    if module in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[module]}.{kind}"
+    _, _, layer, rest = module.split(".", 3)  # "model", "layers", "{i}", rest
+    return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
+
+
+def config_from_gguf(reader: GGUFReader) -> ModelConfig:
+    """The :class:`ModelConfig` of a GGUF file, from its metadata and its tensor list.
+
+    The file's facts are written as the HF ``config.json`` keys llama.cpp's converter read them
+    from; what the metadata leaves out takes the HF config class's default, as for a HF folder.
+    The vocabulary size is ``token_embd``'s row count, tied embeddings mean no ``output.weight``,
+    biases are present when their tensors are, and the eos ids are llama.cpp's end-of-generation
+    set (``eos``, ``eot``, ``eom``). RoPE scaling is ``rope.scaling.*`` metadata (linear), or
+    Llama 3.1's ``rope_freqs.weight``, read as llama3 scaling and checked to reproduce it.
+    """
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; fastllm loads "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError("the GGUF file lacks token_embd.weight")
+
+    def get(key: str) -> Any:
+        return _field(reader, f"{arch}.{key}")
+
+    n_heads, hidden = get("attention.head_count"), get("embedding_length")
+    head_dim = get("attention.key_length")
+    if head_dim is None and isinstance(n_heads, int) and isinstance(hidden, int) and n_heads:
+        head_dim = hidden // n_heads
+    value_dim = get("attention.value_length")
+    if value_dim is not None and value_dim != head_dim:
+        raise ValueError(f"attention.value_length={value_dim} differs from key_length="
+                         f"{head_dim}; fastllm needs one head_dim")
+    hf: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ggml [hidden, vocab]
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": get("attention.head_count_kv"),
+        "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(
+            token for kind in ("eos", "eot", "eom")
+            if (token := _field(reader, f"tokenizer.ggml.{kind}_token_id")) is not None)),
+    }
+    # Keys the metadata may leave out: absent, the HF class default applies.
+    for key, hf_key in (("context_length", "max_position_embeddings"),
+                        ("rope.freq_base", "rope_theta")):
+        if (value := get(key)) is not None:
+            hf[hf_key] = value
+    rotary_dim = get("rope.dimension_count")
+    if rotary_dim is not None and head_dim and rotary_dim != head_dim:
+        hf["partial_rotary_factor"] = rotary_dim / head_dim  # refused by from_hf_config
+    scaling = get("rope.scaling.type")
+    if scaling is not None and scaling != "none":
+        hf["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
+    rope_divisors = _dequantize(tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
+    if rope_divisors is not None:
+        if "rope_scaling" in hf:
+            raise ValueError(f"the GGUF file has both rope.scaling.type={scaling!r} and "
+                             f"{_ROPE_FREQS}")
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": float(rope_divisors.max()),
+                              **_LLAMA3_ROPE}
+    config = ModelConfig.from_hf_config(hf)
+    if rope_divisors is not None:
+        _check_llama3_divisors(config, rope_divisors)
+    return config
+
+
+def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> DecoderLM:
+    """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
+
+    Every tensor is dequantized (types :data:`GGUF_TENSOR_TYPES`) to float32, then cast to
+    ``dtype`` and placed on ``device``. A missing, unexpected or wrongly shaped tensor, or one
+    of another type, is a ``ValueError`` naming it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is not a file")
+    with path.open("rb") as file:
+        magic = file.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    reader = GGUFReader(path)
+    config = config_from_gguf(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    names = {gguf_tensor_name(hf_name): hf_name
+             for parts in hf_weight_map(config).values() for hf_name, _ in parts}
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ValueError(f"the GGUF file lacks {missing[0]} ({len(missing)} missing tensor(s) "
+                         f"for a {config.architecture})")
+    unexpected = sorted(set(tensors) - set(names) - {_ROPE_FREQS})
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]} in the GGUF file "
+                         f"({len(unexpected)} unexpected for a {config.architecture})")
+    permuted = config.architecture == "LlamaForCausalLM"
+
+    def read(hf_name: str, shape: tuple[int, ...]) -> Tensor:
+        name = gguf_tensor_name(hf_name)
+        tensor = tensors[name]
+        ggml_shape = [int(n) for n in tensor.shape]
+        torch_shape = tuple(reversed(ggml_shape))  # ggml lists the innermost dimension first
+        if torch_shape != shape:
+            raise ValueError(f"{name} has shape {torch_shape} (ggml {ggml_shape}), expected "
+                             f"{shape} from the metadata")
+        values = _dequantize(tensor)
+        module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
+        if permuted and module in ("q_proj", "k_proj"):
+            values = _unpermute_rope_rows(
+                values, config.n_heads if module == "q_proj" else config.n_kv_heads)
+        return torch.from_numpy(values)
+
+    return build_model(config, read, dtype=dtype, device=device)
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    """Metadata value ``key`` as a Python value, None when absent.
+
+    GGUF floats are float32; the shortest decimal that rounds to one is taken, which recovers
+    the value the HF config held (1e-05, not 9.999999747378752e-06).
+    """
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    if field.types == [GGUFValueType.FLOAT32]:
+        return float(str(np.float32(value)))
+    return value
+
+
+def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+    """A fresh, writable float32 array of ``tensor`` (torch order), whatever its GGUF type."""
+    if tensor.tensor_type not in GGUF_TENSOR_TYPES:
+        raise ValueError(f"tensor {tensor.name} is {tensor.tensor_type.name}, which fastllm does "
+                         f"not dequantize; supported: "
+                         f"{', '.join(t.name for t in GGUF_TENSOR_TYPES)}")
+    # np.array copies: F32 dequantizes to a read-only view of the memory-mapped file.
+    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf.py's ``LlamaModel.permute``: per head, rows in llama.cpp's
+    interleaved pair order (0, d/2, 1, d/2 + 1, ...) go back to HF's half-split order.
+
+    ``w`` is a q/k weight ``[n_heads * head_dim, hidden]`` or bias ``[n_heads * head_dim]``.
+    """
+    # [n_heads, head_dim / 2, 2, ...] -> [n_heads, 2, head_dim / 2, ...]; reshape copies
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _check_llama3_divisors(config: ModelConfig, rope_divisors: np.ndarray) -> None:
+    """Refuses a ``rope_freqs.weight`` that the llama3 scaling read from it does not reproduce
+    (llama.cpp divides each RoPE frequency by its entry)."""
+    base = rope_inv_freq(dataclasses.replace(config, rope_scaling=None))  # float64 [d / 2]
+    if (rope_divisors.shape != tuple(base.shape) or not torch.allclose(
+            rope_inv_freq(config), base / torch.from_numpy(rope_divisors), rtol=1e-5, atol=0)):
+        raise ValueError(f"{_ROPE_FREQS} holds per-frequency RoPE divisors that Llama 3's llama3 "
+                         f"scaling (factor {config.rope_scaling.factor}, {_LLAMA3_ROPE}) does not "
+                         "reproduce; fastllm supports no other scaling given this way")

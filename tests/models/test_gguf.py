@@ -1,0 +1,423 @@
+"""GGUF loading: the llama.cpp fixture against transformers' own GGUF reader; round trips of tiny
+random HF models written as convert_hf_to_gguf.py writes them, in every supported tensor type;
+Llama 3.1 RoPE scaling given as ``rope_freqs.weight``; and every refusal."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QT
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from fastllm.kv_cache import PagedKVCache
+from fastllm.model_runner import run_step
+from fastllm.models import AttentionMetadata, DecoderLM, hf_weight_map, load_model
+from fastllm.models.gguf import gguf_tensor_name, load_gguf
+
+transformers.logging.set_verbosity_error()
+
+ATOL = 1e-4  # float32 logits, fastllm vs HF eager on the weights the file encodes
+FIXTURE = "llama-2-tiny-random.gguf"
+NEW_TOKENS = 8
+
+# K-quants pack 256 values per block along a row, so every row length here is a multiple of 256.
+BASE = dict(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+            tie_word_embeddings=False)
+
+# name -> (model_type, overrides of BASE)
+CASES = {
+    # GQA; q/k/v/o biases, so the q/k permutation is undone on biases too; linear RoPE scaling,
+    # written as rope.scaling.* metadata.
+    "llama": ("llama", dict(attention_bias=True, rope_parameters=dict(
+        rope_type="linear", factor=2.0, rope_theta=10000.0))),
+    # q/k/v biases, tied embeddings (no output.weight).
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    # q/k norms; head_dim 128 != hidden / heads, written as attention.key_length.
+    "qwen3": ("qwen3", dict(head_dim=128)),
+}
+
+# Types gguf.quants can quantize are made from the HF weights; Q4_K and Q6_K, which it can only
+# dequantize, are random blocks with sane scales, and the HF twin takes what they encode.
+QUANTIZED_FROM_HF = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+RANDOM_BLOCKS = ("Q4_K", "Q6_K")
+# Every type on llama (whose q/k rows the file permutes), a few on the others.
+ROUND_TRIPS = [*(("llama", qtype) for qtype in (*QUANTIZED_FROM_HF, *RANDOM_BLOCKS)),
+               ("qwen2", "F32"), ("qwen2", "Q4_0"), ("qwen2", "Q6_K"),
+               ("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K")]
+# Loose bound when the file holds HF's weights rounded: the least cosine similarity of a
+# position's logits with HF's (measured: 1 - 1e-6, 1 - 3e-5, 1 - 2.3e-4, 0.93).
+MIN_COSINE = {"F16": 0.99999, "BF16": 0.9999, "Q8_0": 0.999, "Q4_0": 0.85}
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Norms away from 1 and weights large enough that greedy tokens are far apart (milder
+    than test_parity's: 4-bit rounding of larger random weights scrambles the logits)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.05 * noise)
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``LlamaModel.permute``: HF half-split RoPE rows -> interleaved."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def unpermute_by_index(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of :func:`permute`, found by where each row went (independent of the
+    loader's reshape-based inverse)."""
+    moved_from = permute(np.arange(w.shape[0]), n_head)  # file row r holds HF row moved_from[r]
+    out = np.empty_like(w)
+    out[moved_from] = w
+    return out
+
+
+def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> np.ndarray:
+    """``[rows, cols]`` of random Q4_K / Q6_K blocks whose fp16 scales give values of ~0.1."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if qtype == QT.Q4_K:  # d, dmin (fp16) lead the block: value = d * sc * q - dmin * m
+        data[..., 0:2] = np.array([4e-4], np.float16).view(np.uint8)
+        data[..., 2:4] = np.array([3e-3], np.float16).view(np.uint8)
+    else:  # Q6_K: d (fp16) ends the block: value = d * scale * q
+        data[..., -2:] = np.array([7e-5], np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def gguf_tensors(hf: torch.nn.Module, model_type: str, qtype: str, seed: int = 0
+                 ) -> tuple[dict[str, tuple[np.ndarray, QT]], dict[str, torch.Tensor]]:
+    """(llama.cpp name -> (stored array, type), HF name -> the float32 weight the file encodes),
+    as convert_hf_to_gguf.py writes ``hf``: llama q/k rows permuted, 1-D tensors kept F32."""
+    rng = np.random.default_rng(seed)
+    config = hf.config
+    stored: dict[str, tuple[np.ndarray, QT]] = {}
+    encoded: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in hf.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        w = tensor.float().numpy()
+        module = hf_name.rsplit(".", 2)[-2]
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+        permuted = model_type == "llama" and module in heads
+        kind = QT.F32 if w.ndim == 1 else QT[qtype]
+        if kind.name in RANDOM_BLOCKS:
+            data = random_blocks(*w.shape, kind, rng)
+            w_file = gguf.quants.dequantize(data, kind)
+            expected = unpermute_by_index(w_file, heads[module]) if permuted else w_file
+        else:
+            data = gguf.quants.quantize(permute(w, heads[module]) if permuted else w, kind)
+            # Blocks run along a row, so quantizing commutes with permuting rows: the file
+            # encodes exactly dequantize(quantize(w)) in HF's row order.
+            expected = gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind)
+        stored[gguf_tensor_name(hf_name)] = (data, kind)
+        encoded[hf_name] = torch.from_numpy(np.array(expected, dtype=np.float32))
+    return stored, encoded
+
+
+def write_gguf(path: Path, model_type: str, config: transformers.PretrainedConfig,
+               tensors: dict[str, tuple[np.ndarray, QT]], **metadata) -> Path:
+    """Writes a GGUF with convert_hf_to_gguf.py's metadata for ``config``; ``metadata`` adds or
+    replaces ``{arch}.``-relative keys or ``tokenizer.`` ones (``architecture`` replaces
+    general.architecture)."""
+    arch = metadata.pop("architecture", model_type)
+    writer = gguf.GGUFWriter(path, arch)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters
+    kv = {"block_count": config.num_hidden_layers,
+          "context_length": config.max_position_embeddings,
+          "embedding_length": config.hidden_size,
+          "feed_forward_length": config.intermediate_size,
+          "attention.head_count": config.num_attention_heads,
+          "attention.head_count_kv": config.num_key_value_heads,
+          "attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+          "rope.freq_base": rope["rope_theta"]}
+    if model_type == "llama":
+        kv["rope.dimension_count"] = head_dim
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        kv["attention.key_length"] = kv["attention.value_length"] = head_dim
+    if rope.get("rope_type") == "linear":
+        kv["rope.scaling.type"], kv["rope.scaling.factor"] = "linear", rope["factor"]
+    kv["tokenizer.ggml.bos_token_id"] = config.bos_token_id
+    kv["tokenizer.ggml.eos_token_id"] = config.eos_token_id
+    for key, value in {**kv, **metadata}.items():
+        key = key if key.startswith("tokenizer.") else f"{arch}.{key}"
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for name, (data, kind) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_models() -> dict[str, torch.nn.Module]:
+    """Case name -> a tiny random HF model in float32."""
+    models = {}
+    for seed, (name, (model_type, overrides)) in enumerate(CASES.items()):
+        config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+        models[name] = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                        dtype=torch.float32).eval()
+        randomize_(models[name], seed)
+    return models
+
+
+def prefill_logits(model: DecoderLM, tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens), vocab]`` logits of one sequence's prefill."""
+    cache = PagedKVCache(model.kv_cache_spec(4), 64)
+    cache.block_manager.allocate(0, tokens)
+    meta = AttentionMetadata.build(cache, [0], [len(tokens)], "cpu")
+    return model.compute_logits(model(torch.tensor(tokens), meta.positions, meta, cache))
+
+
+def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]  # [len, vocab]
+
+
+def greedy(model: DecoderLM, prompt: list[int]) -> list[int]:
+    cache = PagedKVCache(model.kv_cache_spec(4), 64)
+    cache.block_manager.allocate(0, prompt)
+    step, out = prompt, []
+    for _ in range(NEW_TOKENS):
+        out.append(int(run_step(model, cache, [0], [step])[0].argmax()))
+        step = out[-1:]
+        cache.copy_blocks(cache.block_manager.append_tokens(0, step))
+    return out
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    return out[0, len(prompt):].tolist()
+
+
+def prompt(vocab: int, n: int = 13, seed: int = 0) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --- the llama.cpp fixture --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fixture_models(model_path) -> tuple[torch.nn.Module, DecoderLM]:
+    """(transformers' load of the fixture, fastllm's). transformers' from_pretrained(gguf_file=)
+    needs accelerate, which is not installed, so its GGUF reader is called directly: its own
+    metadata map, tensor name map and q/k un-permutation (LlamaTensorProcessor)."""
+    path = model_path("gguf") / FIXTURE
+    config = AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                          dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    hf.load_state_dict(tensors, strict=True)
+    return hf, load_model(path)
+
+
+def test_fixture_config(fixture_models):
+    config = fixture_models[1].config
+    assert (config.architecture, config.vocab_size, config.hidden_size, config.intermediate_size,
+            config.num_layers, config.n_heads, config.n_kv_heads, config.head_dim) == (
+        "LlamaForCausalLM", 32000, 8, 32, 1, 2, 2, 4)
+    # float32 metadata read back as the decimal the HF config held
+    assert (config.rms_norm_eps, config.rope_theta, config.rope_scaling) == (1e-5, 1e4, None)
+    assert (config.max_position_embeddings, config.tie_word_embeddings) == (4096, False)
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias, config.qk_norm) == (False,) * 4
+
+
+def test_fixture_matches_transformers_gguf_reader(fixture_models):
+    hf, model = fixture_models
+    hf_state = hf.state_dict()
+    for name, parts in hf_weight_map(model.config).items():
+        expected = torch.cat([hf_state[hf_name] for hf_name, _ in parts])
+        assert torch.equal(model.state_dict()[name], expected), name
+    tokens = prompt(32000, n=20)
+    torch.testing.assert_close(prefill_logits(model, tokens), hf_logits(hf, tokens), atol=ATOL,
+                               rtol=0)
+    assert greedy(model, tokens) == hf_greedy(hf, tokens)
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case, qtype", ROUND_TRIPS, ids=[f"{c}-{q}" for c, q in ROUND_TRIPS])
+def test_round_trip(hf_models, tmp_path, case, qtype):
+    """A tiny HF model written as llama.cpp's converter writes it, loaded back:
+
+    - every parameter equals the file's dequantized tensors in HF's row order (for quantized
+      types, gguf.quants.dequantize(gguf.quants.quantize(w)) of the HF weight, exactly);
+    - logits equal those of an HF twin holding those weights (greedy tokens too, in F32);
+    - logits stay close to the HF model's own when the file holds its weights rounded.
+    """
+    hf, model_type = hf_models[case], CASES[case][0]
+    tensors, encoded = gguf_tensors(hf, model_type, qtype)
+    model = load_model(write_gguf(tmp_path / "model.gguf", model_type, hf.config, tensors))
+    twin = copy.deepcopy(hf)
+    twin.load_state_dict(encoded, strict=False)  # a tied lm_head follows embed_tokens
+    twin_state, state = twin.state_dict(), model.state_dict()
+    for name, parts in hf_weight_map(model.config).items():
+        assert torch.equal(state[name], torch.cat([twin_state[n] for n, _ in parts])), name
+
+    tokens = prompt(model.config.vocab_size, n=17)
+    got = prefill_logits(model, tokens)
+    torch.testing.assert_close(got, hf_logits(twin, tokens), atol=ATOL, rtol=0)
+    if qtype in MIN_COSINE:
+        cosine = torch.cosine_similarity(got, hf_logits(hf, tokens), dim=-1).min().item()
+        assert cosine >= MIN_COSINE[qtype], cosine
+    if qtype == "F32":
+        assert greedy(model, tokens) == hf_greedy(hf, tokens)
+
+
+def test_dtype_cast(hf_models, tmp_path):
+    """F16 weights load exactly into float16 and bfloat16 models (F16 -> float32 -> dtype)."""
+    tensors, _ = gguf_tensors(hf_models["qwen3"], "qwen3", "F16")
+    path = write_gguf(tmp_path / "model.gguf", "qwen3", hf_models["qwen3"].config, tensors)
+    full = load_gguf(str(path)).state_dict()
+    for dtype in (torch.float16, torch.bfloat16):
+        model = load_model(path, dtype=dtype)
+        assert model.cos_sin_cache.dtype == torch.float32
+        for name, p in model.state_dict().items():
+            assert p.dtype == dtype and torch.equal(p, full[name].to(dtype)), name
+
+
+def test_name_map_agrees_with_gguf_package():
+    """gguf_tensor_name against gguf-py's own HF -> llama.cpp map, for every architecture."""
+    for model_type, overrides in CASES.values():
+        config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(config)
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == model_type)
+        package_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        for hf_name in hf.state_dict():
+            module, kind = hf_name.rsplit(".", 1)
+            assert gguf_tensor_name(hf_name) == f"{package_map.get_name(module)}.{kind}"
+
+
+def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                    original: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's ``LlamaModel.generate_extra_tensors``: Llama 3.1's scaling as a
+    divisor per RoPE frequency, in float32 like the converter."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            divisors.append(1.0)
+        elif wavelen > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def llama31(tmp_path_factory) -> tuple[torch.nn.Module, dict, Path]:
+    """(a tiny Llama with Llama 3.1's RoPE scaling, its F32 tensors, a folder to write in).
+    head_dim 16 and theta 5e5 put RoPE wavelengths in all three llama3 bands."""
+    rope = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=8192)
+    config = AutoConfig.for_model("llama", **{**BASE, "hidden_size": 64,
+                                              "intermediate_size": 96, "rope_parameters": rope})
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                          dtype=torch.float32).eval()
+    randomize_(hf, seed=3)
+    return hf, gguf_tensors(hf, "llama", "F32")[0], tmp_path_factory.mktemp("llama31")
+
+
+def test_llama31_rope_freqs(llama31):
+    hf, tensors, folder = llama31
+    divisors = llama3_divisors(16, 5e5, 8.0, 1.0, 4.0, 8192)
+    assert len(set(divisors.tolist())) > 2  # kept, interpolated and divided frequencies
+    path = write_gguf(folder / "ok.gguf", "llama", hf.config,
+                      {**tensors, "rope_freqs.weight": (divisors, QT.F32)})
+    model = load_model(path)
+    assert model.config.rope_scaling.rope_type == "llama3"
+    tokens = prompt(model.config.vocab_size, n=40)
+    torch.testing.assert_close(prefill_logits(model, tokens), hf_logits(hf, tokens), atol=ATOL,
+                               rtol=0)
+
+
+def test_rope_freqs_other_than_llama3_are_refused(llama31):
+    hf, tensors, folder = llama31
+    divisors = llama3_divisors(16, 5e5, 8.0, 2.0, 4.0, 8192)  # low_freq_factor 2, not 1
+    path = write_gguf(folder / "bad.gguf", "llama", hf.config,
+                      {**tensors, "rope_freqs.weight": (divisors, QT.F32)})
+    with pytest.raises(ValueError, match="rope_freqs.weight holds per-frequency RoPE divisors"):
+        load_model(path)
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_f32(tmp_path_factory) -> tuple[transformers.PretrainedConfig, dict]:
+    """A tiny Llama's config and its F32 tensors, as the converter writes them."""
+    config = AutoConfig.for_model("llama", **{**BASE, "hidden_size": 64,
+                                              "intermediate_size": 96})
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return config, gguf_tensors(hf, "llama", "F32")[0]
+
+
+@pytest.mark.parametrize("edit, metadata, match", [
+    ({}, dict(architecture="gpt2"), "unsupported GGUF architecture 'gpt2'"),
+    ({"blk.1.ffn_up.weight": None}, {}, r"lacks blk\.1\.ffn_up\.weight"),
+    ({"blk.0.attn_q_norm.weight": (np.ones(16, np.float32), QT.F32)}, {},
+     r"unexpected tensor blk\.0\.attn_q_norm\.weight"),
+    # Q4_1: a type gguf.quants dequantizes, but fastllm does not take
+    ({"blk.0.ffn_down.weight": (gguf.quants.quantize(np.zeros((64, 96), np.float32), QT.Q4_1),
+                                QT.Q4_1)}, {},
+     r"blk\.0\.ffn_down\.weight is Q4_1, which fastllm does not dequantize"),
+    ({"blk.0.attn_k.weight": (np.zeros((16, 64), np.float32), QT.F32)}, {},
+     r"blk\.0\.attn_k\.weight has shape \(16, 64\) \(ggml \[64, 16\]\), expected \(32, 64\)"),
+    ({}, {"rope.dimension_count": 8}, "partial rotary embedding is not supported"),
+    ({}, {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
+     "unsupported RoPE scaling type 'yarn'"),
+], ids=["architecture", "missing", "unexpected", "tensor-type", "shape", "partial-rotary",
+        "yarn"])
+def test_refusals(llama_f32, tmp_path, edit, metadata, match):
+    """``edit``: tensors to replace, or to drop (None); ``metadata``: keys to add."""
+    config, tensors = llama_f32
+    tensors = {**tensors, **edit}
+    tensors = {name: value for name, value in tensors.items() if value is not None}
+    path = write_gguf(tmp_path / "model.gguf", "llama", config, tensors, **metadata)
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
+
+
+def test_end_of_generation_ids(llama_f32, tmp_path):
+    """eos, then llama.cpp's other end-of-generation tokens (eot, eom), without repeats."""
+    config, tensors = llama_f32
+    path = write_gguf(tmp_path / "model.gguf", "llama", config, tensors,
+                      **{"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2})
+    model = load_model(path)
+    assert (model.config.bos_token_id, model.config.eos_token_ids) == (1, (2, 7))
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 a zip, not a GGUF")
+    with pytest.raises(ValueError, match=r"not a GGUF file \(it starts with b'PK"):
+        load_model(path)
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        load_gguf(tmp_path / "absent.gguf")
