@@ -3,7 +3,9 @@
 ``fastllm.ops`` holds the ops (registered as ``torch.ops.fastllm.*`` and dispatched per device),
 ``fastllm.reference`` their plain-PyTorch twins, ``fastllm.MaskCache`` the causal-mask cache,
 ``fastllm.SamplingParams`` / ``fastllm.sample_next_tokens`` the sampling step and
-``fastllm.kv_cache`` the KV caches, with ``fastllm.BlockManager`` handing out paged-KV blocks.
+``fastllm.kv_cache`` the KV caches, with ``fastllm.BlockManager`` handing out paged-KV blocks,
+``fastllm.models`` the decoder models and their loaders (safetensors, GGUF) and
+``fastllm.Tokenizer`` the tokenizers, chat templates and incremental detokenization.
 """
 
 import torch
@@ -18,6 +20,7 @@ if _C.torch_version != torch.__version__:
 
 from fastllm import kv_cache, ops, reference  # noqa: E402  (needs the op registry loaded above)
 from fastllm.kv_cache import BlockManager, KVCacheFullError  # noqa: E402
+from fastllm.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 from fastllm.sampling import (  # noqa: E402
     SampleOutput,
     SamplingParams,
@@ -27,6 +30,7 @@ from fastllm.sampling import (  # noqa: E402
 
 MaskCache = _C.MaskCache
 
-__all__ = ["BlockManager", "KVCacheFullError", "MaskCache", "SampleOutput", "SamplingParams",
-           "SamplingTensors", "kv_cache", "ops", "reference", "sample_next_tokens"]
+__all__ = ["BlockManager", "IncrementalDetokenizer", "KVCacheFullError", "MaskCache",
+           "SampleOutput", "SamplingParams", "SamplingTensors", "Tokenizer", "kv_cache", "ops",
+           "reference", "sample_next_tokens"]
 __version__ = "0.1.0"
