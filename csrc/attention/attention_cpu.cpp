@@ -108,8 +108,10 @@ inline void visible_keys(const Problem& pb, const Tile& t, int64_t p, int64_t& l
 }
 
 // Rows of one head sit n_kv_heads * head_dim apart in the packed and paged layouts, often a
-// page or more: hardware prefetchers stop at page boundaries, so fetch a few rows ahead by hand.
-constexpr int64_t kPrefetchRows = 4;
+// page or more: hardware prefetchers stop at page boundaries, so fetch rows ahead by hand. Far
+// enough to hide a miss plus a page walk where a paged block ends (Qwen3-0.6B heads, batch 8-32:
+// 4 rows ahead left paged decode at 0.76-0.92x the contiguous speed, 16 rows at 0.86-0.98x).
+constexpr int64_t kPrefetchRows = 16;
 
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t n) {
