@@ -26,6 +26,7 @@ decode length, for the cache dtype.
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,18 +157,23 @@ def reuse_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
     base = {"model": config.prefill_model, "layers": config.prefill_layers, "dtype": "float32"}
     rows = []
 
-    # TTFT: the same 1024-token prompt, cold (no prefix caching) and with 960 tokens cached.
-    prompt = random_tokens(config.ttft_prompt_len, shape.vocab_size, 0)
+    # TTFT of 1024-token prompts, cold (no prefix caching) and with a 960-token prefix cached:
+    # every request brings a new tail, so only the shared prefix can be reused.
+    prefix = random_tokens(config.ttft_cached_len, shape.vocab_size, 0)
+    tail_len = config.ttft_prompt_len - config.ttft_cached_len
+    tail_seeds = itertools.count(1)
+
+    def new_prompt() -> list[int]:
+        return prefix + random_tokens(tail_len, shape.vocab_size, next(tail_seeds))
+
     cold_cache = PagedKVCache(spec, num_blocks, device=config.device,
                               enable_prefix_caching=False)
     warm_cache = PagedKVCache(spec, num_blocks, device=config.device)
-    other_tail = random_tokens(config.ttft_prompt_len - config.ttft_cached_len, shape.vocab_size,
-                               1)
-    prefill_once(model, warm_cache, 0, prompt[:config.ttft_cached_len] + other_tail)
-    timings = compare({"cold": lambda: prefill_once(model, cold_cache, 0, prompt),
-                       "cached prefix": lambda: prefill_once(model, warm_cache, 0, prompt)},
+    prefill_once(model, warm_cache, 0, new_prompt())  # the request that leaves the prefix cached
+    timings = compare({"cold": lambda: prefill_once(model, cold_cache, 0, new_prompt()),
+                       "cached prefix": lambda: prefill_once(model, warm_cache, 0, new_prompt())},
                       config.prefill_timer, device=config.device)
-    reused = warm_cache.block_manager.allocate(1, prompt)  # what each timed request reused
+    reused = warm_cache.block_manager.allocate(1, new_prompt())  # what each request reuses
     warm_cache.block_manager.free(1)
     rows.append({**base, "case": f"TTFT, {config.ttft_prompt_len}-token prompt",
                  "reused_tokens": reused,
