@@ -10,6 +10,7 @@ num_threads``), so these helpers live in a plain module, as in the other test fo
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import struct
 from pathlib import Path
@@ -163,7 +164,8 @@ def hf_tokenizer(relative: str, cls_name: str = "AutoTokenizer"):
     (vocab, merges, normalizer, decoder, special tokens) is its own."""
     model_file(relative)
     transformers = pytest.importorskip("transformers")
-    import transformers.convert_slow_tokenizer as convert
+    # The submodule itself: the package attribute of that name is a function.
+    convert = importlib.import_module("transformers.convert_slow_tokenizer")
 
     cls = getattr(transformers, cls_name)
     path = MODELS_DIR / relative
