@@ -3,7 +3,9 @@ helpers that test modules import (``from conftest import num_threads``): a threa
 context, and the attention oracles' row and tolerance checks."""
 
 import contextlib
+import os
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,24 +72,24 @@ def assert_within_twice_plain_error(got, plain, expected) -> None:
         f"{plain_err:.3g}")
 
 
+MODELS_DIR = Path(os.environ.get("FASTLLM_MODELS_DIR",
+                                 Path(__file__).resolve().parents[1].parent / "shared" / "models"))
+
+
+def find_model(relative: str) -> Path:
+    """The file or folder ``relative`` under ``$FASTLLM_MODELS_DIR`` (default
+    ``<repo>/../shared/models``). A missing one skips the test, but fails it when ``CI=true``:
+    there a missing model is a broken setup, not an optional extra."""
+    path = MODELS_DIR / relative
+    if not path.exists():
+        message = f"model file {path} is missing (set FASTLLM_MODELS_DIR)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_path():
-    """``model_path(name)`` -> the folder of a small real model under ``$FASTLLM_MODELS_DIR``
-    (default ``<repo>/../shared/models``). A missing model skips the test, but fails it when
-    ``CI=true``: there a missing model is a broken setup, not an optional extra."""
-    import os
-    from pathlib import Path
-
-    root = Path(os.environ.get("FASTLLM_MODELS_DIR",
-                               Path(__file__).resolve().parents[1].parent / "shared" / "models"))
-
-    def find(name: str) -> Path:
-        path = root / name
-        if not path.is_dir():
-            message = f"model {name} not found under {root} (set FASTLLM_MODELS_DIR)"
-            if os.environ.get("CI") == "true":
-                pytest.fail(message)
-            pytest.skip(message)
-        return path
-
-    return find
+    """``model_path(name)`` -> the folder of a small real model (see :func:`find_model`)."""
+    return find_model

@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import MODELS_DIR
+from conftest import find_model as model_file
 from fastllm.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the references load local folders only
 
-MODELS_DIR = Path(os.environ.get("FASTLLM_MODELS_DIR",
-                                 Path(__file__).resolve().parents[2].parent / "shared" / "models"))
 
 QWEN3 = "qwen3_tokenizer"
 STORIES = "stories260K_hf"
@@ -54,18 +54,6 @@ TEXTS = [
     " ",
     "\n",
 ]
-
-
-def model_file(relative: str) -> Path:
-    """The path of a file or folder under the models folder; skips the test if it is absent
-    (fails it when ``CI=true``, where the files must be there)."""
-    path = MODELS_DIR / relative
-    if not path.exists():
-        message = f"model file {path} is missing (set FASTLLM_MODELS_DIR)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
 
 
 @functools.cache
