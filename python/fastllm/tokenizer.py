@@ -35,7 +35,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -441,30 +441,12 @@ class _GGUFSentencePieceBackend(_SentencePieceLike):
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
 
-def _sentencepiece_normalizer_spec(data: bytes) -> dict[int, int]:
-    """The varint fields of a sentencepiece ModelProto's ``normalizer_spec`` (field 3): 3 is
-    add_dummy_prefix, 4 remove_extra_whitespaces. Read from the protobuf wire format directly,
-    since the sentencepiece API does not expose them and protobuf may not be installed."""
+def protobuf_fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) pairs of one protobuf message, read from the wire format: varints
+    as ints, other wire types as their bytes. sentencepiece models are protobuf, and neither the
+    sentencepiece API nor an installed ``protobuf`` can be relied on to expose every field."""
 
-    def fields(buf):
-        i = 0
-        while i < len(buf):
-            key, i = varint(buf, i)
-            wire = key & 7
-            if wire == 0:
-                value, i = varint(buf, i)
-            elif wire == 1:
-                value, i = buf[i:i + 8], i + 8
-            elif wire == 2:
-                length, i = varint(buf, i)
-                value, i = buf[i:i + length], i + length
-            elif wire == 5:
-                value, i = buf[i:i + 4], i + 4
-            else:
-                raise ValueError(f"unsupported protobuf wire type {wire}")
-            yield key >> 3, value
-
-    def varint(buf, i):
+    def varint(i: int) -> tuple[int, int]:
         result = shift = 0
         while True:
             byte = buf[i]
@@ -474,10 +456,31 @@ def _sentencepiece_normalizer_spec(data: bytes) -> dict[int, int]:
             if byte < 0x80:
                 return result, i
 
+    i = 0
+    while i < len(buf):
+        key, i = varint(i)
+        wire = key & 7
+        if wire == 0:
+            value, i = varint(i)
+        elif wire == 1:
+            value, i = buf[i:i + 8], i + 8
+        elif wire == 2:
+            length, i = varint(i)
+            value, i = buf[i:i + length], i + length
+        elif wire == 5:
+            value, i = buf[i:i + 4], i + 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        yield key >> 3, value
+
+
+def _sentencepiece_normalizer_spec(data: bytes) -> dict[int, int]:
+    """The varint fields of a sentencepiece ModelProto's ``normalizer_spec`` (field 3): 3 is
+    add_dummy_prefix, 4 remove_extra_whitespaces."""
     spec: dict[int, int] = {}
-    for number, value in fields(data):
+    for number, value in protobuf_fields(data):
         if number == 3:
-            spec.update((k, v) for k, v in fields(value) if isinstance(v, int))
+            spec.update((k, v) for k, v in protobuf_fields(value) if isinstance(v, int))
     return spec
 
 

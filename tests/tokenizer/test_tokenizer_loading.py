@@ -6,6 +6,7 @@ import os
 
 import gguf
 import pytest
+import transformers
 from tokenizer_util import GGUF, LLAMA2, QWEN3, STORIES, hf_tokenizer, load, model_file
 
 from fastllm.tokenizer import Tokenizer
@@ -107,7 +108,7 @@ def test_add_bos_and_eos_of_tokenizer_json_as_hf(tmp_path):
     folder = _folder(tmp_path, {"tokenizer.json": f"{QWEN3}/tokenizer.json"},
                      tokenizer_config=config)
     ours = Tokenizer.from_pretrained(folder)
-    hf = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(str(folder))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     assert not ours.add_bos_token and not ours.add_eos_token
     assert ours.bos_token_id == hf.bos_token_id == 151643
     for text in ["Hello", ""]:

@@ -17,10 +17,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import transformers
 
 from conftest import MODELS_DIR
 from conftest import find_model as model_file
-from fastllm.tokenizer import Tokenizer
+from fastllm.tokenizer import Tokenizer, protobuf_fields
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the references load local folders only
 
@@ -87,36 +88,11 @@ def _sentencepiece_proto(path: str) -> SimpleNamespace:
     """The parts of a sentencepiece ModelProto that transformers reads, from the protobuf wire
     format: .venv has no ``protobuf``, which transformers needs to read a tokenizer.model."""
 
-    def varint(buf, i):
-        result = shift = 0
-        while True:
-            result |= (buf[i] & 0x7F) << shift
-            shift += 7
-            i += 1
-            if buf[i - 1] < 0x80:
-                return result, i
-
-    def fields(buf):
-        i = 0
-        while i < len(buf):
-            key, i = varint(buf, i)
-            wire = key & 7
-            if wire == 0:
-                value, i = varint(buf, i)
-            elif wire == 1:
-                value, i = buf[i:i + 8], i + 8
-            elif wire == 2:
-                n, i = varint(buf, i)
-                value, i = buf[i:i + n], i + n
-            else:
-                value, i = buf[i:i + 4], i + 4
-            yield key >> 3, value
-
     pieces, trainer, normalizer = [], {}, {}
-    for number, value in fields(Path(path).read_bytes()):
+    for number, value in protobuf_fields(Path(path).read_bytes()):
         if number == 1:
             piece = SimpleNamespace(piece="", score=0.0, type=1)
-            for n, v in fields(value):
+            for n, v in protobuf_fields(value):
                 if n == 1:
                     piece.piece = v.decode()
                 elif n == 2:
@@ -125,9 +101,9 @@ def _sentencepiece_proto(path: str) -> SimpleNamespace:
                     piece.type = v
             pieces.append(piece)
         elif number == 2:
-            trainer.update(fields(value))
+            trainer.update(protobuf_fields(value))
         elif number == 3:
-            normalizer.update(fields(value))
+            normalizer.update(protobuf_fields(value))
     text = lambda v, default: v.decode() if isinstance(v, bytes) else default  # noqa: E731
     return SimpleNamespace(
         pieces=pieces,
@@ -151,7 +127,6 @@ def hf_tokenizer(relative: str, cls_name: str = "AutoTokenizer"):
     :func:`_sentencepiece_proto` when protobuf is not installed; the rest of its loading path
     (vocab, merges, normalizer, decoder, special tokens) is its own."""
     model_file(relative)
-    transformers = pytest.importorskip("transformers")
     # The submodule itself: the package attribute of that name is a function.
     convert = importlib.import_module("transformers.convert_slow_tokenizer")
 
