@@ -112,11 +112,16 @@ void BlockManager::release(BlockId id) {
     free_list_.push_back(id);
 }
 
-// A block just filled enters the prefix cache under its prefix. If that prefix is cached already
-// (two sequences computed it before either was cached), the sequence's chain continues through
-// the cached copy and this block stays uncached.
+// A full block whose KV is written enters the prefix cache under its prefix. If that prefix is
+// cached already (two sequences computed it before either was cached), the sequence's chain
+// continues through the cached copy and this block stays uncached.
 void BlockManager::cache_full_block(Sequence& seq, BlockId id, const int64_t* token_ids) {
   if (!enable_prefix_caching_ || seq.prefix_id == kUncachablePrefix) return;
+  Block& block = blocks_[id];
+  if (block.cached && block.parent_prefix_id == seq.prefix_id) {
+    seq.prefix_id = block.prefix_id;  // a fork sharing the block cached it first
+    return;
+  }
   const uint64_t key = prefix_key(seq.prefix_id, token_ids, block_size_);
   const auto [it, inserted] = prefix_index_.try_emplace(key, id);
   if (!inserted) {
@@ -124,12 +129,18 @@ void BlockManager::cache_full_block(Sequence& seq, BlockId id, const int64_t* to
     seq.prefix_id = cached >= 0 ? blocks_[cached].prefix_id : kUncachablePrefix;
     return;
   }
-  Block& block = blocks_[id];
-  block.cached = true;
+  if (block.cached) {
+    // Shared with a fork that cached it under another copy of the same tokens' prefix (since
+    // evicted): re-key it under this one, keeping its prefix id so blocks cached after it stay
+    // reachable. Its old entry goes, so the index never holds two keys for one block.
+    prefix_index_.erase(block.key);
+  } else {
+    block.cached = true;
+    block.prefix_id = next_prefix_id_++;
+    block.token_ids.assign(token_ids, token_ids + block_size_);
+  }
   block.key = key;
-  block.prefix_id = next_prefix_id_++;
   block.parent_prefix_id = seq.prefix_id;
-  block.token_ids.assign(token_ids, token_ids + block_size_);
   seq.prefix_id = block.prefix_id;
 }
 
@@ -163,11 +174,10 @@ int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token
   Sequence seq;
   seq.prefix_id = prefix_id;
   for (int64_t i = num_hits; i < ceil_div(n, block_size_); ++i) blocks.push_back(take_block());
-  for (int64_t i = num_hits; i < num_full; ++i)
-    cache_full_block(seq, blocks[i], token_ids.data() + i * block_size_);
   seq.blocks = std::move(blocks);
-  seq.num_tokens = n;
-  seq.tail_token_ids.assign(token_ids.begin() + num_full * block_size_, token_ids.end());
+  seq.token_ids = token_ids;
+  seq.num_computed = num_hits * block_size_;
+  seq.num_settled_blocks = num_hits;
   sequences_.emplace(seq_id, std::move(seq));
   return num_hits * block_size_;
 }
@@ -179,14 +189,15 @@ std::vector<BlockManager::BlockCopy> BlockManager::append_tokens(
   if (token_ids.empty()) return {};
   // A partial last block shared with a fork must not see this sequence's tokens: move onto a
   // fresh block holding a copy of the filled part.
+  const int64_t num_tokens = int64_t(seq.token_ids.size());
   const bool copy_on_write =
-      seq.num_tokens % block_size_ != 0 && blocks_[seq.blocks.back()].ref_count > 1;
-  const int64_t num_new = ceil_div(seq.num_tokens + int64_t(token_ids.size()), block_size_) -
+      num_tokens % block_size_ != 0 && blocks_[seq.blocks.back()].ref_count > 1;
+  const int64_t num_new = ceil_div(num_tokens + int64_t(token_ids.size()), block_size_) -
                           int64_t(seq.blocks.size()) + copy_on_write;
   check_capacity(num_new, num_free_blocks(), "append_tokens", seq_id);
 
   std::vector<BlockCopy> copies;
-  if (!cacheable) seq.prefix_id = kUncachablePrefix;  // the chain of cached blocks ends here
+  if (!cacheable) seq.uncacheable_from = std::min(seq.uncacheable_from, num_tokens);
   if (copy_on_write) {
     const BlockId src = seq.blocks.back();
     const BlockId dst = take_block();
@@ -194,15 +205,25 @@ std::vector<BlockManager::BlockCopy> BlockManager::append_tokens(
     seq.blocks.back() = dst;
     copies.emplace_back(src, dst);
   }
-  for (const int64_t token : token_ids) {
-    if (seq.num_tokens % block_size_ == 0) seq.blocks.push_back(take_block());
-    seq.tail_token_ids.push_back(token);
-    if (++seq.num_tokens % block_size_ == 0) {
-      cache_full_block(seq, seq.blocks.back(), seq.tail_token_ids.data());
-      seq.tail_token_ids.clear();
-    }
-  }
+  for (int64_t i = num_tokens; i < num_tokens + int64_t(token_ids.size()); ++i)
+    if (i % block_size_ == 0) seq.blocks.push_back(take_block());
+  seq.token_ids.insert(seq.token_ids.end(), token_ids.begin(), token_ids.end());
   return copies;
+}
+
+void BlockManager::mark_computed(int64_t seq_id, int64_t num_tokens) {
+  Sequence& seq = sequence(seq_id, "mark_computed");
+  TORCH_CHECK_VALUE(num_tokens >= 0 && num_tokens <= int64_t(seq.token_ids.size()),
+                    "BlockManager.mark_computed(seq_id=", seq_id, "): num_tokens=", num_tokens,
+                    " is not in [0, ", seq.token_ids.size(), "], the tokens the sequence holds");
+  if (num_tokens <= seq.num_computed) return;
+  seq.num_computed = num_tokens;
+  for (int64_t i = seq.num_settled_blocks; i < num_tokens / block_size_; ++i) {
+    // The chain of cached blocks ends at the first block holding uncacheable KV.
+    if ((i + 1) * block_size_ > seq.uncacheable_from) seq.prefix_id = kUncachablePrefix;
+    cache_full_block(seq, seq.blocks[i], seq.token_ids.data() + i * block_size_);
+  }
+  seq.num_settled_blocks = std::max(seq.num_settled_blocks, num_tokens / block_size_);
 }
 
 void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
@@ -240,7 +261,11 @@ at::Tensor BlockManager::block_tables(const std::vector<int64_t>& seq_ids) const
 }
 
 int64_t BlockManager::num_tokens(int64_t seq_id) const {
-  return sequence(seq_id, "num_tokens").num_tokens;
+  return int64_t(sequence(seq_id, "num_tokens").token_ids.size());
+}
+
+int64_t BlockManager::num_computed_tokens(int64_t seq_id) const {
+  return sequence(seq_id, "num_computed_tokens").num_computed;
 }
 
 bool BlockManager::can_allocate(int64_t num_tokens) const {

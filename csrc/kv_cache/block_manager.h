@@ -4,6 +4,10 @@
 // between forks (copy-on-write), and evicts the least recently used unreferenced cached block
 // when the free list runs dry.
 //
+// A full block enters the prefix cache only once the caller says its KV is in the pools
+// (mark_computed): a block allocated for a prompt chunk not yet run, or for a step that failed,
+// must never be handed to another sequence as if it held that prefix's KV.
+//
 // Every block is in exactly one of three states: free (on the free list, no KV worth keeping),
 // referenced (ref_count > 0), or evictable (a cached full block no sequence holds, kept for
 // prefix reuse until its space is needed).
@@ -13,6 +17,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <list>
 #include <stdexcept>
 #include <unordered_map>
@@ -54,6 +59,9 @@ class BlockManager {
   // enter the prefix cache.
   std::vector<BlockCopy> append_tokens(int64_t seq_id, const std::vector<int64_t>& token_ids,
                                        bool cacheable = true);
+  // The sequence's first num_tokens tokens have their KV written: its full blocks among them
+  // enter the prefix cache. Counts below the current one change nothing.
+  void mark_computed(int64_t seq_id, int64_t num_tokens);
   void fork(int64_t parent_seq_id, int64_t child_seq_id);
   void free(int64_t seq_id);
 
@@ -61,6 +69,7 @@ class BlockManager {
   // int32 [seq_ids.size(), longest table], rows padded with block 0.
   at::Tensor block_tables(const std::vector<int64_t>& seq_ids) const;
   int64_t num_tokens(int64_t seq_id) const;
+  int64_t num_computed_tokens(int64_t seq_id) const;
 
   bool can_allocate(int64_t num_tokens) const;  // without counting prefix-cache hits
   int64_t num_free_blocks() const;              // free list + evictable cached blocks
@@ -93,9 +102,11 @@ class BlockManager {
 
   struct Sequence {
     std::vector<BlockId> blocks;
-    int64_t num_tokens = 0;
-    std::vector<int64_t> tail_token_ids;  // tokens of the last block while it is partial
-    uint64_t prefix_id = kEmptyPrefix;    // prefix through the last full block
+    std::vector<int64_t> token_ids;
+    int64_t num_computed = 0;      // leading tokens whose KV is written (mark_computed)
+    int64_t num_settled_blocks = 0;  // leading full computed blocks already offered to the cache
+    int64_t uncacheable_from = std::numeric_limits<int64_t>::max();  // first uncacheable token
+    uint64_t prefix_id = kEmptyPrefix;  // prefix through the last settled block
   };
 
   Sequence& sequence(int64_t seq_id, const char* op);

@@ -25,8 +25,7 @@ sequences; the pools are tensors owned elsewhere (``fastllm.kv_cache.PagedKVCach
 Prefix caching (vLLM's): a full block is cached under its tokens chained onto the prefix before
 it; a new prompt reuses the longest cached run of full blocks. Lookups compare the cached tokens
 and prefix exactly, so a hash collision is a miss, never another prompt's KV. A full block enters
-the cache when it is allocated or appended: the caller writes its KV in that same step, before
-any later step can reuse it.
+the cache once ``mark_computed`` says its KV is written, never before.
 
 A block is free, referenced (ref count > 0) or evictable (cached, unreferenced). New blocks come
 from the free list, then from the least recently used evictable block, which leaves the cache.
@@ -46,7 +45,7 @@ last token is computed and yields logits. The caller computes the tokens from th
       .def("append_tokens", &BlockManager::append_tokens, py::arg("seq_id"), py::arg("token_ids"),
            py::arg("cacheable") = true, R"doc(
 Extends sequence ``seq_id`` by ``token_ids`` (decoded tokens or a prefill chunk), taking new
-blocks as needed; blocks that fill up enter the prefix cache.
+blocks as needed.
 
 ``cacheable=False`` says the new tokens' KV is not that of a plain causal prefill (independent
 chunks under block attention): from then on none of the sequence's blocks enter the prefix cache,
@@ -54,6 +53,13 @@ so no later request can mistake that KV for its own.
 
 Returns the ``(src_block, dst_block)`` copies to perform on the pools before writing the new KV:
 one when the partial last block was shared with a fork (copy-on-write), else [].)doc")
+      .def("mark_computed", &BlockManager::mark_computed, py::arg("seq_id"), py::arg("num_tokens"),
+           R"doc(
+Says the sequence's first ``num_tokens`` tokens have their KV written in the pools (call it after
+the forward step that wrote them). Only then do their full blocks enter the prefix cache, so a
+block allocated for a chunk not yet run, or for a step that failed, is never reused by another
+sequence. A count below the current one changes nothing; one above ``num_tokens(seq_id)`` is a
+ValueError.)doc")
       .def("fork", &BlockManager::fork, py::arg("parent_seq_id"), py::arg("child_seq_id"),
            "Registers ``child_seq_id`` sharing all the parent's blocks (n > 1 samples).")
       .def("free", &BlockManager::free, py::arg("seq_id"),
@@ -64,6 +70,8 @@ one when the partial last block was shared with a fork (copy-on-write), else [].
 int32 ``[len(seq_ids), longest table]`` of block ids, shorter rows padded with block 0: a valid
 id, never read since readers stop at each sequence's length.)doc")
       .def("num_tokens", &BlockManager::num_tokens, py::arg("seq_id"))
+      .def("num_computed_tokens", &BlockManager::num_computed_tokens, py::arg("seq_id"),
+           "Leading tokens whose KV is written (prefix-cache hits and ``mark_computed``).")
       .def("can_allocate", &BlockManager::can_allocate, py::arg("num_tokens"),
            "Whether a prompt of ``num_tokens`` fits in free and evictable blocks, with no "
            "prefix-cache hit counted.")

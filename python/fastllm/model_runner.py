@@ -20,7 +20,8 @@ def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
 
     ``new_tokens[b]`` are the last tokens sequence ``seq_ids[b]`` holds in the block manager
     (``allocate`` / ``append_tokens`` done, copy-on-write copies applied): a prompt, a prefill
-    chunk or one decoded token. Their K/V are written into ``kv_cache``.
+    chunk or one decoded token. Their K/V are written into ``kv_cache``, and the block manager is
+    told so (``mark_computed``): only then may their full blocks serve other sequences.
 
     Returns ``[len(seq_ids), vocab]`` logits at each sequence's last new token (the LM head runs
     on those rows only), or None with ``logits=False`` (then sequences may have no new token).
@@ -35,6 +36,9 @@ def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
     input_ids = torch.tensor(list(itertools.chain.from_iterable(new_tokens)), dtype=torch.long,
                              device=device)
     hidden = model(input_ids, meta.positions, meta, kv_cache)  # [T, hidden]
+    manager = kv_cache.block_manager
+    for seq_id in seq_ids:
+        manager.mark_computed(seq_id, manager.num_tokens(seq_id))
     if not logits:
         return None
     return model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])  # [B, vocab]
