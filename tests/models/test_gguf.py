@@ -21,6 +21,7 @@ from fastllm.kv_cache import PagedKVCache
 from fastllm.model_runner import run_step
 from fastllm.models import AttentionMetadata, DecoderLM, hf_weight_map, load_model
 from fastllm.models.gguf import gguf_tensor_name, load_gguf
+from tiny_hf import randomize_
 
 transformers.logging.set_verbosity_error()
 
@@ -59,14 +60,8 @@ ROUND_TRIPS = [*(("llama", qtype) for qtype in (*QUANTIZED_FROM_HF, *RANDOM_BLOC
 MIN_COSINE = {"F16": 0.99999, "BF16": 0.9999, "Q8_0": 0.999, "Q4_0": 0.85}
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Norms away from 1 and weights large enough that greedy tokens are far apart (milder
-    than test_parity's: 4-bit rounding of larger random weights scrambles the logits)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.05 * noise)
+# Milder than test_parity's weights: 4-bit rounding of larger random weights scrambles the logits.
+WEIGHT_SCALE = 0.05
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -176,7 +171,7 @@ def hf_models() -> dict[str, torch.nn.Module]:
         config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
         models[name] = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                         dtype=torch.float32).eval()
-        randomize_(models[name], seed)
+        randomize_(models[name], seed, scale=WEIGHT_SCALE)
     return models
 
 
@@ -341,7 +336,7 @@ def llama31(tmp_path_factory) -> tuple[torch.nn.Module, dict, Path]:
                                               "intermediate_size": 96, "rope_parameters": rope})
     hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                           dtype=torch.float32).eval()
-    randomize_(hf, seed=3)
+    randomize_(hf, seed=3, scale=WEIGHT_SCALE)
     return hf, gguf_tensors(hf, "llama", "F32")[0], tmp_path_factory.mktemp("llama31")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_hf import randomize_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fastllm.kv_cache import PagedKVCache
@@ -58,19 +59,6 @@ def hf_config(name: str) -> transformers.PreTrainedConfig:
     return AutoConfig.for_model(model_type, **{**BASE, **overrides})
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that logits are far apart (greedy ties would make parity flaky),
-    norms away from 1 and biases away from 0, so every parameter matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * noise)
-            else:
-                p.copy_(0.1 * noise if name.endswith("bias") else 0.15 * noise)
-
-
 @pytest.fixture(scope="module", params=[*CASES, "stories260K"])
 def models(request, tmp_path_factory, model_path) -> tuple[torch.nn.Module, DecoderLM]:
     """(HF model, fastllm model) with the same weights, loaded from one safetensors folder."""
@@ -79,7 +67,7 @@ def models(request, tmp_path_factory, model_path) -> tuple[torch.nn.Module, Deco
     else:
         hf = AutoModelForCausalLM.from_config(hf_config(request.param), attn_implementation="eager",
                                               dtype=torch.float32)
-        randomize_(hf, seed=len(request.param))
+        randomize_(hf, seed=len(request.param), bias_scale=0.1)
         folder = tmp_path_factory.mktemp(request.param)
         hf.save_pretrained(folder)  # writes config.json with "architectures"
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
@@ -214,9 +202,13 @@ def test_prefix_cache_hit_computes_only_the_rest(models):
     first, tail = prompts(model, [13, 6], seed=4)
     second = first[:9] + tail
     cache = shuffled_cache(model, prefix_caching=True)
-    cache.block_manager.allocate(0, first)
-    run_step(model, cache, [0], [first])
-    cached = cache.block_manager.allocate(1, second)
+    manager = cache.block_manager
+    manager.allocate(0, first)
+    assert manager.allocate(2, first) == 0  # not computed yet: nothing to reuse
+    manager.free(2)
+    run_step(model, cache, [0], [first])  # this module's run_step calls the model directly,
+    manager.mark_computed(0, manager.num_tokens(0))  # so the test says the KV is written
+    cached = manager.allocate(1, second)
     assert cached == 2 * BLOCK_SIZE
     [got] = run_step(model, cache, [1], [second[cached:]])
     assert_close(got, hf_logits(hf, second)[cached:])

@@ -16,7 +16,6 @@ import struct
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import transformers
 
 from conftest import MODELS_DIR

@@ -1,0 +1,40 @@
+"""Tiny random-weight HF transformers models, for parity tests against fastllm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def randomize_(model: torch.nn.Module, seed: int, *, scale: float = 0.15,
+               bias_scale: float | None = None) -> None:
+    """Weights ``scale * randn`` (biases ``bias_scale * randn``, default ``scale``), norms
+    ``1 + 0.2 * randn``: large enough that logits are far apart (greedy ties would make parity
+    flaky), norms away from 1 and biases away from 0, so every parameter matters."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * noise)
+            elif name.endswith("bias") and bias_scale is not None:
+                p.copy_(bias_scale * noise)
+            else:
+                p.copy_(scale * noise)
+
+
+def random_hf_model(model_type: str, seed: int, **config) -> transformers.PreTrainedModel:
+    """A float32 eager-attention HF model of ``model_type`` with random weights."""
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config),
+                                          attn_implementation="eager", dtype=torch.float32)
+    randomize_(hf, seed, bias_scale=0.1)
+    return hf.eval()
+
+
+def save_hf_model(hf: transformers.PreTrainedModel, folder: Path) -> Path:
+    """Writes config.json (with "architectures") and model.safetensors into ``folder``."""
+    hf.save_pretrained(folder)
+    return folder
