@@ -4,8 +4,10 @@
 ``fastllm.reference`` their plain-PyTorch twins, ``fastllm.MaskCache`` the causal-mask cache,
 ``fastllm.SamplingParams`` / ``fastllm.sample_next_tokens`` the sampling step and
 ``fastllm.kv_cache`` the KV caches, with ``fastllm.BlockManager`` handing out paged-KV blocks,
-``fastllm.models`` the decoder models and their loaders (safetensors, GGUF) and
-``fastllm.Tokenizer`` the tokenizers, chat templates and incremental detokenization.
+``fastllm.models`` the decoder models and their loaders (safetensors, GGUF),
+``fastllm.Tokenizer`` the tokenizers, chat templates and incremental detokenization, and
+``fastllm.LLM`` text generation (vLLM's interface) on models from ``fastllm.load``, the
+bounded model pool.
 """
 
 import torch
@@ -28,9 +30,14 @@ from fastllm.sampling import (  # noqa: E402
     sample_next_tokens,
 )
 
+from fastllm.model_pool import load  # noqa: E402
+from fastllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
+from fastllm.llm import LLM  # noqa: E402
+
 MaskCache = _C.MaskCache
 
-__all__ = ["BlockManager", "IncrementalDetokenizer", "KVCacheFullError", "MaskCache",
-           "SampleOutput", "SamplingParams", "SamplingTensors", "Tokenizer", "kv_cache", "ops",
-           "reference", "sample_next_tokens"]
+__all__ = ["LLM", "BlockManager", "CompletionOutput", "IncrementalDetokenizer",
+           "KVCacheFullError", "Logprob", "MaskCache", "RequestMetrics", "RequestOutput",
+           "SampleOutput", "SamplingParams", "SamplingTensors", "Tokenizer", "kv_cache", "load",
+           "ops", "reference", "sample_next_tokens"]
 __version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""The model pool: each model is loaded once per (path, dtype, device) and shared.
+
+Loading a checkpoint costs seconds and gigabytes, so ``fastllm.load`` (and every
+:class:`fastllm.LLM`) goes through one process-wide pool. It is bounded: it keeps the
+``max_models`` most recently used models (default 2, ``FASTLLM_MODEL_POOL_SIZE`` overrides) and
+drops the least recently used beyond that. Dropping only releases the pool's reference; a model
+an ``LLM`` still holds stays alive until that ``LLM`` goes. A checkpoint whose files changed
+(size or modification time) is loaded anew.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from fastllm.models import DecoderLM, load_model
+
+__all__ = ["ModelPool", "load", "model_pool", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from its name ("float32", "bfloat16", "float16") or itself."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        resolved = _DTYPES[dtype.removeprefix("torch.")]
+    else:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return resolved
+
+
+def _fingerprint(path: Path) -> tuple:
+    """What identifies the checkpoint's current contents, cheaply: its files' sizes and times."""
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".json", ".safetensors", ".gguf"))
+    return tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
+class ModelPool:
+    """A bounded LRU cache of loaded models keyed by (path, dtype, device). Thread-safe: two
+    threads asking for the same model wait for one load."""
+
+    def __init__(self, max_models: int) -> None:
+        if max_models < 1:
+            raise ValueError(f"max_models must be >= 1, got {max_models}")
+        self.max_models = max_models
+        self._models: OrderedDict[tuple, DecoderLM] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def load(self, model_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+             device: str | torch.device = "cpu") -> DecoderLM:
+        """The model at ``model_path`` (HF folder or ``.gguf`` file) in ``dtype`` on ``device``,
+        loaded on first use and shared afterwards. Treat it as read-only."""
+        path = Path(model_path).expanduser().resolve()
+        if not path.exists():
+            raise FileNotFoundError(f"no model at {model_path}")
+        torch_dtype, torch_device = resolve_dtype(dtype), torch.device(device)
+        key = (str(path), torch_dtype, str(torch_device), _fingerprint(path))
+        with self._lock:
+            model = self._models.get(key)
+            if model is None:
+                model = load_model(path, dtype=torch_dtype, device=torch_device)
+                model.eval()
+                # A changed checkpoint replaces its stale entries.
+                for stale in [k for k in self._models if k[:3] == key[:3]]:
+                    del self._models[stale]
+                self._models[key] = model
+            self._models.move_to_end(key)
+            while len(self._models) > self.max_models:
+                self._models.popitem(last=False)
+            return model
+
+    def clear(self) -> None:
+        """Drops every pooled model."""
+        with self._lock:
+            self._models.clear()
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def __contains__(self, key: tuple[str | os.PathLike, str | torch.dtype, str]) -> bool:
+        """Whether ``(path, dtype, device)`` is pooled (at its files' current state)."""
+        path = Path(key[0]).expanduser().resolve()
+        return path.exists() and (str(path), resolve_dtype(key[1]), str(torch.device(key[2])),
+                                  _fingerprint(path)) in self._models
+
+
+model_pool = ModelPool(int(os.environ.get("FASTLLM_MODEL_POOL_SIZE", "2")))
+load = model_pool.load

@@ -1,0 +1,144 @@
+"""One generation request's state: its tokens, text, stop conditions and metrics.
+
+The generation loop samples a token per step and hands it to :meth:`Request.append_token`,
+which detokenizes it incrementally, applies the stop rules (EOS, stop token ids, stop strings,
+``max_tokens``, the model's context) and returns the text the caller may show now. Text that
+could be the start of a stop string is held back until it is known not to be one, so a stop
+string never reaches a stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from fastllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastllm.sampling import SamplingParams
+from fastllm.tokenizer import Tokenizer
+
+__all__ = ["Request"]
+
+
+class Request:
+    """A prompt, its sampling parameters and everything generated for it so far.
+
+    Args:
+        request_id: the caller's name for it.
+        prompt: the prompt text, or None when the prompt came as token ids.
+        prompt_token_ids: the prompt's ids.
+        params: how to sample, and when to stop.
+        tokenizer: turns the output into text.
+        eos_token_ids: ids that end generation unless ``params.ignore_eos``.
+        max_model_len: the most tokens, prompt and output, the sequence may hold.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
+                 params: SamplingParams, tokenizer: Tokenizer,
+                 eos_token_ids: Sequence[int], max_model_len: int) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_model_len = max_model_len
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter(),
+                                      num_prompt_tokens=len(self.prompt_token_ids))
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None \
+            else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._end_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._end_ids.update(eos_token_ids)
+        self._detokenizer = tokenizer.detokenizer(prompt_ids=self.prompt_token_ids)
+        self._text = ""  # generated text (cut at a stop string once one is found)
+        self._emitted = 0  # characters of _text already handed out
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> str:
+        """Adds a sampled token; returns the text that may be shown now ("" while held back).
+
+        ``logprobs`` is the position's entry when the request asked for logprobs.
+        """
+        if self.finished:
+            raise RuntimeError(f"request {self.request_id} already finished "
+                               f"({self.finish_reason})")
+        now = time.perf_counter()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        self.output_token_ids.append(token_id)
+        self.metrics.num_generated_tokens += 1
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
+
+        ends = token_id in self._end_ids
+        if ends:
+            self._finish("stop", None if token_id not in self.params.stop_token_ids else token_id)
+        elif (len(self.output_token_ids) >= self.params.max_tokens
+              or self.num_tokens >= self.max_model_len):
+            self._finish("length", None)
+        delta = "" if ends else self._detokenizer.add(token_id)  # an end token has no text
+        if self.finished:
+            delta += self._detokenizer.flush()
+        self._text += delta
+        self._find_stop_string(len(delta))
+        return self._take_text()
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.metrics.finished_time = time.perf_counter()
+
+    def _find_stop_string(self, num_new_chars: int) -> None:
+        """Cuts the text before the earliest stop string that the new characters complete."""
+        found = None
+        for stop in self.params.stop:
+            # Only a match ending in the new characters is new.
+            start = max(0, len(self._text) - num_new_chars - len(stop) + 1)
+            index = self._text.find(stop, start)
+            if index >= 0 and (found is None or index < found[0]):
+                found = (index, stop)
+        if found is not None:
+            self._text = self._text[:found[0]]
+            self._finish("stop", found[1])
+
+    def _held_back(self) -> int:
+        """Characters at the end of the text that could begin a stop string."""
+        if self.finished:
+            return 0
+        held = 0
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, len(self._text)), held, -1):
+                if self._text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
+
+    def _take_text(self) -> str:
+        end = len(self._text) - self._held_back()
+        if end <= self._emitted:
+            return ""
+        delta = self._text[self._emitted:end]
+        self._emitted = end
+        return delta
+
+    def output(self) -> RequestOutput:
+        """The request's output so far; its text is what has been released (all once
+        finished)."""
+        completion = CompletionOutput(
+            index=0, text=self._text[:self._emitted], token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=list(self.prompt_token_ids), outputs=[completion],
+                             finished=self.finished, metrics=self.metrics)
