@@ -1,0 +1,353 @@
+"""End-to-end greedy generation at batch 1: ``fastllm.LLM.generate`` against HF transformers
+``generate`` on the same weights.
+
+A Qwen3-0.6B-shaped model (28 layers, hidden 1024, MLP 3072, 16 query and 8 KV heads of 128,
+vocabulary 151,936, tied embeddings) with random weights (embedding ``randn * 0.02``,
+projections ``randn / sqrt(fan_in)``, norms 1) is saved as float32 safetensors in a temporary
+folder with the real Qwen3 tokenizer files (from ``--models-dir``). Per dtype (float32,
+bfloat16), both load that folder in the dtype and generate ``1 + --decode-tokens`` greedy tokens
+after the same random ``--prompt-len``-token prompt (ids of ordinary tokens, fixed seed),
+interleaved in one process:
+
+- fastllm: ``fastllm.LLM(folder, dtype=..., enable_prefix_caching=False)`` then
+  ``llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=1 + n,
+  ignore_eos=True))``; without prefix caching every call prefills the whole prompt, as HF's
+  does;
+- HF: ``AutoModelForCausalLM.from_pretrained(folder, dtype=..., attn_implementation="sdpa")``
+  then ``model.generate(input_ids, max_new_tokens=1 + n, min_new_tokens=1 + n,
+  do_sample=False)`` under ``torch.inference_mode``.
+
+From each call: TTFT is the time from the call to the first generated token (prefill, LM head
+and the first token: fastllm's ``metrics.first_token_time``, HF's second ``streamer.put``);
+prefill tokens/s is the prompt length over TTFT; decode tokens/s is ``n`` over the time from
+the first token to the last (fastllm's ``metrics.last_token_time``, HF's last
+``streamer.put``), that is ``n`` single-token steps. Medians after warm-up. Goals: fastllm
+decode >= 2x HF's tokens/s and TTFT <= 0.8x HF's, at the full size.
+
+Achieved weight bandwidth is the weight bytes times decode tokens/s: every parameter once in
+the dtype, the tied embedding once (the LM head reads all of it each token; the embedding
+lookup one row, not counted separately). Beside it, the machine's memory-copy bandwidth
+measured in the same run: ``dst.copy_(src)`` on ``--copy-mib`` MiB, counting the bytes read
+plus the bytes written. GB = 1e9 bytes. Greedy tokens are compared too: ``tokens_agree`` is how
+many leading tokens fastllm and HF share (float32 should agree; bfloat16 may drift apart).
+
+    python benchmarks/bench_generate.py --out results --dtypes float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+import fastllm
+from fastllm.bench.report import format_cell, markdown_table, publish
+from fastllm.bench.timer import TimerConfig, Timing, compare, summarize
+from fastllm.bench.workloads import MODEL_SHAPES
+from fastllm.model_pool import model_pool
+
+COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
+GOAL_DECODE_SPEEDUP = 2.0  # fastllm decode tokens/s over HF's, at least
+GOAL_TTFT_RATIO = 0.8  # fastllm TTFT over HF's, at most
+MODEL = "qwen3-0.6b"
+# Qwen3's ordinary (BPE) tokens are ids 0 .. 151642; its special tokens start at 151643.
+QWEN3_BOS, QWEN3_EOS, QWEN3_ORDINARY_TOKENS = 151_643, 151_645, 151_643
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[2] / "shared" / "models"
+
+
+@dataclass(frozen=True)
+class GenerateBenchConfig:
+    """What the generation benchmark measures. ``layers``, ``hidden_size`` and
+    ``intermediate_size`` scale the model down (the goals hold at Qwen3-0.6B's own)."""
+
+    layers: int = MODEL_SHAPES[MODEL].num_layers
+    hidden_size: int = MODEL_SHAPES[MODEL].hidden_size
+    intermediate_size: int = MODEL_SHAPES[MODEL].intermediate_size
+    prompt_len: int = 512
+    decode_tokens: int = 64  # generated after the first token
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    device: str = "cpu"
+    seed: int = 0
+    models_dir: str = str(DEFAULT_MODELS_DIR)
+    # On two cores a call lasts about 17 - 20 s in float32 and 10 - 13 s in bfloat16: one
+    # warm-up, then up to three timed calls or 30 s each, keep the default run near 4 minutes.
+    timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=3,
+                                                                   budget_s=30.0))
+    copy_mib: int = 1024
+    copy_timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=2, repeats=10,
+                                                                        budget_s=2.0))
+
+    @property
+    def at_goal_size(self) -> bool:
+        """Whether this run measures the model and prompt the goals are set for."""
+        shape = MODEL_SHAPES[MODEL]
+        return ((self.layers, self.hidden_size, self.intermediate_size, self.prompt_len)
+                == (shape.num_layers, shape.hidden_size, shape.intermediate_size, 512))
+
+
+def save_random_model(config: GenerateBenchConfig, folder: Path) -> None:
+    """Writes a Qwen3-shaped HF model with random float32 weights and the Qwen3 tokenizer
+    files into ``folder``."""
+    shape = MODEL_SHAPES[MODEL]
+    hf_config = AutoConfig.for_model(
+        "qwen3", vocab_size=shape.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.layers,
+        num_attention_heads=shape.n_heads, num_key_value_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim, tie_word_embeddings=shape.tie_word_embeddings,
+        rope_theta=shape.rope_theta, rms_norm_eps=1e-6, max_position_embeddings=40_960,
+        bos_token_id=QWEN3_BOS, eos_token_id=QWEN3_EOS, pad_token_id=QWEN3_BOS)
+    with torch.device("meta"):  # no HF initialization: every weight is overwritten below
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave lm_head its own storage
+    # Projections at std 1 / sqrt(fan_in) keep every layer's output about as large as its
+    # input, and the greedy tokens vary; with std 0.02 everywhere the model soon repeats one
+    # token, and the token comparison would check little.
+    generator = torch.Generator().manual_seed(config.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name == "model.embed_tokens.weight":  # also the LM head: logits' std ~0.6
+                param.normal_(0.0, 0.02, generator=generator)
+            else:  # [out, in] projections
+                param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+    model.save_pretrained(folder)
+    tokenizer_dir = Path(config.models_dir) / "qwen3_tokenizer"
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, folder / name)
+
+
+def random_prompt(config: GenerateBenchConfig) -> list[int]:
+    """``prompt_len`` ordinary-token ids drawn with the config's seed."""
+    generator = torch.Generator().manual_seed(config.seed)
+    return torch.randint(0, QWEN3_ORDINARY_TOKENS, (config.prompt_len,),
+                         generator=generator).tolist()
+
+
+@dataclass(frozen=True)
+class GenerateSample:
+    """One generate call: seconds from the call to the first token, seconds from the first
+    token to the last, and the generated tokens."""
+
+    ttft_s: float
+    decode_s: float
+    tokens: list[int]
+
+
+class TokenClock(BaseStreamer):
+    """An HF streamer that notes when each ``put`` arrives: the prompt first, then one per
+    generated token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def fastllm_call(llm: fastllm.LLM, prompt: list[int], new_tokens: int,
+                 samples: list[GenerateSample]) -> Callable[[], None]:
+    """One greedy ``LLM.generate`` of ``new_tokens`` tokens, appending its sample."""
+    params = fastllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+
+    def call() -> None:
+        start = time.perf_counter()
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        metrics = out.metrics
+        if metrics.num_cached_tokens:
+            raise RuntimeError(f"{metrics.num_cached_tokens} prompt tokens came from a cache")
+        samples.append(GenerateSample(metrics.first_token_time - start,
+                                      metrics.last_token_time - metrics.first_token_time,
+                                      list(out.outputs[0].token_ids)))
+
+    return call
+
+
+def hf_call(model: torch.nn.Module, prompt: list[int], new_tokens: int, device: str,
+            samples: list[GenerateSample]) -> Callable[[], None]:
+    """One greedy HF ``generate`` of ``new_tokens`` tokens, appending its sample."""
+    input_ids = torch.tensor([prompt], device=device)
+    attention_mask = torch.ones_like(input_ids)
+
+    def call() -> None:
+        clock = TokenClock()
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             streamer=clock)
+        # times[0] is the prompt, times[1] the first generated token, times[-1] the last.
+        samples.append(GenerateSample(clock.times[1] - start, clock.times[-1] - clock.times[1],
+                                      out[0, len(prompt):].tolist()))
+
+    return call
+
+
+def copy_bandwidth(config: GenerateBenchConfig) -> tuple[Timing, float]:
+    """The median ``dst.copy_(src)`` of ``copy_mib`` MiB and its GB/s (read + written bytes)."""
+    src = torch.ones(config.copy_mib << 18, dtype=torch.float32, device=config.device)  # 4 B
+    dst = torch.empty_like(src)
+    timing = compare({"copy": lambda: dst.copy_(src)}, config.copy_timer,
+                     device=config.device)["copy"]
+    return timing, 2 * src.nbytes / timing.median_s / 1e9
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
+              prompt: list[int]) -> dict[str, object]:
+    """Loads both competitors in ``dtype_name``, times them interleaved; returns the row."""
+    dtype = getattr(torch, dtype_name)
+    copy_timing, copy_gbps = copy_bandwidth(config)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                              attn_implementation="sdpa").to(config.device).eval()
+    weight_bytes = sum(p.nbytes for p in hf.parameters())  # tied embedding once
+    llm = fastllm.LLM(folder, dtype=dtype_name, device=config.device,
+                      max_model_len=config.prompt_len + 1 + config.decode_tokens,
+                      enable_prefix_caching=False)
+    new_tokens = 1 + config.decode_tokens
+    samples: dict[str, list[GenerateSample]] = {"fastllm": [], "hf": []}
+    with torch.inference_mode():
+        calls = {"fastllm": fastllm_call(llm, prompt, new_tokens, samples["fastllm"]),
+                 "hf": hf_call(hf, prompt, new_tokens, config.device, samples["hf"])}
+        timings = compare(calls, config.timer, device=config.device)
+    del hf, llm, calls
+    model_pool.clear()  # fastllm.LLM shares loaded models through the pool: let this one go
+    gc.collect()
+
+    row: dict[str, object] = {"model": MODEL, "dtype": dtype_name, "layers": config.layers,
+                              "hidden_size": config.hidden_size, "prompt_len": config.prompt_len,
+                              "decode_tokens": config.decode_tokens,
+                              "weight_bytes": weight_bytes, "copy_mib": config.copy_mib}
+    row.update({f"copy_{key}": value for key, value in copy_timing.to_dict().items()})
+    row["copy_gbps"] = copy_gbps
+    for name, timing in timings.items():
+        # compare's samples are each competitor's last `repeats` calls (warm-ups come first).
+        kept = samples[name][-timing.repeats:]
+        ttft = summarize([s.ttft_s for s in kept])
+        decode = summarize([s.decode_s for s in kept])
+        for part, summary in (("call", timing), ("ttft", ttft), ("decode", decode)):
+            row.update({f"{name}_{part}_{key}": value
+                        for key, value in summary.to_dict().items()})
+        row[f"{name}_prefill_tok_s"] = config.prompt_len / ttft.median_s
+        row[f"{name}_decode_tok_s"] = config.decode_tokens / decode.median_s
+        row[f"{name}_weight_gbps"] = weight_bytes * row[f"{name}_decode_tok_s"] / 1e9
+        row[f"{name}_tokens"] = kept[-1].tokens
+        if len(kept[-1].tokens) != new_tokens:
+            raise RuntimeError(f"{name} generated {len(kept[-1].tokens)} tokens, "
+                               f"asked for {new_tokens}")
+    row["decode_speedup_vs_hf"] = row["fastllm_decode_tok_s"] / row["hf_decode_tok_s"]
+    row["ttft_vs_hf"] = row["fastllm_ttft_median_ms"] / row["hf_ttft_median_ms"]
+    row["tokens_agree"] = leading_agreement(row["fastllm_tokens"], row["hf_tokens"])
+    return row
+
+
+def run(config: GenerateBenchConfig) -> list[dict[str, object]]:
+    """Saves the random model, then measures every dtype; returns the JSON rows."""
+    prompt = random_prompt(config)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fastllm_bench_generate_") as tmp:
+        folder = Path(tmp)
+        save_random_model(config, folder)
+        print(f"generate: random {MODEL} with {config.layers} layers saved", flush=True)
+        for dtype_name in config.dtypes:
+            rows.append(dtype_row(config, folder, dtype_name, prompt))
+            print(f"generate: {dtype_name} measured", flush=True)
+    return rows
+
+
+def goal_summary(config: GenerateBenchConfig, rows: list[dict[str, object]]) -> str:
+    """One line: the goals and, at the goal size, each dtype's figures against them."""
+    goal = (f"Goal: fastllm decode >= {GOAL_DECODE_SPEEDUP:g}x HF's tokens/s and TTFT <= "
+            f"{GOAL_TTFT_RATIO:g}x HF's, batch 1, {MODEL} with a 512-token prompt")
+    if not config.at_goal_size or not rows:
+        return f"{goal}: not measured in this run (model or prompt scaled down)."
+    found = []
+    for row in rows:
+        met = (row["decode_speedup_vs_hf"] >= GOAL_DECODE_SPEEDUP
+               and row["ttft_vs_hf"] <= GOAL_TTFT_RATIO)
+        found.append(f"{row['dtype']} decode {format_cell(row['decode_speedup_vs_hf'])}x, "
+                     f"TTFT {format_cell(row['ttft_vs_hf'])}x ({'met' if met else 'NOT met'})")
+    return f"{goal}: " + "; ".join(found) + "."
+
+
+def tables(config: GenerateBenchConfig, rows: list[dict[str, object]]) -> dict[str, str]:
+    """The markdown tables of the report, by title."""
+    columns = {"dtype": "dtype"}
+    for metric, header in (("ttft_median_ms", "TTFT (ms)"),
+                           ("prefill_tok_s", "prefill tok/s"),
+                           ("decode_tok_s", "decode tok/s")):
+        columns |= {f"{name}_{metric}": f"{label} {header}"
+                    for name, label in COMPETITORS.items()}
+    columns |= {"ttft_vs_hf": "TTFT vs HF", "decode_speedup_vs_hf": "decode speedup vs HF"}
+    labelled = [dict(row, weight_gb=row["weight_bytes"] / 1e9) for row in rows]
+    columns |= {"weight_gb": "weights (GB)"}
+    columns |= {f"{name}_weight_gbps": f"{label} weight GB/s"
+                for name, label in COMPETITORS.items()}
+    columns |= {"copy_gbps": "copy GB/s", "tokens_agree": "tokens agree"}
+    about = (f"{config.layers} layers, hidden {config.hidden_size}, a {config.prompt_len}-token "
+             f"prompt, 1 + {config.decode_tokens} greedy tokens. Weight GB/s: weight bytes "
+             "(tied embedding once) x decode tokens/s; copy GB/s: bytes read + written by "
+             f"a {config.copy_mib} MiB copy; tokens agree: leading tokens fastllm and HF "
+             f"share, of {1 + config.decode_tokens}.")
+    return {f"Greedy generation at batch 1, random-weight {MODEL} (TTFT vs HF < 1 and "
+            "decode speedup > 1: fastllm faster)":
+            goal_summary(config, rows) + "\n\n" + about + "\n\n"
+            + markdown_table(labelled, columns)}
+
+
+def parse_args(argv: list[str] | None) -> tuple[GenerateBenchConfig, Path]:
+    """The config and output folder from the command line."""
+    defaults = GenerateBenchConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results"),
+                        help="folder for generate.json and generate.md (default %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
+                        default=list(defaults.dtypes), help="default %(default)s")
+    sizes = ("layers", "hidden_size", "intermediate_size", "prompt_len", "decode_tokens",
+             "copy_mib", "seed")
+    for name in sizes:
+        parser.add_argument("--" + name.replace("_", "-"), type=int,
+                            default=getattr(defaults, name), help="default %(default)s")
+    parser.add_argument("--device", default=defaults.device, help="default %(default)s")
+    parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
+                        help="folder holding qwen3_tokenizer (default %(default)s)")
+    TimerConfig.add_arguments(parser, defaults.timer)
+    args = parser.parse_args(argv)
+    config = GenerateBenchConfig(dtypes=tuple(args.dtypes), device=args.device,
+                                 models_dir=str(args.models_dir),
+                                 timer=TimerConfig.from_arguments(args),
+                                 **{name: getattr(args, name) for name in sizes})
+    return config, args.out
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Runs the benchmark, writes ``generate.json`` and ``generate.md``, prints the tables;
+    returns the JSON document."""
+    config, out = parse_args(argv)
+    transformers.logging.set_verbosity_error()  # no tied-weight or generation-config notes
+    transformers.logging.disable_progress_bar()  # nor weight-loading bars
+    rows = run(config)
+    return publish(benchmark="generate", device=config.device, config=config, rows=rows,
+                   tables=tables(config, rows), out=out)
+
+
+if __name__ == "__main__":
+    main()
