@@ -8,6 +8,7 @@
 #include "attention/attention.h"
 #include "kv_cache/cache_write.h"
 #include "kv_cache/kv_cache_bindings.h"
+#include "linear/linear.h"
 #include "mask_cache/mask_cache.h"
 #include "rotary/rotary.h"
 #include "sampling/philox.h"
@@ -37,6 +38,9 @@ TORCH_LIBRARY(fastllm, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
+  // x [rows, in] times weight [out, in] transposed, plus bias: F.linear for 2-D inputs. On the
+  // CPU a few rows (decode) stream the weights once at memory bandwidth.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   // Rotary position embedding applied in place to q and, if given, k.
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
@@ -155,6 +159,8 @@ that raises ValueError. Safe to use from several threads.)doc")
       },
       py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
       py::arg("slot_mapping"));
+  composite.def("linear", &fastllm::linear_composite, py::arg("x"), py::arg("weight"),
+                py::arg("bias") = py::none());
   composite.def(
       "rotary_embedding",
       [](const at::Tensor& positions, at::Tensor q, std::optional<at::Tensor> k,

@@ -97,6 +97,13 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
     return k_cache, v_cache
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Twin of :func:`fastllm.ops.linear`: the product in float32, rounded to x's dtype."""
+    out = torch.nn.functional.linear(x.float(), weight.float(),
+                                     None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, *,
                      is_neox: bool = True, rotary_dim: int | None = None
                      ) -> tuple[Tensor, Tensor | None]:

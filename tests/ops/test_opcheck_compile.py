@@ -69,6 +69,17 @@ def test_opcheck_rotary_embedding(case, device):
                           dict(is_neox=is_neox, rotary_dim=rot))
 
 
+@pytest.mark.parametrize("rows, dtype, with_bias", [(1, torch.float32, True),
+                                                    (70, torch.float32, False),
+                                                    (3, torch.bfloat16, True),
+                                                    (2, torch.float16, False)])
+def test_opcheck_linear(rows, dtype, with_bias, device):
+    x = torch.randn(rows, 40, dtype=dtype, device=device)
+    weight = torch.randn(24, 40, dtype=dtype, device=device)
+    bias = torch.randn(24, dtype=dtype, device=device) if with_bias else None
+    torch.library.opcheck(torch.ops.fastllm.linear.default, (x, weight, bias))
+
+
 def test_compile_fullgraph_rotary_then_attention(device):
     lens = [3, 9, 1]
     cu = cu_seqlens(lens, device)

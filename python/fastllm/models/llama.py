@@ -81,6 +81,14 @@ class AttentionMetadata:
                    positions=positions.to(device))
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` through :func:`fastllm.ops.linear` (a decode step streams its weights
+    at memory bandwidth); parameters and names as ``nn.Linear``'s. Inputs ``[tokens, in]``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """HF's RMSNorm: normalized in float32, cast back, then scaled by the weight."""
 
@@ -104,8 +112,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -146,9 +154,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                       bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -188,7 +196,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        Linear(config.hidden_size, config.vocab_size, bias=False))
         # Derived from the config, never loaded: non-persistent, rebuilt by init_rope_cache.
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         self.init_rope_cache()
@@ -234,4 +242,4 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return ops.linear(hidden, weight)

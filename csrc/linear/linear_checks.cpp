@@ -1,0 +1,28 @@
+#include "common/checks.h"
+#include "linear/linear.h"
+
+namespace fastllm {
+
+void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  check_rank(x, 2, "x", "[rows, in_features]");
+  check_rank(weight, 2, "weight", "[out_features, in_features]");
+  check_float_storage(x, "x");
+  check_same_dtype(weight, "weight", x, "x");
+  check_same_device(weight, "weight", x, "x");
+  TORCH_CHECK_VALUE(x.size(1) == weight.size(1), "x has ", x.size(1),
+                    " features but weight is [out_features, in_features] = ", weight.sizes());
+  // Weights are streamed row by row; a transposed view would be copied on every call instead.
+  TORCH_CHECK_VALUE(weight.stride(1) == 1 || weight.size(1) <= 1,
+                    "weight rows must be contiguous (stride 1 along in_features), got strides ",
+                    weight.strides());
+  if (bias.has_value()) {
+    check_rank(*bias, 1, "bias", "[out_features]");
+    check_same_dtype(*bias, "bias", x, "x");
+    check_same_device(*bias, "bias", x, "x");
+    TORCH_CHECK_VALUE(bias->size(0) == weight.size(0), "bias has ", bias->size(0),
+                      " elements but weight has ", weight.size(0), " output features");
+  }
+}
+
+}  // namespace fastllm

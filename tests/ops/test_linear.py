@@ -1,0 +1,80 @@
+"""fastllm.ops.linear and its ATen composite against a float64 product.
+
+Row counts cover both CPU paths (the weight-streaming kernel for few rows, ATen's GEMM past its
+threshold: 64 rows in float32, 8 in bfloat16, 4 in float16) and their edges; feature counts
+cover whole SIMD vectors, tails shorter than one, and tiles of weight rows with a remainder.
+Every dtype is held to flash-attention's 2x rule against a float64 product of the same inputs
+(the plain composition: the float32 product, rounded to the dtype).
+"""
+
+import pytest
+import torch
+from conftest import assert_within_twice_plain_error
+
+from fastllm import ops, reference
+from fastllm._C import composite
+
+IMPLS = {"native": ops.linear, "composite": composite.linear}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def check(impl, x, weight, bias):
+    got = IMPLS[impl](x, weight, bias)
+    assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype
+    expected = torch.nn.functional.linear(
+        x.cpu().double(), weight.cpu().double(), None if bias is None else bias.cpu().double())
+    plain = reference.linear(x, weight, bias).cpu().double()
+    assert_within_twice_plain_error(got.cpu().double(), plain, expected)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 65])
+@pytest.mark.parametrize("in_features, out_features", [(64, 24), (1, 9), (7, 3), (33, 17),
+                                                       (1029, 70)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_matches_float64(impl, dtype, rows, in_features, out_features, with_bias, device):
+    x = torch.randn(rows, in_features, dtype=dtype, device=device)
+    weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
+    bias = torch.randn(out_features, dtype=dtype, device=device) if with_bias else None
+    check(impl, x, weight, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_inputs(dtype, device):
+    """Row-strided weights (a slice of a fused matrix) and non-contiguous activations."""
+    fused = torch.randn(96, 80, dtype=dtype, device=device)
+    weight = fused[10:50, 8:72]  # rows contiguous, stride 80
+    x = torch.randn(64, 3, dtype=dtype, device=device).t()  # [3, 64], column-major
+    check("native", x, weight, None)
+
+
+def test_no_output_features(device):
+    x = torch.randn(2, 8, device=device)
+    assert ops.linear(x, torch.randn(0, 8, device=device)).shape == (2, 0)
+    assert torch.equal(ops.linear(torch.randn(3, 0, device=device),
+                                  torch.randn(5, 0, device=device)),
+                       torch.zeros(3, 5, device=device))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_inputs_raise(impl, device):
+    linear = IMPLS[impl]
+    x = torch.randn(2, 8, device=device)
+    w = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"x must be \[rows, in_features\], got shape \[2, 2, 4\]"):
+        linear(x.view(2, 2, 4), w, None)
+    with pytest.raises(ValueError, match=r"x has 8 features but weight .* = \[4, 9\]"):
+        linear(x, torch.randn(4, 9, device=device), None)
+    with pytest.raises(TypeError, match="weight has dtype torch.bfloat16 but x has dtype "
+                                        "torch.float32"):
+        linear(x, w.bfloat16(), None)
+    with pytest.raises(TypeError, match="x must be torch.float32, torch.bfloat16 or "
+                                        "torch.float16, got torch.int64"):
+        linear(x.long(), w.long(), None)
+    with pytest.raises(ValueError, match="weight rows must be contiguous"):
+        linear(x, torch.randn(8, 4, device=device).t(), None)
+    with pytest.raises(ValueError, match="bias has 3 elements but weight has 4"):
+        linear(x, w, torch.randn(3, device=device))
+    with pytest.raises(TypeError, match="bias has dtype torch.float16"):
+        linear(x, w, torch.randn(4, device=device, dtype=torch.float16))
