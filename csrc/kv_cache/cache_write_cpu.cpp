@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
+
 #include "common/dispatch.h"
 #include "kv_cache/cache_write.h"
 
@@ -13,17 +15,27 @@ template <typename scalar_t>
 void copy_rows_to_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
   const int64_t tokens = src.size(0), heads = src.size(1), dim = src.size(2);
   const int64_t block_size = cache.size(1);
+  const int64_t in_token = src.stride(0), in_head = src.stride(1), in_dim = src.stride(2);
+  const int64_t out_block = cache.stride(0), out_slot = cache.stride(1),
+                out_head = cache.stride(2), out_dim = cache.stride(3);
+  // Rows contiguous on both sides (the usual case: K/V are column slices of the fused QKV
+  // output): one memcpy per head row instead of an element loop.
+  const bool rows_contiguous = in_dim == 1 && out_dim == 1;
   const scalar_t* in = src.const_data_ptr<scalar_t>();
   scalar_t* out = cache.mutable_data_ptr<scalar_t>();
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;  // padding: no slot
-      scalar_t* row = out + (slots[t] / block_size) * cache.stride(0) +
-                      (slots[t] % block_size) * cache.stride(1);
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t d = 0; d < dim; ++d)
-          row[h * cache.stride(2) + d * cache.stride(3)] =
-              in[t * src.stride(0) + h * src.stride(1) + d * src.stride(2)];
+      scalar_t* row = out + (slots[t] / block_size) * out_block + (slots[t] % block_size) * out_slot;
+      const scalar_t* token = in + t * in_token;
+      for (int64_t h = 0; h < heads; ++h) {
+        if (rows_contiguous) {
+          std::memcpy(row + h * out_head, token + h * in_head, dim * sizeof(scalar_t));
+        } else {
+          for (int64_t d = 0; d < dim; ++d)
+            row[h * out_head + d * out_dim] = token[h * in_head + d * in_dim];
+        }
+      }
     }
   });
 }
