@@ -6,8 +6,8 @@
 ``fastllm.kv_cache`` the KV caches, with ``fastllm.BlockManager`` handing out paged-KV blocks,
 ``fastllm.models`` the decoder models and their loaders (safetensors, GGUF),
 ``fastllm.Tokenizer`` the tokenizers, chat templates and incremental detokenization, and
-``fastllm.LLM`` text generation (vLLM's interface) on models from ``fastllm.load``, the
-bounded model pool.
+``fastllm.LLM`` / ``fastllm.AsyncLLM`` text generation (vLLM's interface) with continuous
+batching (``fastllm.engine``) on models from ``fastllm.load``, the bounded model pool.
 """
 
 import torch
@@ -33,10 +33,12 @@ from fastllm.sampling import (  # noqa: E402
 from fastllm.model_pool import load  # noqa: E402
 from fastllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
 from fastllm.llm import LLM  # noqa: E402
+from fastllm.async_llm import AsyncLLM  # noqa: E402
+from fastllm.engine import EngineConfig, EngineStats  # noqa: E402
 
 MaskCache = _C.MaskCache
 
-__all__ = ["LLM", "BlockManager", "CompletionOutput", "IncrementalDetokenizer",
+__all__ = ["LLM", "AsyncLLM", "BlockManager", "EngineConfig", "EngineStats", "CompletionOutput", "IncrementalDetokenizer",
            "KVCacheFullError", "Logprob", "MaskCache", "RequestMetrics", "RequestOutput",
            "SampleOutput", "SamplingParams", "SamplingTensors", "Tokenizer", "kv_cache", "load",
            "ops", "reference", "sample_next_tokens"]

@@ -6,28 +6,30 @@
     for delta in llm.stream("Once upon a time", fastllm.SamplingParams(temperature=0)):
         print(delta, end="", flush=True)
 
-Each request is prefilled in one step (reusing the KV of any cached prefix from earlier
-requests) and decoded a token per step against the paged KV cache. Per step the host waits for
-one thing: the sampled token id, which it needs to detokenize and to check the stop rules.
+Requests run through :class:`fastllm.engine.Engine`: continuous batching over a paged KV cache,
+with the KV of prompt prefixes cached across requests and long prompts prefilled in chunks.
+Per step the host waits for one thing: the sampled token ids, which it needs to detokenize and
+to check the stop rules. ``generate``, ``stream`` and ``chat`` may be called from several
+threads at once; each call steps the shared engine, which advances every request in it.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import time
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
 from tqdm.auto import tqdm
 
+from fastllm.engine import Engine, EngineConfig
 from fastllm.kv_cache import PagedKVCache, plan_pool
 from fastllm.model_pool import load
-from fastllm.model_runner import run_step
-from fastllm.outputs import Logprob, RequestOutput
+from fastllm.outputs import RequestOutput
 from fastllm.request import Request
-from fastllm.sampling import SampleOutput, SamplingParams, SamplingTensors, sample_next_tokens
+from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
 
 __all__ = ["LLM", "PromptType"]
@@ -50,17 +52,25 @@ class LLM:
         tokenizer: a folder or file to read the tokenizer from, if not ``model``.
         max_model_len: the most tokens (prompt and output) one sequence may hold. Default: the
             model's context, capped at 8192.
-        kv_cache_memory: bytes for the paged KV pool. Default: room for one sequence of
-            ``max_model_len`` tokens. Whatever the pool does not hold for running requests keeps
-            cached prefixes for later ones.
+        kv_cache_memory: bytes for the paged KV pool; the pool is what bounds how many
+            requests run at once (beyond it, the newest are preempted and recomputed later).
+            Default: room for one sequence of ``max_model_len`` tokens (so many shorter ones).
+            What running requests do not hold keeps cached prefixes for later ones.
         block_size: tokens per KV-cache block.
         enable_prefix_caching: reuse the KV of prompt prefixes computed before.
+        max_num_seqs, max_num_batched_tokens, max_prefill_chunk: the engine's scheduling limits
+            (:class:`fastllm.engine.EngineConfig`).
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", tokenizer: str | os.PathLike | None = None,
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
+                 max_prefill_chunk: int | None = None) -> None:
+        engine_config = EngineConfig(max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     max_prefill_chunk=max_prefill_chunk)
         self.model = load(model, dtype, device)
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
@@ -85,8 +95,10 @@ class LLM:
         self.kv_cache = PagedKVCache(spec, plan, device=self.device,
                                      enable_prefix_caching=enable_prefix_caching)
         self.vocab_size = config.vocab_size
+        self.engine = Engine(self.model, self.tokenizer, self.kv_cache, engine_config,
+                             max_model_len)
         self._request_counter = itertools.count()
-        self._seq_ids = itertools.count()
+        self._lock = threading.RLock()  # one engine step at a time, whichever thread asks
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -103,10 +115,21 @@ class LLM:
             use_tqdm: show a progress bar over the prompts.
         """
         requests = self._make_requests(prompts, sampling_params)
-        for request in tqdm(requests, desc="Generating", unit="prompt",
-                            disable=not use_tqdm or not requests):
-            for _ in self._run(request):
-                pass
+        self._add(requests)
+        progress = tqdm(total=len(requests), desc="Generating", unit="prompt",
+                        disable=not use_tqdm or not requests)
+        try:
+            done = 0
+            while done < len(requests):
+                with self._lock:
+                    if not all(r.finished for r in requests):
+                        self.engine.step()
+                finished = sum(r.finished for r in requests)
+                progress.update(finished - done)
+                done = finished
+        finally:
+            progress.close()
+            self._abort_unfinished(requests)
         return [request.output() for request in requests]
 
     def stream(self, prompt: PromptType,
@@ -120,7 +143,18 @@ class LLM:
         if isinstance(sampling_params, Sequence):
             raise TypeError("stream takes one prompt and one SamplingParams")
         request, = self._make_requests([prompt], sampling_params)
-        yield from self._run(request)
+        self._add([request])
+        try:
+            while True:
+                with self._lock:
+                    if not request.finished:
+                        self.engine.step()
+                    deltas = request.take_deltas()
+                yield from deltas
+                if request.finished:
+                    return
+        finally:
+            self._abort_unfinished([request])
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -149,6 +183,24 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
     # ---- requests ----------------------------------------------------------------------------
+
+    def _add(self, requests: list[Request]) -> None:
+        """Queues requests in the engine, all or none."""
+        with self._lock:
+            try:
+                for request in requests:
+                    self.engine.add_request(request)
+            except BaseException:
+                self._abort_unfinished(requests)
+                raise
+
+    def _abort_unfinished(self, requests: list[Request]) -> None:
+        """Ends requests a caller no longer waits for (an error, or a stream closed early),
+        freeing their KV blocks."""
+        with self._lock:
+            for request in requests:
+                if not request.finished:
+                    self.engine.abort_request(request)
 
     def _make_requests(self, prompts: PromptType | Sequence[PromptType],
                        sampling_params: SamplingParams | Sequence[SamplingParams] | None
@@ -205,64 +257,6 @@ class LLM:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, which leaves no room to "
                              f"generate under max_model_len={self.max_model_len}")
         return text, token_ids
-
-    # ---- the generation loop -----------------------------------------------------------------
-
-    def _run(self, request: Request) -> Iterator[str]:
-        """Prefills ``request`` and decodes it to the end, yielding its text deltas; frees its
-        KV however it ends (finished, closed early or failed)."""
-        manager = self.kv_cache.block_manager
-        params = request.params
-        seq_id = next(self._seq_ids)
-        tensors = SamplingTensors.from_params([params], self.vocab_size, self.device)
-        offsets = torch.zeros(1, dtype=torch.int64, device=self.device)
-        prompt_mask = output_counts = None
-        if tensors.needs_penalties:
-            prompt_mask = torch.zeros(1, self.vocab_size, dtype=torch.bool, device=self.device)
-            prompt_mask[0, request.prompt_token_ids] = True
-            output_counts = torch.zeros(1, self.vocab_size, dtype=torch.int32,
-                                        device=self.device)
-        request.metrics.first_scheduled_time = time.perf_counter()
-        num_cached = manager.allocate(seq_id, request.prompt_token_ids)
-        request.metrics.num_cached_tokens = num_cached
-        new_tokens = request.prompt_token_ids[num_cached:]
-        try:
-            with torch.inference_mode():
-                while True:
-                    logits = run_step(self.model, self.kv_cache, [seq_id], [new_tokens])
-                    sampled = sample_next_tokens(logits, tensors, offsets,
-                                                 prompt_mask=prompt_mask,
-                                                 output_counts=output_counts)
-                    if output_counts is not None:
-                        output_counts[0, sampled.tokens] += 1  # on the device: no sync
-                    offsets += 1
-                    token = int(sampled.tokens[0])  # the step's one host sync
-                    logprobs = (self._logprob_entry(sampled, 0, token, params.logprobs)
-                                if params.logprobs is not None else None)
-                    delta = request.append_token(token, logprobs)
-                    if delta:
-                        yield delta
-                    if request.finished:
-                        return
-                    self.kv_cache.copy_blocks(manager.append_tokens(seq_id, [token]))
-                    new_tokens = [token]
-        finally:
-            manager.free(seq_id)
-
-    def _logprob_entry(self, sampled: SampleOutput, row: int, token: int,
-                       num_logprobs: int) -> dict[int, Logprob]:
-        """The sampled token's logprob, then the ``num_logprobs`` most likely tokens'."""
-        top_ids = sampled.top_ids[row, :num_logprobs].tolist()
-        top_logprobs = sampled.top_logprobs[row, :num_logprobs].tolist()
-        ranks = {token_id: rank for rank, token_id in enumerate(top_ids, 1) if token_id >= 0}
-        decode = self.tokenizer.decode
-        entry = {token: Logprob(float(sampled.token_logprobs[row]), ranks.get(token),
-                                decode([token], skip_special_tokens=False))}
-        for token_id, logprob in zip(top_ids, top_logprobs):
-            if token_id >= 0 and token_id != token:
-                entry[token_id] = Logprob(logprob, ranks[token_id],
-                                          decode([token_id], skip_special_tokens=False))
-        return entry
 
     def __repr__(self) -> str:
         return (f"LLM({self.model.config.architecture}, dtype={self.model.embed_tokens.weight.dtype}"

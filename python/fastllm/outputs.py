@@ -39,7 +39,7 @@ class CompletionOutput:
             ``SamplingParams.logprobs`` is set.
         logprobs: per generated token, the sampled token and the ``logprobs`` most likely ones.
         finish_reason: "stop" (EOS, a stop token or a stop string), "length" (``max_tokens`` or
-            the model's context) or None while running.
+            the model's context), "abort" (cancelled) or None while running.
         stop_reason: the stop string or stop token id that ended it (None for EOS or length).
     """
 
@@ -71,6 +71,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_generated_tokens: int = 0
+    num_preemptions: int = 0  # times its KV was freed under memory pressure and recomputed
 
     @property
     def queue_time(self) -> float | None:

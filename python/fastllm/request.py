@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from torch import Tensor
+
 from fastllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from fastllm.sampling import SamplingParams
+from fastllm.sampling import SamplingParams, resolve_seed
 from fastllm.tokenizer import Tokenizer
 
 __all__ = ["Request"]
@@ -30,6 +32,10 @@ class Request:
         tokenizer: turns the output into text.
         eos_token_ids: ids that end generation unless ``params.ignore_eos``.
         max_model_len: the most tokens, prompt and output, the sequence may hold.
+
+    An engine keeps its scheduling state here too: the sequence id the request holds in the
+    block manager (None while waiting or preempted), its resolved seed (drawn once, so a
+    preempted request resumes the same random stream) and its penalty counts.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
@@ -54,6 +60,12 @@ class Request:
         self._detokenizer = tokenizer.detokenizer(prompt_ids=self.prompt_token_ids)
         self._text = ""  # generated text (cut at a stop string once one is found)
         self._emitted = 0  # characters of _text already handed out
+        self._deltas: list[str] = []  # released text not yet taken by a consumer
+        self.seed = resolve_seed(params)
+        self.seq_id: int | None = None
+        self.num_preemptions = 0
+        self.prompt_mask: Tensor | None = None  # bool [vocab], with penalties only
+        self.output_counts: Tensor | None = None  # int32 [vocab], with penalties only
 
     @property
     def finished(self) -> bool:
@@ -62,6 +74,20 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def abort(self) -> None:
+        """Ends the request without finishing it (cancelled): finish_reason "abort"."""
+        if not self.finished:
+            self._finish("abort", None)
+
+    def take_deltas(self) -> list[str]:
+        """The text released since the last call, in order."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
 
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> str:
         """Adds a sampled token; returns the text that may be shown now ("" while held back).
@@ -92,7 +118,10 @@ class Request:
             delta += self._detokenizer.flush()
         self._text += delta
         self._find_stop_string(len(delta))
-        return self._take_text()
+        released = self._take_text()
+        if released:
+            self._deltas.append(released)
+        return released
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason

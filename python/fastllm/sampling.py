@@ -17,7 +17,8 @@ from torch import Tensor
 
 from fastllm import ops
 
-__all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "sample_next_tokens"]
+__all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "resolve_seed",
+           "sample_next_tokens"]
 
 _MAX_SEED = 2**63 - 1
 
@@ -93,6 +94,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    def needs_penalties(self) -> bool:
+        """Whether sampling must run the penalties op (a penalty or a logit bias is set)."""
+        return bool(self.logit_bias or self.repetition_penalty != 1 or self.presence_penalty
+                    or self.frequency_penalty)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError for a token id the model does not have."""
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
@@ -100,6 +106,11 @@ class SamplingParams:
             if unknown:
                 raise ValueError(f"{name} names token ids {unknown} outside the vocabulary "
                                  f"[0, {vocab_size})")
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    """The request's seed, or a fresh random one when it has none."""
+    return secrets.randbelow(_MAX_SEED) if params.seed is None else params.seed
 
 
 @dataclass
@@ -121,8 +132,11 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], vocab_size: int,
-                    device: torch.device | str = "cpu") -> SamplingTensors:
-        """Rows in the order of ``params``; a request without a seed gets a fresh random one."""
+                    device: torch.device | str = "cpu",
+                    seeds: Sequence[int] | None = None) -> SamplingTensors:
+        """Rows in the order of ``params``. ``seeds`` are the rows' seeds (an engine draws one
+        per request once, so it survives preemption); by default a request without a seed
+        gets a fresh random one."""
         for p in params:
             p.check_vocab(vocab_size)
 
@@ -145,13 +159,11 @@ class SamplingTensors:
             frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
             presence_penalty=column([p.presence_penalty for p in params], torch.float32),
             logit_bias=logit_bias,
-            seeds=column([secrets.randbelow(_MAX_SEED) if p.seed is None else p.seed
-                          for p in params], torch.int64),
+            seeds=column(list(seeds) if seeds is not None else
+                         [resolve_seed(p) for p in params], torch.int64),
             wants_logprobs=any(p.logprobs is not None for p in params),
             num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            needs_penalties=logit_bias is not None or any(
-                p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
-                for p in params),
+            needs_penalties=any(p.needs_penalties() for p in params),
         )
 
 

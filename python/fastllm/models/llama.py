@@ -47,29 +47,36 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, kv_cache: PagedKVCache, seq_ids: Sequence[int],
-              num_new_tokens: Sequence[int], device: torch.device | str) -> AttentionMetadata:
-        """Metadata for the last ``num_new_tokens[b]`` tokens of each sequence ``seq_ids[b]``.
+              num_new_tokens: Sequence[int], device: torch.device | str,
+              starts: Sequence[int] | None = None) -> AttentionMetadata:
+        """Metadata for ``num_new_tokens[b]`` tokens of each sequence ``seq_ids[b]``.
 
         The sequences must already hold these tokens in the block manager (``allocate`` /
-        ``append_tokens`` called, and their copy-on-write copies applied), so the new tokens are
-        logical positions ``[num_tokens - n, num_tokens)``. Runs on the CPU, then moves the
-        tensors to ``device`` once.
+        ``append_tokens`` called, and their copy-on-write copies applied). They are logical
+        positions ``[starts[b], starts[b] + n)``, by default the sequence's last ``n`` tokens;
+        an earlier start is a prefill chunk of a prompt held whole, which attends to the keys
+        before it and to itself only. Runs on the CPU, then moves the tensors to ``device``
+        once.
         """
         if len(seq_ids) != len(num_new_tokens):
             raise ValueError(f"{len(seq_ids)} seq_ids but {len(num_new_tokens)} num_new_tokens")
         manager = kv_cache.block_manager
-        seq_lens = [manager.num_tokens(seq_id) for seq_id in seq_ids]
-        for seq_id, n, length in zip(seq_ids, num_new_tokens, seq_lens):
-            if not 0 <= n <= length:
+        held = [manager.num_tokens(seq_id) for seq_id in seq_ids]
+        if starts is None:
+            starts = [length - n for length, n in zip(held, num_new_tokens)]
+        elif len(starts) != len(seq_ids):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(starts)} starts")
+        for seq_id, n, start, length in zip(seq_ids, num_new_tokens, starts, held):
+            if not (n >= 0 and 0 <= start and start + n <= length):
                 raise ValueError(f"sequence {seq_id} holds {length} tokens, so it cannot have "
-                                 f"{n} new ones")
+                                 f"{n} new ones from position {start}")
         new = torch.tensor(num_new_tokens, dtype=torch.int64)
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
+        lens = torch.tensor(starts, dtype=torch.int64) + new  # keys visible after this step
         block_tables = manager.block_tables(list(seq_ids))  # [B, max_blocks]
         # Each new token's sequence and logical position, then its physical slot.
         seq_index = torch.repeat_interleave(torch.arange(len(seq_ids)), new)  # [T]
-        starts = torch.cumsum(new, 0) - new  # [B] first packed row of each sequence
-        positions = (lens - new)[seq_index] + torch.arange(int(new.sum())) - starts[seq_index]
+        first_rows = torch.cumsum(new, 0) - new  # [B] first packed row of each sequence
+        positions = (lens - new)[seq_index] + torch.arange(int(new.sum())) - first_rows[seq_index]
         block_size = manager.block_size
         blocks = block_tables[seq_index, positions // block_size].long()  # [T]
         cu_seqlens_q = F.pad(torch.cumsum(new, 0), (1, 0)).to(torch.int32)

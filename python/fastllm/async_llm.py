@@ -1,0 +1,139 @@
+"""``fastllm.AsyncLLM``: the engine behind an asyncio interface.
+
+    llm = fastllm.AsyncLLM("path/to/model")
+    async for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=64)):
+        print(delta, end="")
+    output = await llm.generate("The dog", SamplingParams(temperature=0))
+
+A background thread steps the engine while any request is unfinished; every request added from
+any coroutine joins the running batch at the next step. Cancelling the coroutine (or closing
+the ``stream`` iterator) aborts its request, whose KV blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastllm.llm import LLM, PromptType
+from fastllm.outputs import RequestOutput
+from fastllm.request import Request
+from fastllm.sampling import SamplingParams
+
+__all__ = ["AsyncLLM"]
+
+
+class AsyncLLM:
+    """Continuous batching for asyncio callers; takes :class:`fastllm.LLM`'s arguments.
+
+    The ``AsyncLLM`` owns its ``LLM`` (``self.llm``): use this object's methods, not the
+    ``LLM``'s, to generate. Call :meth:`shutdown` (or use ``async with``) to stop the thread.
+    """
+
+    def __init__(self, model: str | os.PathLike, **llm_kwargs: Any) -> None:
+        self.llm = LLM(model, **llm_kwargs)
+        self._subscribers: dict[Request, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fastllm-engine", daemon=True)
+        self._thread.start()
+
+    async def stream(self, prompt: PromptType,
+                     sampling_params: SamplingParams | None = None) -> AsyncIterator[str]:
+        """Yields one request's text deltas as the engine produces them."""
+        request, queue = self._submit(prompt, sampling_params)
+        try:
+            while True:
+                deltas, finished, error = await queue.get()
+                if error is not None:
+                    raise RuntimeError("the engine thread failed") from error
+                for delta in deltas:
+                    yield delta
+                if finished:
+                    return
+        finally:
+            self._forget(request)
+
+    async def generate(self, prompt: PromptType,
+                       sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """The finished output of one request."""
+        request, queue = self._submit(prompt, sampling_params)
+        try:
+            while True:
+                _, finished, error = await queue.get()
+                if error is not None:
+                    raise RuntimeError("the engine thread failed") from error
+                if finished:
+                    return request.output()
+        finally:
+            self._forget(request)
+
+    def _submit(self, prompt: PromptType, sampling_params: SamplingParams | None
+                ) -> tuple[Request, asyncio.Queue]:
+        if self._error is not None:
+            raise RuntimeError("the engine thread failed") from self._error
+        if self._closed:
+            raise RuntimeError("this AsyncLLM was shut down")
+        if isinstance(sampling_params, (list, tuple)):
+            raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
+        request, = self.llm._make_requests([prompt], sampling_params)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self.llm._lock:
+            self.llm.engine.add_request(request)  # a bad request fails here, alone
+            self._subscribers[request] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        return request, queue
+
+    def _forget(self, request: Request) -> None:
+        """Drops a request its caller stopped waiting for; aborts it if unfinished."""
+        with self.llm._lock:
+            self._subscribers.pop(request, None)
+            if not request.finished:
+                self.llm.engine.abort_request(request)
+
+    def _run(self) -> None:
+        engine = self.llm.engine
+        while not self._closed:
+            with self.llm._lock:
+                busy = engine.has_unfinished()
+                if busy:
+                    try:
+                        updated = engine.step()
+                    except BaseException as error:  # every waiter hears of it; none hangs
+                        self._fail_all(error)
+                        return
+                    for request in updated:
+                        subscriber = self._subscribers.get(request)
+                        if subscriber is not None:
+                            loop, queue = subscriber
+                            loop.call_soon_threadsafe(queue.put_nowait, (
+                                request.take_deltas(), request.finished, None))
+            if not busy:
+                self._wake.wait()
+                self._wake.clear()
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._error = error
+        for request, (loop, queue) in list(self._subscribers.items()):
+            self.llm.engine.abort_request(request)
+            loop.call_soon_threadsafe(queue.put_nowait, ([], True, error))
+
+    def shutdown(self) -> None:
+        """Stops the engine thread; unfinished requests are aborted."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+        with self.llm._lock:
+            for request, (loop, queue) in list(self._subscribers.items()):
+                self.llm.engine.abort_request(request)
+                loop.call_soon_threadsafe(queue.put_nowait, ([], True, None))
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()
