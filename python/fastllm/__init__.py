@@ -7,7 +7,8 @@
 ``fastllm.models`` the decoder models and their loaders (safetensors, GGUF),
 ``fastllm.Tokenizer`` the tokenizers, chat templates and incremental detokenization, and
 ``fastllm.LLM`` / ``fastllm.AsyncLLM`` text generation (vLLM's interface) with continuous
-batching (``fastllm.engine``) on models from ``fastllm.load``, the bounded model pool.
+batching (``fastllm.engine``) on models from ``fastllm.load``, the bounded model pool, and
+``fastllm.Reranker`` Qwen3-Reranker scoring.
 """
 
 import torch
@@ -35,11 +36,13 @@ from fastllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOu
 from fastllm.llm import LLM  # noqa: E402
 from fastllm.async_llm import AsyncLLM  # noqa: E402
 from fastllm.engine import EngineConfig, EngineStats  # noqa: E402
+from fastllm.rerank import Reranker, RerankResult  # noqa: E402
 
 MaskCache = _C.MaskCache
 
-__all__ = ["LLM", "AsyncLLM", "BlockManager", "EngineConfig", "EngineStats", "CompletionOutput", "IncrementalDetokenizer",
-           "KVCacheFullError", "Logprob", "MaskCache", "RequestMetrics", "RequestOutput",
-           "SampleOutput", "SamplingParams", "SamplingTensors", "Tokenizer", "kv_cache", "load",
-           "ops", "reference", "sample_next_tokens"]
+__all__ = ["LLM", "AsyncLLM", "BlockManager", "CompletionOutput", "EngineConfig", "EngineStats",
+           "IncrementalDetokenizer", "KVCacheFullError", "Logprob", "MaskCache",
+           "RequestMetrics", "RequestOutput", "Reranker", "RerankResult", "SampleOutput",
+           "SamplingParams", "SamplingTensors", "Tokenizer", "kv_cache", "load", "ops",
+           "reference", "sample_next_tokens"]
 __version__ = "0.1.0"

@@ -2,13 +2,16 @@
 
     fastllm generate --model PATH --prompt "Once upon a time" --max-tokens 64 --temperature 0.7
     fastllm generate --model PATH --prompt "What is 2 + 2?" --chat
+    fastllm rerank --model PATH --query "capital of France" --docs docs.txt --top-n 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -47,14 +50,49 @@ def _generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def _add_rerank(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "rerank", help="rank documents for a query with a Qwen3-Reranker model",
+        description="Scores each document of --docs against --query and prints one JSON line "
+                    "per document, best first: {\"index\", \"score\", \"document\"}.")
+    parser.add_argument("--model", required=True, help="HF model folder or .gguf file")
+    parser.add_argument("--query", required=True)
+    parser.add_argument("--docs", required=True, type=Path,
+                        help="the documents: a text file with one per line (empty lines "
+                             "skipped), or a .json file holding a list of strings")
+    parser.add_argument("--top-n", type=int, default=None, help="print only the n best")
+    parser.add_argument("--instruction", default=None,
+                        help="the task instruction (default: the model card's web search one)")
+    parser.add_argument("--max-length", type=int, default=8192)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(run=_rerank)
+
+
+def _rerank(args: argparse.Namespace) -> None:
+    from fastllm import Reranker
+
+    text = args.docs.read_text(encoding="utf-8")
+    if args.docs.suffix == ".json":
+        documents = json.loads(text)
+    else:
+        documents = [line for line in text.splitlines() if line.strip()]
+    reranker = Reranker(args.model, dtype=args.dtype, device=args.device,
+                        instruction=args.instruction, max_length=args.max_length)
+    for result in reranker.rerank(args.query, documents, top_n=args.top_n):
+        print(json.dumps({"index": result.index, "score": result.score,
+                          "document": result.document}, ensure_ascii=False))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fastllm", description="fast LLM inference")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
+    _add_rerank(subparsers)
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, TypeError, FileNotFoundError) as error:
+    except (ValueError, TypeError, OSError) as error:
         parser.exit(2, f"fastllm {args.command}: error: {error}\n")
 
 

@@ -16,7 +16,8 @@ __all__ = ["run_step"]
 
 def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
              new_tokens: Sequence[Sequence[int]], *, starts: Sequence[int] | None = None,
-             logits: bool | Sequence[bool] = True) -> Tensor | None:
+             logits: bool | Sequence[bool] = True,
+             logit_token_ids: Tensor | None = None) -> Tensor | None:
     """Runs ``model`` over new tokens of each sequence, packed in one batch.
 
     ``new_tokens[b]`` are tokens sequence ``seq_ids[b]`` holds in the block manager
@@ -26,8 +27,9 @@ def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
     so (``mark_computed``): only then may their full blocks serve other sequences.
 
     Returns the logits at the last new token of each sequence ``b`` with ``logits[b]`` true
-    (``logits=True``: all of them), ``[count, vocab]`` (the LM head runs on those rows only);
-    None with ``logits=False``. A sequence that gives logits must have a new token.
+    (``logits=True``: all of them), ``[count, vocab]`` (the LM head runs on those rows only),
+    or ``[count, len(logit_token_ids)]``: those tokens' logits alone; None with
+    ``logits=False``. A sequence that gives logits must have a new token.
     """
     if len(seq_ids) != len(new_tokens):
         raise ValueError(f"{len(seq_ids)} seq_ids but {len(new_tokens)} token lists")
@@ -52,4 +54,4 @@ def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
     last_rows = meta.cu_seqlens_q[1:].long() - 1  # [B]
     if not all(wants):
         last_rows = last_rows[torch.tensor(wants, device=last_rows.device)]
-    return model.compute_logits(hidden[last_rows])  # [count, vocab]
+    return model.compute_logits(hidden[last_rows], logit_token_ids)  # [count, vocab or ids]

@@ -246,7 +246,11 @@ class DecoderLM(nn.Module):
                       self.cos_sin_cache, kv_cache.pre_rope)
         return self.norm(x)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head."""
+    def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
+        """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or
+        ``[n, len(token_ids)]``: only those tokens' rows of the head (a scorer that reads two
+        logits need not compute 151,936)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if token_ids is not None:
+            weight = weight[token_ids]  # [len(token_ids), hidden], a small copy
         return ops.linear(hidden, weight)

@@ -1,0 +1,211 @@
+"""fastllm.Reranker against a plain HF transformers run of the Qwen3-Reranker model card's recipe
+(left padding, full logits) on the same random-weight Qwen3 with the real Qwen3 tokenizer, on
+TREC DL19 and NovelEval texts; the causal mask matters; bad input fails clearly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from tiny_hf import random_hf_model, save_hf_model
+
+import fastllm
+from fastllm import Reranker
+from fastllm.cli import main
+from fastllm.rerank import DEFAULT_INSTRUCTION, RECIPE_PREFIX, RECIPE_SUFFIX
+
+transformers.logging.set_verbosity_error()
+
+MAX_LENGTH = 256  # small, so DL19 passages get truncated
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, model_path):
+    hf = random_hf_model("qwen3", seed=0, vocab_size=151936, hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         tie_word_embeddings=True)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("reranker"))
+    for file in model_path("qwen3_tokenizer").iterdir():
+        shutil.copy(file, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, padding_side="left")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def reranker(folder) -> Reranker:
+    return Reranker(folder, max_length=MAX_LENGTH, max_num_batched_tokens=512)
+
+
+def recipe_ids(tokenizer, query: str, documents: list[str], instruction: str = DEFAULT_INSTRUCTION,
+               max_length: int = MAX_LENGTH) -> list[list[int]]:
+    """The model card's format_instruction + process_inputs, before padding."""
+    prefix = tokenizer.encode(RECIPE_PREFIX, add_special_tokens=False)
+    suffix = tokenizer.encode(RECIPE_SUFFIX, add_special_tokens=False)
+    pairs = [f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
+             for doc in documents]
+    inputs = tokenizer(pairs, padding=False, truncation="longest_first",
+                       return_attention_mask=False,
+                       max_length=max_length - len(prefix) - len(suffix))
+    return [prefix + ids + suffix for ids in inputs["input_ids"]]
+
+
+def recipe_scores(hf, query: str, documents: list[str], **kwargs) -> list[float]:
+    """The model card's compute_logits: left-padded batch, last position, yes vs no."""
+    model, tokenizer = hf
+    inputs = tokenizer.pad({"input_ids": recipe_ids(tokenizer, query, documents, **kwargs)},
+                           padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[:, -1, :]
+    no, yes = tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
+    pair = torch.stack([logits[:, no], logits[:, yes]], dim=1)
+    return torch.nn.functional.log_softmax(pair, dim=1)[:, 1].exp().tolist()
+
+
+def dl19(model_path, queries: int, hits: int) -> list[tuple[str, list[str]]]:
+    path = model_path("rerank_eval/trec_dl19/retrieve_results_dl19_bm25_top100.json")
+    data = json.loads(path.read_text())
+    return [(item["query"], [hit["content"] for hit in item["hits"][:hits]])
+            for item in data[:queries]]
+
+
+def noveleval(model_path, queries: int, passages: int) -> list[tuple[str, list[str]]]:
+    folder = model_path("rerank_eval/noveleval")
+    query_text = dict(line.split("\t", 1) for line in
+                      (folder / "queries.tsv").read_text().splitlines())
+    corpus: dict[str, list[str]] = {}
+    for line in (folder / "corpus.tsv").read_text().splitlines():
+        doc_id, text = line.split("\t", 1)
+        corpus.setdefault(doc_id.split("-")[0], []).append(text)
+    return [(query_text[q], corpus[q][:passages]) for q in sorted(corpus, key=int)[:queries]]
+
+
+TRICKY = ["", "café 世界 🌍 naïve — ok", " leading space", "'s a contraction", "\n\nnew lines",
+          "123 numbers", "<|im_end|> a special token written in the text",
+          "word " * 400]  # truncated
+
+
+def assert_close(got: list[float], expected: list[float]) -> None:
+    assert len(got) == len(expected)
+    assert max(abs(a - b) for a, b in zip(got, expected)) <= TOLERANCE, (got, expected)
+
+
+def test_token_ids_are_the_recipes(reranker, hf):
+    _, tokenizer = hf
+    query = "what is a flea's life cycle?"
+    assert [reranker.pair_token_ids(query, d) for d in TRICKY] == recipe_ids(tokenizer, query,
+                                                                             TRICKY)
+
+
+def test_scores_equal_the_recipe_on_dl19(reranker, hf, model_path):
+    for query, documents in dl19(model_path, queries=3, hits=6):
+        assert_close(reranker.score(query, documents), recipe_scores(hf, query, documents))
+
+
+def test_scores_equal_the_recipe_on_noveleval_and_tricky_documents(reranker, hf, model_path):
+    for query, documents in noveleval(model_path, queries=2, passages=5):
+        documents = documents + TRICKY
+        assert_close(reranker.score(query, documents), recipe_scores(hf, query, documents))
+
+
+def test_custom_instruction_and_long_max_length(folder, hf, model_path):
+    reranker = Reranker(folder, instruction="Find passages about animals", max_length=1024)
+    query, documents = dl19(model_path, queries=1, hits=4)[0]
+    assert_close(reranker.score(query, documents),
+                 recipe_scores(hf, query, documents, instruction="Find passages about animals",
+                               max_length=1024))
+
+
+def test_score_pairs_groups_queries_and_keeps_order(reranker, model_path):
+    data = dl19(model_path, queries=2, hits=3)
+    pairs = [(q, d) for q, docs in data for d in docs]
+    interleaved = pairs[::2] + pairs[1::2]
+    expected = {pair: score for pair, score in zip(pairs, reranker.score_pairs(pairs))}
+    assert_close(reranker.score_pairs(interleaved), [expected[p] for p in interleaved])
+
+
+def test_the_shared_part_is_computed_once_per_query(reranker, model_path, monkeypatch):
+    import fastllm.rerank as rerank_module
+
+    computed = []
+    real = rerank_module.run_step
+
+    def counting(model, cache, seq_ids, new_tokens, **kwargs):
+        computed.append(sum(len(t) for t in new_tokens))
+        return real(model, cache, seq_ids, new_tokens, **kwargs)
+
+    monkeypatch.setattr(rerank_module, "run_step", counting)
+    query, documents = dl19(model_path, queries=1, hits=8)[0]
+    reranker.score(query, documents)
+    total = sum(len(reranker.pair_token_ids(query, d)) for d in documents)
+    shared = len(reranker.pair_token_ids(query, "")) - len(reranker.suffix_ids) - 4
+    assert sum(computed) <= total - (len(documents) - 1) * (shared // 16 * 16)
+
+
+def test_removing_the_causal_mask_changes_the_scores(reranker, model_path, monkeypatch):
+    """Qwen3-Reranker is a causal LM: bidirectional attention is a different model."""
+    import fastllm.models.llama as llama
+
+    query, documents = dl19(model_path, queries=1, hits=4)[0]
+    causal = reranker.score(query, documents)
+    real = llama.ops.paged_attention
+
+    def bidirectional(*args, **kwargs):
+        return real(*args, **{**kwargs, "causal": False})
+
+    monkeypatch.setattr(llama.ops, "paged_attention", bidirectional)
+    without_mask = reranker.score(query, documents)
+    assert max(abs(a - b) for a, b in zip(causal, without_mask)) > 1e-3
+
+
+def test_rerank_orders_best_first(reranker, model_path):
+    query, documents = dl19(model_path, queries=1, hits=6)[0]
+    scores = reranker.score(query, documents)
+    ranked = reranker.rerank(query, documents)
+    assert [r.score for r in ranked] == sorted(scores, reverse=True)
+    assert all(documents[r.index] == r.document and scores[r.index] == r.score for r in ranked)
+    assert [r.index for r in reranker.rerank(query, documents, top_n=2)] == \
+        [r.index for r in ranked[:2]]
+    assert isinstance(ranked[0], fastllm.RerankResult)
+
+
+def test_bad_input(reranker, folder):
+    assert reranker.score("q", []) == [] and reranker.rerank("q", []) == []
+    assert reranker.score_pairs([]) == []
+    with pytest.raises(TypeError, match=r"documents\[1\] must be a str, got int"):
+        reranker.score("q", ["fine", 3])
+    with pytest.raises(TypeError, match="documents must be a list of str, got one str"):
+        reranker.score("q", "a document")
+    with pytest.raises(TypeError, match="the query must be a str, got NoneType"):
+        reranker.score_pairs([(None, "doc")])
+    with pytest.raises(TypeError, match=r"pairs\[0\] must be a \(query, document\) pair"):
+        reranker.score_pairs(["just a string"])
+    with pytest.raises(ValueError, match="top_n must be None or an int >= 0, got -1"):
+        reranker.rerank("q", ["a"], top_n=-1)
+    with pytest.raises(ValueError, match="max_length must be an int above the"):
+        Reranker(folder, max_length=20)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        Reranker(folder, max_length=4096)
+
+
+def test_cli_prints_the_ranking(folder, reranker, tmp_path, capsys):
+    docs = tmp_path / "docs.txt"
+    documents = ["Paris is the capital of France.", "Bananas are yellow.", "café"]
+    docs.write_text("\n".join(documents) + "\n")
+    main(["rerank", "--model", str(folder), "--query", "capital of France",
+          "--docs", str(docs), "--max-length", str(MAX_LENGTH)])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = reranker.rerank("capital of France", documents)
+    assert [(r["index"], r["document"]) for r in lines] == \
+        [(r.index, r.document) for r in expected]
+    assert_close([r["score"] for r in lines], [r.score for r in expected])
