@@ -39,7 +39,7 @@ from fastllm.bench.timer import TimerConfig, compare
 from fastllm.bench.workloads import (MODEL_SHAPES, add_shape_arguments, make_attention_inputs,
                                      random_model)
 from fastllm.chunk_prefill import ChunkedPrompt, ChunkKVStore, prefill_independent_chunks
-from fastllm.kv_cache import KVCacheSpec, PagedKVCache
+from fastllm.kv_cache import KVCacheSpec, PagedKVCache, zeros_pool
 from fastllm.model_runner import run_step
 from fastllm.models import DecoderLM, load_model
 
@@ -92,8 +92,9 @@ def to_paged(k: Tensor, v: Tensor, batch: int, len_k: int, block_size: int) -> P
     num_blocks = batch * blocks_per_seq
     order = torch.randperm(num_blocks, device=k.device)
     block_tables = order.view(batch, blocks_per_seq).to(torch.int32)
-    k_cache = k.new_zeros(num_blocks, block_size, *k.shape[1:])
-    v_cache = torch.zeros_like(k_cache)
+    pool_shape = (num_blocks, block_size, *k.shape[1:])
+    k_cache = zeros_pool(pool_shape, k.dtype, k.device)  # as PagedKVCache allocates its pools
+    v_cache = zeros_pool(pool_shape, k.dtype, k.device)
     positions = torch.arange(len_k, device=k.device)
     slots = (block_tables.long()[:, positions // block_size] * block_size
              + positions % block_size).flatten()  # [batch * len_k], packed order

@@ -6,12 +6,21 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "kv_cache/block_manager.h"
+#include "kv_cache/pool_alloc.h"
 
 namespace py = pybind11;
 
 namespace fastllm {
 
 void bind_kv_cache(py::module_& m) {
+  m.def(
+      "zeros_huge_pages",
+      [](std::vector<int64_t> sizes, at::ScalarType dtype) {
+        return zeros_huge_pages(sizes, dtype);
+      },
+      py::arg("sizes"), py::arg("dtype"),
+      "A zero-filled CPU tensor in 2 MiB-aligned memory advised for transparent huge pages "
+      "(the paged KV pools: their blocks are read scattered, which 4 KiB pages make TLB-bound).");
   auto& full_error =
       py::register_local_exception<KVCacheFullError>(m, "KVCacheFullError", PyExc_RuntimeError);
   full_error.attr("__doc__") =

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from fastllm.kv_cache import KVCacheSpec, KVPoolPlan, PagedKVCache, StaticKVCache, plan_pool
+from fastllm.kv_cache import (KVCacheSpec, KVPoolPlan, PagedKVCache, StaticKVCache, plan_pool,
+                              zeros_pool)
 
 QWEN3_0_6B = KVCacheSpec(num_layers=28, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 SMALL = KVCacheSpec(num_layers=3, n_kv_heads=2, head_dim=5, dtype=torch.float32, block_size=4)
@@ -178,3 +179,17 @@ def test_fork_and_copy_on_write_keep_the_parent_kv():
         assert torch.equal(read(1)[layer], torch.cat([prompt_kv, parent_kv]))
         assert torch.equal(read(2)[layer], torch.cat([prompt_kv, child_kv]))
     assert torch.equal(cache.v_cache[:, 2, :2], -prompt_kv[4:6].expand(3, -1, -1, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_pools_are_zeroed_huge_page_aligned_and_own_their_memory(dtype):
+    shape = (2, 3, 16, 2, 64)
+    pool = zeros_pool(shape, dtype, "cpu")
+    assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
+    assert pool.data_ptr() % (2 << 20) == 0
+    assert not pool.any()
+    pool.fill_(1)
+    view = pool[1]
+    del pool
+    assert view.sum().item() == view.numel()  # the memory lives while a view does
+    assert zeros_pool((0, 16), dtype, "cpu").shape == (0, 16)
