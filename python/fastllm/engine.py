@@ -233,9 +233,7 @@ class Engine:
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage,
                                        self.kv_cache.block_manager.usage)
         if sampled is not None:
-            detokenize_started = time.perf_counter()
             self._append_tokens(sampling, sampled)
-            self.stats.detokenize_s += time.perf_counter() - detokenize_started
         counters = self.kv_cache.block_manager.stats()
         self.stats.prefix_cache_hits = counters["hits"]
         self.stats.prefix_cache_queries = counters["queries"]
@@ -266,6 +264,7 @@ class Engine:
 
     def _append_tokens(self, requests: list[Request], sampled: SampleOutput) -> None:
         tokens = sampled.tokens.tolist()  # the step's one host sync
+        started = time.perf_counter()  # after the sync: device time is not detokenization
         for row, (request, token) in enumerate(zip(requests, tokens)):
             logprobs = (self._logprob_entry(sampled, row, token, request.params.logprobs)
                         if request.params.logprobs is not None else None)
@@ -273,6 +272,7 @@ class Engine:
             if request.finished:
                 self.running.remove(request)
                 self._release(request)
+        self.stats.detokenize_s += time.perf_counter() - started
 
     def _logprob_entry(self, sampled: SampleOutput, row: int, token: int,
                        num_logprobs: int) -> dict[int, Logprob]:
