@@ -1,0 +1,131 @@
+"""The engine benchmark end to end at tiny sizes: fastllm and HF generate the same greedy
+tokens for every request in float32, and the rows hold what the report says."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import find_model
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+try:
+    import bench_engine
+finally:
+    sys.path.remove(str(REPO / "benchmarks"))
+
+REQUESTS, OUTPUT_TOKENS, PREFIX_LEN, SUFFIX_LEN, PREFIX_REQUESTS, ROUNDS = 6, 4, 32, 4, 3, 2
+# Two batches of 4 and 2 for HF; a token budget of 32 chunks the longer prompts for fastllm.
+TINY = ["--layers", "1", "--hidden-size", "64", "--intermediate-size", "192",
+        "--num-requests", str(REQUESTS), "--min-prompt-len", "4", "--max-prompt-len", "24",
+        "--output-tokens", str(OUTPUT_TOKENS), "--hf-batch-size", "4",
+        "--max-num-batched-tokens", "32", "--prefix-len", str(PREFIX_LEN),
+        "--suffix-len", str(SUFFIX_LEN), "--prefix-requests", str(PREFIX_REQUESTS),
+        "--prefix-rounds", str(ROUNDS), "--repeats", "1", "--warmup", "0"]
+
+
+def tiny_engine_bench(out: Path, dtypes: tuple[str, ...] = ("float32",)) -> dict[str, object]:
+    """Runs the benchmark at tiny sizes into ``out``; returns its JSON document."""
+    models_dir = find_model("qwen3_tokenizer").parent
+    return bench_engine.main(["--out", str(out), "--dtypes", *dtypes,
+                              "--models-dir", str(models_dir), *TINY])
+
+
+def test_bench_engine_writes_rows(tmp_path: Path) -> None:
+    document = tiny_engine_bench(tmp_path, ("float32", "bfloat16"))
+    written = json.loads((tmp_path / "engine.json").read_text())
+    assert written["rows"] == document["rows"]
+    rows = written["rows"]
+    runs = [row for row in rows if row["section"] == "throughput"]
+    prefixes = [row for row in rows if row["section"] == "prefix"]
+    assert [row["dtype"] for row in runs] == [row["dtype"] for row in prefixes] == [
+        "float32", "bfloat16"]
+    prompts = bench_engine.random_prompts(bench_engine.parse_args(TINY)[0])
+    for run in runs:
+        assert run["num_requests"] == REQUESTS
+        assert run["prompt_tokens"] == sum(len(p) for p in prompts)
+        assert run["output_tokens"] == REQUESTS * OUTPUT_TOKENS
+        for name in bench_engine.COMPETITORS:
+            assert run[f"{name}_call_repeats"] == 1
+            assert run[f"{name}_tok_s"] == pytest.approx(
+                REQUESTS * OUTPUT_TOKENS / (run[f"{name}_call_median_ms"] / 1e3))
+            assert run[f"{name}_ttft_p50_ms"] <= run[f"{name}_ttft_p99_ms"]
+            # Every request's first token comes within the call, after it was queued.
+            assert run[f"{name}_queue_p50_ms"] <= run[f"{name}_ttft_p50_ms"]
+            assert run[f"{name}_ttft_p99_ms"] <= run[f"{name}_call_median_ms"]
+        assert run["throughput_speedup_vs_hf"] == pytest.approx(run["fastllm_tok_s"]
+                                                                / run["hf_tok_s"])
+        # Padded HF batches hold at least the prompt tokens.
+        assert run["hf_padded_prompt_tokens"] >= run["prompt_tokens"]
+        # Every prompt token and every output token but the last of each request is scheduled
+        # once: no prefix caching, no preemption with room for all requests.
+        assert run["preemptions"] == 0 and run["prefix_cache_hit_rate"] == 0
+        assert run["scheduled_tokens"] == run["prompt_tokens"] + REQUESTS * (OUTPUT_TOKENS - 1)
+        assert run["steps"] >= OUTPUT_TOKENS
+        assert 0 < run["peak_kv_usage"] <= 1
+        assert 0 < run["detokenize_s"] < run["step_s"]
+        assert run["detokenize_share"] == pytest.approx(run["detokenize_s"] / run["step_s"])
+
+        requests = [row for row in rows
+                    if row["section"] == "request" and row["dtype"] == run["dtype"]]
+        assert [(row["competitor"], row["request"]) for row in requests] == [
+            (name, i) for name in bench_engine.COMPETITORS for i in range(REQUESTS)]
+        assert [row["prompt_len"] for row in requests] == [len(p) for p in prompts] * 2
+        assert all(row["cached_tokens"] == 0 for row in requests)
+    float32 = runs[0]
+    assert float32["requests_tokens_equal"] == REQUESTS
+    assert float32["tokens_agree_min"] == OUTPUT_TOKENS
+    assert all(row["tokens_agree"] == OUTPUT_TOKENS for row in rows
+               if row["section"] == "request" and row["dtype"] == "float32"
+               and row["competitor"] == "fastllm")
+
+    for prefix in prefixes:
+        timed = [row for row in rows
+                 if row["section"] == "prefix_request" and row["dtype"] == prefix["dtype"]]
+        assert len(timed) == ROUNDS * PREFIX_REQUESTS
+        # The cold request finds nothing; the others find the whole system prompt.
+        assert [row["cached_tokens"] for row in timed] == (
+            [0] + [PREFIX_LEN] * (PREFIX_REQUESTS - 1)) * ROUNDS
+        assert prefix["cached_token_share"] == pytest.approx(
+            PREFIX_LEN / (PREFIX_LEN + SUFFIX_LEN))
+        # Per round: each request looks up the full blocks before its last prompt token, and
+        # all but the first find the system prompt's.
+        blocks, shared = (PREFIX_LEN + SUFFIX_LEN - 1) // 16, PREFIX_LEN // 16
+        assert prefix["prefix_cache_hit_rate"] == pytest.approx(
+            shared * (PREFIX_REQUESTS - 1) / (blocks * PREFIX_REQUESTS))
+        assert prefix["prefix_ttft_ratio"] == pytest.approx(prefix["cold_ttft_ms"]
+                                                            / prefix["cached_ttft_ms"])
+    markdown = (tmp_path / "engine.md").read_text()
+    assert "not measured in this run" in markdown  # scaled down from the goal's size
+    assert "\n| float32 |" in markdown and "\n| bfloat16 | HF |" in markdown
+
+
+def test_goal_summary_judges_both_goals() -> None:
+    config = bench_engine.EngineBenchConfig()
+    assert config.at_goal_size and not bench_engine.EngineBenchConfig(layers=4).at_goal_size
+    rows = [{"section": "throughput", "dtype": "float32", "throughput_speedup_vs_hf": 6.0},
+            {"section": "prefix", "dtype": "float32", "prefix_ttft_ratio": 4.0},
+            {"section": "throughput", "dtype": "bfloat16", "throughput_speedup_vs_hf": 2.0},
+            {"section": "prefix", "dtype": "bfloat16", "prefix_ttft_ratio": 8.0}]
+    summary = bench_engine.goal_summary(config, rows)
+    assert "float32 throughput 6.00x (met), prefix TTFT 4.00x (NOT met)" in summary
+    assert "bfloat16 throughput 2.00x (NOT met), prefix TTFT 8.00x (met)" in summary
+
+
+def test_padded_batches_sort_and_left_pad() -> None:
+    prompts = [[5, 6, 7], [1], [2, 3], [4, 4, 4, 4]]
+    batches = bench_engine.padded_batches(prompts, 3, "cpu")
+    assert [b.indices for b in batches] == [[1, 2, 0], [3]]
+    first = batches[0]
+    assert first.input_ids.tolist() == [[0, 0, 1], [0, 2, 3], [5, 6, 7]]
+    assert first.attention_mask.tolist() == [[0, 0, 1], [0, 1, 1], [1, 1, 1]]
+    assert batches[1].input_ids.tolist() == [[4, 4, 4, 4]]
+
+
+def test_percentile() -> None:
+    assert bench_engine.percentile([3.0], 99) == 3.0
+    assert bench_engine.percentile([1.0, 2.0, 3.0], 50) == 2.0
+    assert bench_engine.percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
