@@ -270,6 +270,7 @@ class Engine:
                         if request.params.logprobs is not None else None)
             request.append_token(token, logprobs)
             if request.finished:
+                request.metrics.kv_usage = self.kv_cache.block_manager.usage
                 self.running.remove(request)
                 self._release(request)
         self.stats.detokenize_s += time.perf_counter() - started

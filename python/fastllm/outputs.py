@@ -72,6 +72,7 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_generated_tokens: int = 0
     num_preemptions: int = 0  # times its KV was freed under memory pressure and recomputed
+    kv_usage: float | None = None  # fraction of the KV pool in use when it finished
 
     @property
     def queue_time(self) -> float | None:

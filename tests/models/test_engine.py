@@ -199,6 +199,7 @@ def test_metrics_and_prefix_cache_hits(llm):
         assert m.first_token_time <= m.last_token_time <= m.finished_time
         assert m.ttft > 0 and m.queue_time >= 0 and m.time_per_output_token > 0
         assert m.num_generated_tokens == 5 and m.num_prompt_tokens == 67
+        assert 0 < m.kv_usage <= 1
     stats = llm.engine.stats
     assert 0 < stats.prefix_cache_hit_rate <= 1 and 0 < stats.peak_kv_usage <= 1
     assert 0 < stats.detokenize_s < stats.step_s
