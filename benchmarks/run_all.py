@@ -10,14 +10,17 @@ import time
 from pathlib import Path
 
 import bench_attention
+import bench_engine
 import bench_generate
 import bench_kv_cache
 import bench_mask_cache
+import bench_rerank
 import bench_sampling
 
 BENCHMARKS = {"mask_cache": bench_mask_cache.main, "attention": bench_attention.main,
               "kv_cache": bench_kv_cache.main, "sampling": bench_sampling.main,
-              "generate": bench_generate.main}
+              "generate": bench_generate.main, "engine": bench_engine.main,
+              "rerank": bench_rerank.main}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import find_model
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
@@ -29,14 +30,54 @@ def tiny_mask_cache_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "mask_cache.json"
 
 
+@pytest.fixture(scope="module")
+def tiny_engine_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``engine.json`` from the real benchmark at tiny sizes."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_engine
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    out = tmp_path_factory.mktemp("bench")
+    bench_engine.main([
+        "--out", str(out), "--models-dir", str(find_model("qwen3_tokenizer").parent),
+        "--dtypes", "float32", "--layers", "1", "--hidden-size", "64", "--intermediate-size",
+        "192", "--num-requests", "4", "--min-prompt-len", "4", "--max-prompt-len", "16",
+        "--output-tokens", "3", "--hf-batch-size", "2", "--prefix-len", "16", "--suffix-len",
+        "4", "--prefix-requests", "2", "--prefix-rounds", "1", "--repeats", "1", "--warmup", "0"])
+    return out / "engine.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_rerank_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``rerank.json`` from the real benchmark at tiny sizes."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import bench_rerank
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    out = tmp_path_factory.mktemp("bench")
+    bench_rerank.main([
+        "--out", str(out), "--models-dir", str(find_model("qwen3_tokenizer").parent),
+        "--layers", "1", "--hidden-size", "64", "--intermediate-size", "96", "--queries", "2",
+        "--top-k", "3", "--repeats", "1", "--warmup", "0"])
+    return out / "rerank.json"
+
+
+# The fixture giving each notebook the JSON it plots.
+BENCH_JSON = {"mask_cache.ipynb": "tiny_mask_cache_json", "generation.ipynb": "tiny_engine_json",
+              "rerank.ipynb": "tiny_rerank_json"}
+
+
 def test_notebooks_exist() -> None:
     assert NOTEBOOKS, "no notebook found in notebooks/"
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.name)
-def test_notebook_runs(notebook: Path, tiny_mask_cache_json: Path,
+def test_notebook_runs(notebook: Path, request: pytest.FixtureRequest,
                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FASTLLM_BENCH_JSON", str(tiny_mask_cache_json))
+    bench_json = request.getfixturevalue(BENCH_JSON[notebook.name])
+    monkeypatch.setenv("FASTLLM_BENCH_JSON", str(bench_json))
     # The kernel's own inline backend must render the figures, as it does for a user.
     monkeypatch.delenv("MPLBACKEND", raising=False)
     nb = nbformat.read(notebook, as_version=4)

@@ -14,8 +14,8 @@ from tiny_hf import random_hf_model, save_hf_model
 
 import fastllm
 from fastllm import Reranker
+from fastllm.bench.rerank_recipe import recipe_ids, recipe_scores
 from fastllm.cli import main
-from fastllm.rerank import DEFAULT_INSTRUCTION, RECIPE_PREFIX, RECIPE_SUFFIX
 
 transformers.logging.set_verbosity_error()
 
@@ -45,31 +45,6 @@ def hf(folder):
 @pytest.fixture(scope="module")
 def reranker(folder) -> Reranker:
     return Reranker(folder, max_length=MAX_LENGTH, max_num_batched_tokens=512)
-
-
-def recipe_ids(tokenizer, query: str, documents: list[str], instruction: str = DEFAULT_INSTRUCTION,
-               max_length: int = MAX_LENGTH) -> list[list[int]]:
-    """The model card's format_instruction + process_inputs, before padding."""
-    prefix = tokenizer.encode(RECIPE_PREFIX, add_special_tokens=False)
-    suffix = tokenizer.encode(RECIPE_SUFFIX, add_special_tokens=False)
-    pairs = [f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}"
-             for doc in documents]
-    inputs = tokenizer(pairs, padding=False, truncation="longest_first",
-                       return_attention_mask=False,
-                       max_length=max_length - len(prefix) - len(suffix))
-    return [prefix + ids + suffix for ids in inputs["input_ids"]]
-
-
-def recipe_scores(hf, query: str, documents: list[str], **kwargs) -> list[float]:
-    """The model card's compute_logits: left-padded batch, last position, yes vs no."""
-    model, tokenizer = hf
-    inputs = tokenizer.pad({"input_ids": recipe_ids(tokenizer, query, documents, **kwargs)},
-                           padding=True, return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**inputs).logits[:, -1, :]
-    no, yes = tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
-    pair = torch.stack([logits[:, no], logits[:, yes]], dim=1)
-    return torch.nn.functional.log_softmax(pair, dim=1)[:, 1].exp().tolist()
 
 
 def dl19(model_path, queries: int, hits: int) -> list[tuple[str, list[str]]]:
@@ -103,26 +78,28 @@ def assert_close(got: list[float], expected: list[float]) -> None:
 def test_token_ids_are_the_recipes(reranker, hf):
     _, tokenizer = hf
     query = "what is a flea's life cycle?"
-    assert [reranker.pair_token_ids(query, d) for d in TRICKY] == recipe_ids(tokenizer, query,
-                                                                             TRICKY)
+    assert [reranker.pair_token_ids(query, d) for d in TRICKY] == recipe_ids(
+        tokenizer, query, TRICKY, max_length=MAX_LENGTH)
 
 
 def test_scores_equal_the_recipe_on_dl19(reranker, hf, model_path):
     for query, documents in dl19(model_path, queries=3, hits=6):
-        assert_close(reranker.score(query, documents), recipe_scores(hf, query, documents))
+        assert_close(reranker.score(query, documents),
+                     recipe_scores(*hf, query, documents, max_length=MAX_LENGTH))
 
 
 def test_scores_equal_the_recipe_on_noveleval_and_tricky_documents(reranker, hf, model_path):
     for query, documents in noveleval(model_path, queries=2, passages=5):
         documents = documents + TRICKY
-        assert_close(reranker.score(query, documents), recipe_scores(hf, query, documents))
+        assert_close(reranker.score(query, documents),
+                     recipe_scores(*hf, query, documents, max_length=MAX_LENGTH))
 
 
 def test_custom_instruction_and_long_max_length(folder, hf, model_path):
     reranker = Reranker(folder, instruction="Find passages about animals", max_length=1024)
     query, documents = dl19(model_path, queries=1, hits=4)[0]
     assert_close(reranker.score(query, documents),
-                 recipe_scores(hf, query, documents, instruction="Find passages about animals",
+                 recipe_scores(*hf, query, documents, instruction="Find passages about animals",
                                max_length=1024))
 
 
