@@ -52,7 +52,6 @@ float32 should agree; bfloat16 may drift apart (batch shapes change the rounding
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import statistics
@@ -69,7 +68,7 @@ from transformers import AutoModelForCausalLM
 import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
-from fastllm.bench.workloads import MODEL_SHAPES
+from fastllm.bench.workloads import MODEL_SHAPES, parse_model_bench_args
 from fastllm.engine import EngineStats
 from fastllm.model_pool import model_pool
 from fastllm.models import DecoderLM
@@ -471,28 +470,12 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
 
 def parse_args(argv: list[str] | None) -> tuple[EngineBenchConfig, Path]:
     """The config and output folder from the command line."""
-    defaults = EngineBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help="folder for engine.json and engine.md (default %(default)s)")
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-                        default=list(defaults.dtypes), help="default %(default)s")
     sizes = ("layers", "hidden_size", "intermediate_size", "num_requests", "min_prompt_len",
              "max_prompt_len", "output_tokens", "hf_batch_size", "max_num_batched_tokens",
              "prefix_len", "suffix_len", "prefix_requests", "prefix_rounds", "seed")
-    for name in sizes:
-        parser.add_argument("--" + name.replace("_", "-"), type=int,
-                            default=getattr(defaults, name), help="default %(default)s")
-    parser.add_argument("--device", default=defaults.device, help="default %(default)s")
-    parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
-                        help="folder holding qwen3_tokenizer (default %(default)s)")
-    TimerConfig.add_arguments(parser, defaults.timer)
-    args = parser.parse_args(argv)
-    config = EngineBenchConfig(dtypes=tuple(args.dtypes), device=args.device,
-                               models_dir=str(args.models_dir),
-                               timer=TimerConfig.from_arguments(args),
-                               **{name: getattr(args, name) for name in sizes})
-    return config, args.out
+    return parse_model_bench_args(argv, EngineBenchConfig(), benchmark="engine",
+                                  description=__doc__.split("\n\n")[0], sizes=sizes,
+                                  models_dir_help="folder holding qwen3_tokenizer")
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

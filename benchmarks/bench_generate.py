@@ -36,7 +36,6 @@ many leading tokens fastllm and HF share (float32 should agree; bfloat16 may dri
 
 from __future__ import annotations
 
-import argparse
 import gc
 import shutil
 import tempfile
@@ -53,7 +52,7 @@ from transformers.generation.streamers import BaseStreamer
 import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare, summarize
-from fastllm.bench.workloads import MODEL_SHAPES
+from fastllm.bench.workloads import MODEL_SHAPES, parse_model_bench_args
 from fastllm.model_pool import model_pool
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
@@ -315,27 +314,11 @@ def tables(config: GenerateBenchConfig, rows: list[dict[str, object]]) -> dict[s
 
 def parse_args(argv: list[str] | None) -> tuple[GenerateBenchConfig, Path]:
     """The config and output folder from the command line."""
-    defaults = GenerateBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help="folder for generate.json and generate.md (default %(default)s)")
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-                        default=list(defaults.dtypes), help="default %(default)s")
     sizes = ("layers", "hidden_size", "intermediate_size", "prompt_len", "decode_tokens",
              "copy_mib", "seed")
-    for name in sizes:
-        parser.add_argument("--" + name.replace("_", "-"), type=int,
-                            default=getattr(defaults, name), help="default %(default)s")
-    parser.add_argument("--device", default=defaults.device, help="default %(default)s")
-    parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
-                        help="folder holding qwen3_tokenizer (default %(default)s)")
-    TimerConfig.add_arguments(parser, defaults.timer)
-    args = parser.parse_args(argv)
-    config = GenerateBenchConfig(dtypes=tuple(args.dtypes), device=args.device,
-                                 models_dir=str(args.models_dir),
-                                 timer=TimerConfig.from_arguments(args),
-                                 **{name: getattr(args, name) for name in sizes})
-    return config, args.out
+    return parse_model_bench_args(argv, GenerateBenchConfig(), benchmark="generate",
+                                  description=__doc__.split("\n\n")[0], sizes=sizes,
+                                  models_dir_help="folder holding qwen3_tokenizer")
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

@@ -57,7 +57,6 @@ longest pair and shares nothing, so fastllm's lead grows with the passages per q
 
 from __future__ import annotations
 
-import argparse
 import gc
 import tempfile
 from collections.abc import Callable, Sequence
@@ -73,7 +72,7 @@ import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.rerank_recipe import RECIPE_MAX_LENGTH, recipe_ids, recipe_scores
 from fastllm.bench.timer import TimerConfig, compare
-from fastllm.bench.workloads import MODEL_SHAPES
+from fastllm.bench.workloads import MODEL_SHAPES, parse_model_bench_args
 from fastllm.model_pool import model_pool
 
 # The random model is bench_generate's; the DL19 run is eval_rerank_dl19's.
@@ -357,28 +356,11 @@ def tables(config: RerankBenchConfig, rows: list[dict[str, object]]) -> dict[str
 
 def parse_args(argv: list[str] | None) -> tuple[RerankBenchConfig, Path]:
     """The config and output folder from the command line."""
-    defaults = RerankBenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("results"),
-                        help="folder for rerank.json and rerank.md (default %(default)s)")
-    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
-                        default=list(defaults.dtypes), help="default %(default)s")
     sizes = ("layers", "hidden_size", "intermediate_size", "queries", "top_k", "hf_batch_size",
              "max_length", "max_num_batched_tokens", "block_size", "seed")
-    for name in sizes:
-        parser.add_argument("--" + name.replace("_", "-"), type=int,
-                            default=getattr(defaults, name), help="default %(default)s")
-    parser.add_argument("--device", default=defaults.device, help="default %(default)s")
-    parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
-                        help="folder holding qwen3_tokenizer and rerank_eval "
-                             "(default %(default)s)")
-    TimerConfig.add_arguments(parser, defaults.timer)
-    args = parser.parse_args(argv)
-    config = RerankBenchConfig(dtypes=tuple(args.dtypes), device=args.device,
-                               models_dir=str(args.models_dir),
-                               timer=TimerConfig.from_arguments(args),
-                               **{name: getattr(args, name) for name in sizes})
-    return config, args.out
+    return parse_model_bench_args(argv, RerankBenchConfig(), benchmark="rerank",
+                                  description=__doc__.split("\n\n")[0], sizes=sizes,
+                                  models_dir_help="folder holding qwen3_tokenizer and rerank_eval")
 
 
 def main(argv: list[str] | None = None) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -16,52 +17,42 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
+def run_benchmark(name: str, out: Path, args: list[str]) -> Path:
+    """Runs ``benchmarks/bench_{name}.py`` with ``args`` into ``out``; returns its JSON path."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        module = importlib.import_module(f"bench_{name}")
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    module.main(["--out", str(out), *args])
+    return out / f"{name}.json"
+
+
 @pytest.fixture(scope="module")
 def tiny_mask_cache_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``mask_cache.json`` from the real benchmark at tiny sizes."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_mask_cache
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    out = tmp_path_factory.mktemp("bench")
-    bench_mask_cache.main(["--out", str(out), "--lengths", "1", "8", "32", "--repeats", "1",
-                           "--warmup", "0"])
-    return out / "mask_cache.json"
+    return run_benchmark("mask_cache", tmp_path_factory.mktemp("bench"),
+                         ["--lengths", "1", "8", "32", "--repeats", "1", "--warmup", "0"])
 
 
 @pytest.fixture(scope="module")
 def tiny_engine_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``engine.json`` from the real benchmark at tiny sizes."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_engine
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    out = tmp_path_factory.mktemp("bench")
-    bench_engine.main([
-        "--out", str(out), "--models-dir", str(find_model("qwen3_tokenizer").parent),
+    return run_benchmark("engine", tmp_path_factory.mktemp("bench"), [
+        "--models-dir", str(find_model("qwen3_tokenizer").parent),
         "--dtypes", "float32", "--layers", "1", "--hidden-size", "64", "--intermediate-size",
         "192", "--num-requests", "4", "--min-prompt-len", "4", "--max-prompt-len", "16",
         "--output-tokens", "3", "--hf-batch-size", "2", "--prefix-len", "16", "--suffix-len",
         "4", "--prefix-requests", "2", "--prefix-rounds", "1", "--repeats", "1", "--warmup", "0"])
-    return out / "engine.json"
 
 
 @pytest.fixture(scope="module")
 def tiny_rerank_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``rerank.json`` from the real benchmark at tiny sizes."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import bench_rerank
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    out = tmp_path_factory.mktemp("bench")
-    bench_rerank.main([
-        "--out", str(out), "--models-dir", str(find_model("qwen3_tokenizer").parent),
+    return run_benchmark("rerank", tmp_path_factory.mktemp("bench"), [
+        "--models-dir", str(find_model("qwen3_tokenizer").parent),
         "--layers", "1", "--hidden-size", "64", "--intermediate-size", "96", "--queries", "2",
         "--top-k", "3", "--repeats", "1", "--warmup", "0"])
-    return out / "rerank.json"
 
 
 # The fixture giving each notebook the JSON it plots.

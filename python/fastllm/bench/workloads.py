@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from fastllm.bench.timer import TimerConfig
 from fastllm.models import DecoderLM, ModelConfig
 
 __all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "add_shape_arguments",
@@ -152,3 +154,32 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, benchmark: str,
                         default=list(models), help="default %(default)s")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
                         default=list(dtypes), help="default %(default)s")
+
+
+def parse_model_bench_args(argv: list[str] | None, defaults: Any, *, benchmark: str,
+                           description: str, sizes: tuple[str, ...],
+                           models_dir_help: str) -> tuple[Any, Path]:
+    """Parses the options of an end-to-end benchmark on a random-weight model: ``--out``,
+    ``--dtypes``, an int option per name in ``sizes`` (``--hidden-size`` for ``hidden_size``),
+    ``--device``, ``--models-dir`` and the timer's; returns its config dataclass (of
+    ``defaults``' type, the defaults where no option is given) and the output folder."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=Path("results"),
+                        help=f"folder for {benchmark}.json and {benchmark}.md "
+                             "(default %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"],
+                        default=list(defaults.dtypes), help="default %(default)s")
+    for name in sizes:
+        parser.add_argument("--" + name.replace("_", "-"), type=int,
+                            default=getattr(defaults, name), help="default %(default)s")
+    parser.add_argument("--device", default=defaults.device, help="default %(default)s")
+    parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
+                        help=f"{models_dir_help} (default %(default)s)")
+    TimerConfig.add_arguments(parser, defaults.timer)
+    args = parser.parse_args(argv)
+    config = type(defaults)(dtypes=tuple(args.dtypes), device=args.device,
+                            models_dir=str(args.models_dir),
+                            timer=TimerConfig.from_arguments(args),
+                            **{name: getattr(args, name) for name in sizes})
+    return config, args.out
+
