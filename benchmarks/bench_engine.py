@@ -55,7 +55,6 @@ from __future__ import annotations
 import copy
 import gc
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,7 +74,7 @@ from fastllm.models import DecoderLM
 
 # The random model, its prompts' vocabulary and the HF token clock are bench_generate's.
 from bench_generate import (DEFAULT_MODELS_DIR, MODEL, QWEN3_ORDINARY_TOKENS,
-                            GenerateBenchConfig, TokenClock, leading_agreement, save_random_model)
+                            TokenClock, leading_agreement, random_model_folder)
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
 GOAL_THROUGHPUT_SPEEDUP = 5.0  # fastllm output tokens/s over HF's, at least
@@ -134,11 +133,6 @@ class EngineBenchConfig:
         return max(self.max_prompt_len + self.output_tokens,
                    self.prefix_len + self.suffix_len + 1)
 
-    def model_config(self) -> GenerateBenchConfig:
-        """The random model's description, in bench_generate's terms."""
-        return GenerateBenchConfig(layers=self.layers, hidden_size=self.hidden_size,
-                                   intermediate_size=self.intermediate_size, seed=self.seed,
-                                   models_dir=self.models_dir)
 
 
 def random_tokens(generator: torch.Generator, length: int) -> list[int]:
@@ -379,10 +373,7 @@ def run(config: EngineBenchConfig) -> list[dict[str, object]]:
     """Saves the random model, then measures both sections per dtype; returns the JSON rows."""
     prompts = random_prompts(config)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fastllm_bench_engine_") as tmp:
-        folder = Path(tmp)
-        save_random_model(config.model_config(), folder)
-        print(f"engine: random {MODEL} with {config.layers} layers saved", flush=True)
+    with random_model_folder(config, "engine") as folder:
         for dtype_name in config.dtypes:
             rows += throughput_rows(config, folder, dtype_name, prompts)
             print(f"engine: {dtype_name} throughput measured", flush=True)

@@ -40,8 +40,10 @@ import gc
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -95,7 +97,17 @@ class GenerateBenchConfig:
                 == (shape.num_layers, shape.hidden_size, shape.intermediate_size, 512))
 
 
-def save_random_model(config: GenerateBenchConfig, folder: Path) -> None:
+class ModelSizes(Protocol):
+    """What a benchmark config says of its random model (every benchmark's config has it)."""
+
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    seed: int
+    models_dir: str
+
+
+def save_random_model(config: ModelSizes, folder: Path) -> None:
     """Writes a Qwen3-shaped HF model with random float32 weights and the Qwen3 tokenizer
     files into ``folder``."""
     shape = MODEL_SHAPES[MODEL]
@@ -126,6 +138,16 @@ def save_random_model(config: GenerateBenchConfig, folder: Path) -> None:
     tokenizer_dir = Path(config.models_dir) / "qwen3_tokenizer"
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, folder / name)
+
+
+@contextmanager
+def random_model_folder(config: ModelSizes, benchmark: str) -> Iterator[Path]:
+    """A temporary folder holding :func:`save_random_model`'s model, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix=f"fastllm_bench_{benchmark}_") as tmp:
+        folder = Path(tmp)
+        save_random_model(config, folder)
+        print(f"{benchmark}: random {MODEL} with {config.layers} layers saved", flush=True)
+        yield folder
 
 
 def random_prompt(config: GenerateBenchConfig) -> list[int]:
@@ -262,10 +284,7 @@ def run(config: GenerateBenchConfig) -> list[dict[str, object]]:
     """Saves the random model, then measures every dtype; returns the JSON rows."""
     prompt = random_prompt(config)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fastllm_bench_generate_") as tmp:
-        folder = Path(tmp)
-        save_random_model(config, folder)
-        print(f"generate: random {MODEL} with {config.layers} layers saved", flush=True)
+    with random_model_folder(config, "generate") as folder:
         for dtype_name in config.dtypes:
             rows.append(dtype_row(config, folder, dtype_name, prompt))
             print(f"generate: {dtype_name} measured", flush=True)

@@ -58,7 +58,6 @@ longest pair and shares nothing, so fastllm's lead grows with the passages per q
 from __future__ import annotations
 
 import gc
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +75,7 @@ from fastllm.bench.workloads import MODEL_SHAPES, parse_model_bench_args
 from fastllm.model_pool import model_pool
 
 # The random model is bench_generate's; the DL19 run is eval_rerank_dl19's.
-from bench_generate import DEFAULT_MODELS_DIR, MODEL, GenerateBenchConfig, save_random_model
+from bench_generate import DEFAULT_MODELS_DIR, MODEL, random_model_folder
 from eval_rerank_dl19 import load_dl19
 
 GOAL_SPEEDUP = 3.0  # fastllm pairs/s over the recipe's, at least
@@ -140,11 +139,6 @@ class RerankBenchConfig:
         return ((self.layers, self.hidden_size, self.intermediate_size)
                 == (shape.num_layers, shape.hidden_size, shape.intermediate_size))
 
-    def model_config(self) -> GenerateBenchConfig:
-        """The random model's description, in bench_generate's terms."""
-        return GenerateBenchConfig(layers=self.layers, hidden_size=self.hidden_size,
-                                   intermediate_size=self.intermediate_size, seed=self.seed,
-                                   models_dir=self.models_dir)
 
 
 def workload(config: RerankBenchConfig) -> list[tuple[str, list[str]]]:
@@ -308,10 +302,7 @@ def run(config: RerankBenchConfig) -> list[dict[str, object]]:
     """Saves the random model, then measures every dtype; returns the JSON rows."""
     work = workload(config)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fastllm_bench_rerank_") as tmp:
-        folder = Path(tmp)
-        save_random_model(config.model_config(), folder)
-        print(f"rerank: random {MODEL} with {config.layers} layers saved", flush=True)
+    with random_model_folder(config, "rerank") as folder:
         for dtype_name in config.dtypes:
             rows += dtype_rows(config, folder, dtype_name, work)
             print(f"rerank: {dtype_name} measured", flush=True)
