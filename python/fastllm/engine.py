@@ -149,7 +149,6 @@ class Engine:
         """Frees the request's blocks and queues it first, to be recomputed."""
         self.running.remove(request)
         self._release(request)
-        request.num_preemptions += 1
         request.metrics.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(request)

@@ -63,7 +63,6 @@ class Request:
         self._deltas: list[str] = []  # released text not yet taken by a consumer
         self.seed = resolve_seed(params)
         self.seq_id: int | None = None
-        self.num_preemptions = 0
         self.prompt_mask: Tensor | None = None  # bool [vocab], with penalties only
         self.output_counts: Tensor | None = None  # int32 [vocab], with penalties only
 
