@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "attention/attention.h"
+#include "common/trusted_inputs.h"
 #include "kv_cache/cache_write.h"
 #include "kv_cache/kv_cache_bindings.h"
 #include "linear/linear.h"
@@ -192,5 +193,9 @@ that raises ValueError. Safe to use from several threads.)doc")
       [](uint64_t seed, uint64_t offset) { return fastllm::philox_uniform(seed, offset); },
       py::arg("seed"), py::arg("offset"),
       "The uniform number in [0, 1) that sampling draws for (seed, offset): Philox4x32-10.");
+  m.def("set_trusted_inputs", &fastllm::set_trusted_inputs, py::arg("trusted"),
+        "Sets this thread's trusted-inputs flag (see fastllm.ops.trusted_inputs); returns the "
+        "previous value.");
+  m.def("trusted_inputs", &fastllm::trusted_inputs, "This thread's trusted-inputs flag.");
   fastllm::bind_kv_cache(m);
 }

@@ -16,10 +16,12 @@ __global__ void reshape_and_cache_kernel(
     const int64_t* __restrict__ slot_mapping, int64_t key_stride_token, int64_t key_stride_head,
     int64_t value_stride_token, int64_t value_stride_head, int64_t cache_stride_block,
     int64_t cache_stride_slot, int64_t cache_stride_head, int num_heads, int head_dim,
-    int block_size) {
+    int block_size, int64_t num_slots) {
   const int64_t token = blockIdx.x;
   const int64_t slot = slot_mapping[token];
-  if (slot < 0) return;  // padding: no slot
+  // Negative: padding, no slot. Past the pool: rejected on the host unless the host could not
+  // look (graph capture); never written out of bounds.
+  if (slot < 0 || slot >= num_slots) return;
   const int64_t row = (slot / block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot;
   for (int i = threadIdx.x; i < num_heads * head_dim; i += blockDim.x) {
     const int head = i / head_dim, d = i % head_dim;
@@ -38,7 +40,7 @@ __global__ void reshape_and_cache_kernel(
 #define FASTLLM_INSTANTIATE(T)                                                              \
   template __global__ void fastllm::cuda::reshape_and_cache_kernel<T>(                      \
       const T*, const T*, T*, T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,        \
-      int64_t, int64_t, int64_t, int, int, int);
+      int64_t, int64_t, int64_t, int, int, int, int64_t);
 FASTLLM_INSTANTIATE(float)
 FASTLLM_INSTANTIATE(__half)
 FASTLLM_INSTANTIATE(__nv_bfloat16)

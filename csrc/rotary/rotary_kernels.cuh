@@ -17,9 +17,13 @@ __global__ void rotary_embedding_kernel(
     const pos_t* __restrict__ positions, scalar_t* __restrict__ q, scalar_t* __restrict__ k,
     const cache_t* __restrict__ cos_sin_cache, int rot_dim, int64_t q_stride_token,
     int64_t q_stride_head, int64_t k_stride_token, int64_t k_stride_head, int num_q_heads,
-    int num_k_heads, bool is_neox) {
+    int num_k_heads, bool is_neox, int64_t max_position) {
   const int64_t token = blockIdx.x;
-  const cache_t* row = cos_sin_cache + int64_t(positions[token]) * rot_dim;
+  const int64_t position = positions[token];
+  // Outside the table: rejected on the host unless it could not look (graph capture); the
+  // token is left unrotated rather than read out of bounds.
+  if (position < 0 || position >= max_position) return;
+  const cache_t* row = cos_sin_cache + position * rot_dim;
   const int half = rot_dim / 2;
   const int heads = num_q_heads + (k != nullptr ? num_k_heads : 0);
   for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
@@ -41,7 +45,7 @@ __global__ void rotary_embedding_kernel(
 #ifdef FASTLLM_KERNEL_COMPILE_CHECK
 #define FASTLLM_INSTANTIATE(T, P)                                                           \
   template __global__ void fastllm::cuda::rotary_embedding_kernel<T, float, P>(             \
-      const P*, T*, T*, const float*, int, int64_t, int64_t, int64_t, int64_t, int, int, bool);
+      const P*, T*, T*, const float*, int, int64_t, int64_t, int64_t, int64_t, int, int, bool, int64_t);
 FASTLLM_INSTANTIATE(float, int64_t)
 FASTLLM_INSTANTIATE(__half, int64_t)
 FASTLLM_INSTANTIATE(__nv_bfloat16, int64_t)
