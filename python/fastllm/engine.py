@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastllm import ops
+from fastllm.decode_graphs import DecodeGraphs
+from fastllm.host_to_device import device_tensor, to_device
 from fastllm.kv_cache import KVCacheFullError, PagedKVCache
 from fastllm.model_runner import run_step
 from fastllm.models import DecoderLM
@@ -42,11 +45,14 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (decode tokens plus prefill chunks) in a step.
         max_prefill_chunk: most prompt tokens one request prefills in a step; None = as many
             as the token budget leaves.
+        enforce_eager: on CUDA, run decode steps op by op instead of replaying CUDA graphs
+            (:mod:`fastllm.decode_graphs`); other devices always run eagerly.
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -105,6 +111,10 @@ class Engine:
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
+        self.decode_graphs = (
+            DecodeGraphs(model, kv_cache, max_batch=config.max_num_seqs,
+                         max_model_len=max_model_len)
+            if self.device.type == "cuda" and not config.enforce_eager else None)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -121,9 +131,9 @@ class Engine:
             raise ValueError(f"request {request.request_id}: the prompt needs {blocks} KV "
                              f"blocks but the pool has {self.kv_cache.num_blocks}")
         if request.params.needs_penalties():
-            request.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool,
-                                              device=self.device)
-            request.prompt_mask[request.prompt_token_ids] = True
+            prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            prompt_mask[request.prompt_token_ids] = True
+            request.prompt_mask = to_device(prompt_mask, self.device)
             request.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32,
                                                 device=self.device)
         self.waiting.append(request)
@@ -224,9 +234,12 @@ class Engine:
             logits = run_step(self.model, self.kv_cache,
                               [s.request.seq_id for s in batch], [s.tokens for s in batch],
                               starts=[s.start for s in batch],
-                              logits=[s.samples for s in batch])
+                              logits=[s.samples for s in batch],
+                              decode_graphs=self.decode_graphs)
             sampling = [s.request for s in batch if s.samples]
-            sampled = self._sample(logits, sampling) if sampling else None
+            # SamplingParams checked every value on the host.
+            with ops.trusted_inputs():
+                sampled = self._sample(logits, sampling) if sampling else None
         self.stats.steps += 1
         self.stats.scheduled_tokens += sum(len(s.tokens) for s in batch)
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage,
@@ -244,8 +257,8 @@ class Engine:
                                               self.device, seeds=[r.seed for r in requests])
         # Each request's random stream is keyed by (seed, tokens it has sampled): the batch
         # around it never changes its draws.
-        offsets = torch.tensor([len(r.output_token_ids) for r in requests], dtype=torch.int64,
-                               device=self.device)
+        offsets = device_tensor([len(r.output_token_ids) for r in requests], torch.int64,
+                                self.device)
         prompt_mask = output_counts = None
         if tensors.needs_penalties:
             zeros_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
@@ -256,15 +269,22 @@ class Engine:
                                          else r.output_counts for r in requests])
         sampled = sample_next_tokens(logits, tensors, offsets, prompt_mask=prompt_mask,
                                      output_counts=output_counts)
-        for row, request in enumerate(requests):
-            if request.output_counts is not None:
-                request.output_counts[sampled.tokens[row]] += 1  # on the device: no sync
+        if tensors.needs_penalties:
+            one = torch.ones(1, dtype=torch.int32, device=self.device)
+            for row, request in enumerate(requests):
+                if request.output_counts is not None:  # counted on the device: no sync
+                    request.output_counts.index_put_((sampled.tokens[row:row + 1],), one,
+                                                     accumulate=True)
         return sampled
 
     def _append_tokens(self, requests: list[Request], sampled: SampleOutput) -> None:
-        tokens = sampled.tokens.tolist()  # the step's one host sync
+        sampled = sampled.to_host()  # the step's one wait for the device
+        tokens = sampled.tokens.tolist()
         started = time.perf_counter()  # after the sync: device time is not detokenization
         for row, (request, token) in enumerate(zip(requests, tokens)):
+            if token < 0:  # how a GPU sampler under trusted_inputs marks a bad logits row
+                raise ValueError(f"request {request.request_id}: its logits contain NaN or "
+                                 f"+inf, or no finite value")
             logprobs = (self._logprob_entry(sampled, row, token, request.params.logprobs)
                         if request.params.logprobs is not None else None)
             request.append_token(token, logprobs)

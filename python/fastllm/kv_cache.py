@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from fastllm import _C
+from fastllm.host_to_device import device_tensor
 
 __all__ = ["BlockManager", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan", "PagedKVCache",
            "StaticKVCache", "plan_pool"]
@@ -262,6 +263,6 @@ class PagedKVCache:
         for src, dst in copies:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise ValueError(f"block copy {(src, dst)} is outside [0, {self.num_blocks})")
-        src, dst = (torch.tensor(ids, device=self.k_cache.device) for ids in zip(*copies))
+        src, dst = (device_tensor(ids, torch.long, self.k_cache.device) for ids in zip(*copies))
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]

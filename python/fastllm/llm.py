@@ -60,6 +60,7 @@ class LLM:
         enable_prefix_caching: reuse the KV of prompt prefixes computed before.
         max_num_seqs, max_num_batched_tokens, max_prefill_chunk: the engine's scheduling limits
             (:class:`fastllm.engine.EngineConfig`).
+        enforce_eager: on CUDA, never replay decode steps from CUDA graphs (as vLLM's flag).
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
@@ -67,10 +68,11 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
-                 max_prefill_chunk: int | None = None) -> None:
+                 max_prefill_chunk: int | None = None, enforce_eager: bool = False) -> None:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
-                                     max_prefill_chunk=max_prefill_chunk)
+                                     max_prefill_chunk=max_prefill_chunk,
+                                     enforce_eager=enforce_eager)
         self.model = load(model, dtype, device)
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)

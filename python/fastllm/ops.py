@@ -9,13 +9,39 @@ for ``torch.compile(fullgraph=True)`` and a plain-PyTorch twin in :mod:`fastllm.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
+from fastllm import _C
+
 __all__ = ["apply_penalties", "attention", "linear", "paged_attention", "reshape_and_cache",
-           "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs"]
+           "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs",
+           "trusted_inputs"]
+
+
+@contextlib.contextmanager
+def trusted_inputs() -> Iterator[None]:
+    """Within this block (on this thread) the caller vouches for the index values it passes
+    to the ops: ``cu_seqlens``, ``block_tables``, ``seq_lens``, ``slot_mapping``, ``positions``
+    and the sampling parameters.
+
+    On the CPU the ops check those values anyway (it costs nothing). On a GPU, checking them
+    means copying them to the host and waiting for the device, once per call: inside this block
+    GPU ops skip those checks (shapes, dtypes and devices are still checked), as they do while
+    a CUDA graph is being captured. Kernels never read or write out of bounds either way, but a
+    bad value gives a wrong result instead of a ``ValueError``. On CUDA, ``sample`` then marks
+    a row whose logits hold NaN or +inf, or no finite value, with token -1 instead of raising.
+    The engine builds and checks its metadata on the host, then runs its steps in this block.
+    """
+    previous = _C.set_trusted_inputs(True)
+    try:
+        yield
+    finally:
+        _C.set_trusted_inputs(previous)
 
 
 def attention(

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fastllm import ops
+from fastllm.host_to_device import device_tensor, to_device
 
 __all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "resolve_seed",
            "sample_next_tokens"]
@@ -141,7 +142,7 @@ class SamplingTensors:
             p.check_vocab(vocab_size)
 
         def column(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return device_tensor(values, dtype, device)
 
         logit_bias = None
         if any(p.logit_bias for p in params):
@@ -149,7 +150,7 @@ class SamplingTensors:
             for row, p in enumerate(params):
                 for token, bias in p.logit_bias.items():
                     logit_bias[row, token] = bias
-            logit_bias = logit_bias.to(device)
+            logit_bias = to_device(logit_bias, device)
         return cls(
             temperature=column([p.temperature for p in params], torch.float32),
             top_k=column([p.top_k for p in params], torch.int32),
@@ -175,6 +176,13 @@ class SampleOutput:
     token_logprobs: Tensor | None = None  # float32 [batch]
     top_ids: Tensor | None = None  # int64 [batch, num_logprobs]
     top_logprobs: Tensor | None = None  # float32 [batch, num_logprobs]
+
+    def to_host(self) -> SampleOutput:
+        """Every tensor on the CPU, each copied once (not one element at a time)."""
+        def host(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.cpu()
+        return SampleOutput(host(self.tokens), host(self.token_logprobs), host(self.top_ids),
+                            host(self.top_logprobs))
 
 
 def sample_next_tokens(logits: Tensor, tensors: SamplingTensors, offsets: Tensor, *,

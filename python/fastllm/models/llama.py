@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastllm import ops
+from fastllm.host_to_device import to_device
 from fastllm.kv_cache import KVCacheSpec, PagedKVCache
 from fastllm.models.config import ModelConfig
 from fastllm.models.rope import build_cos_sin_cache
@@ -56,7 +57,7 @@ class AttentionMetadata:
         positions ``[starts[b], starts[b] + n)``, by default the sequence's last ``n`` tokens;
         an earlier start is a prefill chunk of a prompt held whole, which attends to the keys
         before it and to itself only. Runs on the CPU, then moves the tensors to ``device``
-        once.
+        once, without waiting for the device (:mod:`fastllm.host_to_device`).
         """
         if len(seq_ids) != len(num_new_tokens):
             raise ValueError(f"{len(seq_ids)} seq_ids but {len(num_new_tokens)} num_new_tokens")
@@ -80,12 +81,12 @@ class AttentionMetadata:
         block_size = manager.block_size
         blocks = block_tables[seq_index, positions // block_size].long()  # [T]
         cu_seqlens_q = F.pad(torch.cumsum(new, 0), (1, 0)).to(torch.int32)
-        return cls(cu_seqlens_q=cu_seqlens_q.to(device),
+        return cls(cu_seqlens_q=to_device(cu_seqlens_q, device),
                    max_seqlen_q=max(num_new_tokens, default=0),
-                   seq_lens=lens.to(dtype=torch.int32, device=device),
-                   block_tables=block_tables.to(device),
-                   slot_mapping=(blocks * block_size + positions % block_size).to(device),
-                   positions=positions.to(device))
+                   seq_lens=to_device(lens.to(torch.int32), device),
+                   block_tables=to_device(block_tables, device),
+                   slot_mapping=to_device(blocks * block_size + positions % block_size, device),
+                   positions=to_device(positions, device))
 
 
 class Linear(nn.Linear):
