@@ -47,7 +47,12 @@ Goals, at the full Qwen3-0.6B shape with 64 requests of 32-512 tokens: fastllm t
 >= 5x HF's; cached-prefix TTFT >= 5x lower than cold. Greedy tokens are compared per request:
 float32 should agree; bfloat16 may drift apart (batch shapes change the rounding).
 
+Defaults depend on ``--device``: on CUDA, HF generates all 64 requests as one padded batch
+(``--hf-batch-size 64``, its best case on a GPU) instead of four of 16. Sizes given on the
+command line replace the device's.
+
     python benchmarks/bench_engine.py --out results
+    python benchmarks/bench_engine.py --out results --device cuda
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from transformers import AutoModelForCausalLM
 import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
-from fastllm.bench.workloads import MODEL_SHAPES, parse_model_bench_args
+from fastllm.bench.workloads import MODEL_SHAPES, parse_device, parse_model_bench_args
 from fastllm.engine import EngineStats
 from fastllm.model_pool import model_pool
 from fastllm.models import DecoderLM
@@ -117,6 +122,14 @@ class EngineBenchConfig:
         if self.output_tokens < 2 or self.prefix_requests < 2 or self.prefix_rounds < 1:
             raise ValueError(f"need output_tokens >= 2, prefix_requests >= 2 and "
                              f"prefix_rounds >= 1, got {self}")
+
+    @classmethod
+    def for_device(cls, device: str) -> EngineBenchConfig:
+        """The defaults on ``device``: the class defaults (sized for two CPU cores) except on
+        CUDA, where HF generates every request in one padded batch."""
+        if torch.device(device).type != "cuda":
+            return cls(device=device)
+        return cls(hf_batch_size=64, device=device)
 
     @property
     def at_goal_size(self) -> bool:
@@ -464,8 +477,9 @@ def parse_args(argv: list[str] | None) -> tuple[EngineBenchConfig, Path]:
     sizes = ("layers", "hidden_size", "intermediate_size", "num_requests", "min_prompt_len",
              "max_prompt_len", "output_tokens", "hf_batch_size", "max_num_batched_tokens",
              "prefix_len", "suffix_len", "prefix_requests", "prefix_rounds", "seed")
-    return parse_model_bench_args(argv, EngineBenchConfig(), benchmark="engine",
-                                  description=__doc__.split("\n\n")[0], sizes=sizes,
+    return parse_model_bench_args(argv, EngineBenchConfig.for_device(parse_device(argv)),
+                                  benchmark="engine", description=__doc__.split("\n\n")[0],
+                                  sizes=sizes,
                                   models_dir_help="folder holding qwen3_tokenizer")
 
 

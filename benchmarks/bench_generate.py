@@ -21,8 +21,9 @@ From each call: TTFT is the time from the call to the first generated token (pre
 and the first token: fastllm's ``metrics.first_token_time``, HF's second ``streamer.put``);
 prefill tokens/s is the prompt length over TTFT; decode tokens/s is ``n`` over the time from
 the first token to the last (fastllm's ``metrics.last_token_time``, HF's last
-``streamer.put``), that is ``n`` single-token steps. Medians after warm-up. Goals: fastllm
-decode >= 2x HF's tokens/s and TTFT <= 0.8x HF's, at the full size.
+``streamer.put``), that is ``n`` single-token steps, and decode ms/token its inverse. Medians
+after warm-up. Goals: fastllm decode >= 2x HF's tokens/s and TTFT <= 0.8x HF's, at the full
+size.
 
 Achieved weight bandwidth is the weight bytes times decode tokens/s: every parameter once in
 the dtype, the tied embedding once (the LM head reads all of it each token; the embedding
@@ -31,12 +32,18 @@ measured in the same run: ``dst.copy_(src)`` on ``--copy-mib`` MiB, counting the
 plus the bytes written. GB = 1e9 bytes. Greedy tokens are compared too: ``tokens_agree`` is how
 many leading tokens fastllm and HF share (float32 should agree; bfloat16 may drift apart).
 
+Defaults depend on ``--device``: on the CPU, float32 and bfloat16 with 64 decoded tokens (sized
+for two cores); on CUDA, bfloat16 with 128 decoded tokens and five timed calls. Sizes given on
+the command line replace the device's.
+
     python benchmarks/bench_generate.py --out results --dtypes float32 bfloat16
+    python benchmarks/bench_generate.py --out results --device cuda
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 import tempfile
 import time
@@ -54,7 +61,8 @@ from transformers.generation.streamers import BaseStreamer
 import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare, summarize
-from fastllm.bench.workloads import MODEL_SHAPES, parse_model_bench_args
+from fastllm.bench.workloads import (MODEL_SHAPES, DeviceCopy, parse_device,
+                                     parse_model_bench_args)
 from fastllm.model_pool import model_pool
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
@@ -64,7 +72,9 @@ MODEL = "qwen3-0.6b"
 # Qwen3's ordinary (BPE) tokens are ids 0 .. 151642; its special tokens start at 151643.
 QWEN3_BOS, QWEN3_EOS, QWEN3_ORDINARY_TOKENS = 151_643, 151_645, 151_643
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[2] / "shared" / "models"
+# As the tests find them: $FASTLLM_MODELS_DIR, else the shared folder beside the checkout.
+DEFAULT_MODELS_DIR = Path(os.environ.get(
+    "FASTLLM_MODELS_DIR", Path(__file__).resolve().parents[2] / "shared" / "models"))
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,16 @@ class GenerateBenchConfig:
     copy_mib: int = 1024
     copy_timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=2, repeats=10,
                                                                         budget_s=2.0))
+
+    @classmethod
+    def for_device(cls, device: str) -> GenerateBenchConfig:
+        """The defaults on ``device``: the class defaults (sized for two CPU cores) except on
+        CUDA, where bfloat16 decodes 128 tokens per call (steps of milliseconds) and five
+        calls are timed."""
+        if torch.device(device).type != "cuda":
+            return cls(device=device)
+        return cls(dtypes=("bfloat16",), decode_tokens=128, device=device,
+                   timer=TimerConfig(warmup=1, repeats=5, budget_s=30.0))
 
     @property
     def at_goal_size(self) -> bool:
@@ -220,11 +240,9 @@ def hf_call(model: torch.nn.Module, prompt: list[int], new_tokens: int, device: 
 
 def copy_bandwidth(config: GenerateBenchConfig) -> tuple[Timing, float]:
     """The median ``dst.copy_(src)`` of ``copy_mib`` MiB and its GB/s (read + written bytes)."""
-    src = torch.ones(config.copy_mib << 18, dtype=torch.float32, device=config.device)  # 4 B
-    dst = torch.empty_like(src)
-    timing = compare({"copy": lambda: dst.copy_(src)}, config.copy_timer,
-                     device=config.device)["copy"]
-    return timing, 2 * src.nbytes / timing.median_s / 1e9
+    copy = DeviceCopy.of_mib(config.copy_mib, config.device)
+    timing = compare({"copy": copy}, config.copy_timer, device=config.device)["copy"]
+    return timing, copy.gbps(timing)
 
 
 def leading_agreement(a: list[int], b: list[int]) -> int:
@@ -269,6 +287,7 @@ def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
                         for key, value in summary.to_dict().items()})
         row[f"{name}_prefill_tok_s"] = config.prompt_len / ttft.median_s
         row[f"{name}_decode_tok_s"] = config.decode_tokens / decode.median_s
+        row[f"{name}_decode_ms_per_token"] = decode.median_s * 1e3 / config.decode_tokens
         row[f"{name}_weight_gbps"] = weight_bytes * row[f"{name}_decode_tok_s"] / 1e9
         row[f"{name}_tokens"] = kept[-1].tokens
         if len(kept[-1].tokens) != new_tokens:
@@ -311,7 +330,8 @@ def tables(config: GenerateBenchConfig, rows: list[dict[str, object]]) -> dict[s
     columns = {"dtype": "dtype"}
     for metric, header in (("ttft_median_ms", "TTFT (ms)"),
                            ("prefill_tok_s", "prefill tok/s"),
-                           ("decode_tok_s", "decode tok/s")):
+                           ("decode_tok_s", "decode tok/s"),
+                           ("decode_ms_per_token", "decode ms/token")):
         columns |= {f"{name}_{metric}": f"{label} {header}"
                     for name, label in COMPETITORS.items()}
     columns |= {"ttft_vs_hf": "TTFT vs HF", "decode_speedup_vs_hf": "decode speedup vs HF"}
@@ -335,8 +355,9 @@ def parse_args(argv: list[str] | None) -> tuple[GenerateBenchConfig, Path]:
     """The config and output folder from the command line."""
     sizes = ("layers", "hidden_size", "intermediate_size", "prompt_len", "decode_tokens",
              "copy_mib", "seed")
-    return parse_model_bench_args(argv, GenerateBenchConfig(), benchmark="generate",
-                                  description=__doc__.split("\n\n")[0], sizes=sizes,
+    return parse_model_bench_args(argv, GenerateBenchConfig.for_device(parse_device(argv)),
+                                  benchmark="generate", description=__doc__.split("\n\n")[0],
+                                  sizes=sizes,
                                   models_dir_help="folder holding qwen3_tokenizer")
 
 

@@ -5,7 +5,10 @@ Each comparison is interleaved in one process:
 - decode attention: ``fastllm.ops.attention`` over each sequence's keys stored back to back
   against ``fastllm.ops.paged_attention`` over the same keys scattered in ``block_size`` blocks
   of a shared pool in shuffled order (as a long-running server's pool ends up); goal: paged
-  >= 0.9x the contiguous speed;
+  >= 0.9x the contiguous speed. Each one's GB/s counts the bytes it must move (K and V read,
+  q read, the output written); with ``--copy-mib``, a ``copy_`` of that many MiB is timed in
+  the same rounds, and paged decode's GB/s over the copy's (read plus written bytes) is its
+  ``fraction_of_copy``; goal: >= 0.8 at batch >= 16 and >= 4096 keys;
 - time to first token of a prompt whose prefix blocks are in the prefix cache against the same
   prompt computed cold (goal: >= 5x lower), on a model of ``--prefill-model``'s dimensions with
   random weights and ``--prefill-layers`` layers (each layer costs the same, so the ratio does
@@ -18,15 +21,25 @@ Each comparison is interleaved in one process:
   it writes itself.
 
 The memory table gives, per model shape, the KV bytes of one token and of one sequence at the
-decode length, for the cache dtype.
+longest decode length, for the cache dtype.
+
+Defaults depend on ``--device``. On the CPU: float32 and bfloat16, decode at batch 1, 8 and 32
+over 4096 keys, no copy (sized for two cores). On CUDA: bfloat16, decode at batch 1, 4, 16 and
+64 over 1024, 4096, 16384 and 32768 keys beside a 1 GiB copy (the largest case, 64 sequences
+of 32768 keys of 8 KV heads, holds 8 GiB of K/V back to back and 8 GiB in the pool; one case
+is held at a time).
+Sizes given on the command line replace the device's. The logit drift table runs on the CPU
+whatever the device.
 
     python benchmarks/bench_kv_cache.py --out results
+    python benchmarks/bench_kv_cache.py --out results --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,16 +49,19 @@ from torch import Tensor
 import fastllm
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
-from fastllm.bench.workloads import (MODEL_SHAPES, add_shape_arguments, make_attention_inputs,
-                                     random_model)
+from fastllm.bench.workloads import (MODEL_SHAPES, DeviceCopy, add_shape_arguments,
+                                     make_attention_inputs, parse_device, random_model)
 from fastllm.chunk_prefill import ChunkedPrompt, ChunkKVStore, prefill_independent_chunks
 from fastllm.kv_cache import KVCacheSpec, PagedKVCache, zeros_pool
 from fastllm.model_runner import run_step
 from fastllm.models import DecoderLM, load_model
 
+from bench_generate import DEFAULT_MODELS_DIR
+
 GOAL_PAGED_VS_CONTIGUOUS = 0.9
 GOAL_CACHED_TTFT_SPEEDUP = 5.0
-DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[2] / "shared" / "models"
+# Paged decode's GB/s over the copy's, at least, in the cases at least this large.
+GOAL_FRACTION_OF_COPY, GOAL_COPY_MIN_BATCH, GOAL_COPY_MIN_KEYS = 0.8, 16, 4096
 
 
 @dataclass(frozen=True)
@@ -55,8 +71,9 @@ class KVCacheBenchConfig:
     models: tuple[str, ...] = ("qwen3-0.6b", "llama-3-8b")
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     decode_batches: tuple[int, ...] = (1, 8, 32)
-    decode_len_k: int = 4096
+    decode_lens_k: tuple[int, ...] = (4096,)  # keys per decode sequence, one case each
     block_size: int = 16
+    copy_mib: int = 0  # the copy timed beside each decode case; 0: none
     device: str = "cpu"
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=2, repeats=20,
                                                                    budget_s=0.5))
@@ -74,6 +91,17 @@ class KVCacheBenchConfig:
     # Logit drift of block attention on a real model.
     models_dir: str = str(DEFAULT_MODELS_DIR)
     drift_prompts: int = 16
+
+    @classmethod
+    def for_device(cls, device: str) -> KVCacheBenchConfig:
+        """The defaults on ``device``: the class defaults (sized for two CPU cores) except on
+        CUDA, where decode runs in bfloat16 at batch 1 to 64 over 1024 to 32768 keys beside a
+        1 GiB copy, with more warm-up calls."""
+        if torch.device(device).type != "cuda":
+            return cls(device=device)
+        return cls(dtypes=("bfloat16",), decode_batches=(1, 4, 16, 64),
+                   decode_lens_k=(1024, 4096, 16384, 32768), copy_mib=1024, device=device,
+                   timer=TimerConfig(warmup=3, repeats=20, budget_s=0.5))
 
 
 @dataclass(frozen=True)
@@ -103,33 +131,54 @@ def to_paged(k: Tensor, v: Tensor, batch: int, len_k: int, block_size: int) -> P
     return PagedKV(k_cache, v_cache, block_tables, seq_lens)
 
 
+def decode_row(config: KVCacheBenchConfig, model: str, dtype_name: str, batch: int,
+               len_k: int, copy: DeviceCopy | None) -> dict[str, object]:
+    """Times contiguous against paged decode attention (and ``copy``, when given) on one
+    batch; returns its row. Its K/V, held twice, are freed on return."""
+    x = make_attention_inputs(MODEL_SHAPES[model], batch=batch, len_q=1, len_k=len_k,
+                              dtype=getattr(torch, dtype_name), device=config.device)
+    paged = to_paged(x.k, x.v, batch, len_k, config.block_size)
+    competitors: dict[str, Callable[[], object]] = {
+        "contiguous": lambda: fastllm.ops.attention(
+            x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, 1, x.len_k),
+        "paged": lambda: fastllm.ops.paged_attention(
+            x.q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
+            x.cu_seqlens_q, 1),
+    }
+    if copy is not None:
+        competitors["copy"] = copy
+    with fastllm.ops.trusted_inputs():  # as the engine calls it: no host copy of the tables
+        timings = compare(competitors, config.timer, device=config.device)
+    row: dict[str, object] = {"model": model, "dtype": dtype_name, "batch": batch,
+                              "keys": len_k, "block_size": config.block_size}
+    for name, timing in timings.items():
+        row.update({f"{name}_{k}": v for k, v in timing.to_dict().items()})
+    row["paged_vs_contiguous"] = timings["contiguous"].median_s / timings["paged"].median_s
+    for name in ("contiguous", "paged"):
+        row[f"{name}_gbps"] = x.io_bytes / timings[name].median_s / 1e9
+    if copy is not None:
+        row["copy_gbps"] = copy.gbps(timings["copy"])
+        row["fraction_of_copy"] = row["paged_gbps"] / row["copy_gbps"]
+    return row
+
+
 def decode_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
-    """Times contiguous against paged decode attention for every model, dtype and batch."""
+    """Times contiguous against paged decode attention for every model, dtype, key count and
+    batch."""
+    copy = DeviceCopy.of_mib(config.copy_mib, config.device) if config.copy_mib else None
     rows = []
     for model in config.models:
-        shape = MODEL_SHAPES[model]
         for dtype_name in config.dtypes:
-            dtype = getattr(torch, dtype_name)
-            for batch in config.decode_batches:
-                x = make_attention_inputs(shape, batch=batch, len_q=1, len_k=config.decode_len_k,
-                                          dtype=dtype, device=config.device)
-                paged = to_paged(x.k, x.v, batch, config.decode_len_k, config.block_size)
-                timings = compare({
-                    "contiguous": lambda: fastllm.ops.attention(
-                        x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, 1, x.len_k),
-                    "paged": lambda: fastllm.ops.paged_attention(
-                        x.q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens,
-                        x.cu_seqlens_q, 1),
-                }, config.timer, device=config.device)
-                row: dict[str, object] = {"model": model, "dtype": dtype_name, "batch": batch,
-                                          "keys": config.decode_len_k,
-                                          "block_size": config.block_size}
-                for name, timing in timings.items():
-                    row.update({f"{name}_{k}": v for k, v in timing.to_dict().items()})
-                row["paged_vs_contiguous"] = (timings["contiguous"].median_s
-                                              / timings["paged"].median_s)
-                rows.append(row)
-                print(f"kv_cache: {model} {dtype_name} batch={batch} measured", flush=True)
+            for len_k in config.decode_lens_k:
+                for batch in config.decode_batches:
+                    row = decode_row(config, model, dtype_name, batch, len_k, copy)
+                    rows.append(row)
+                    figures = f"paged {row['paged_gbps']:.3g} GB/s"
+                    if copy is not None:
+                        figures += f", {row['fraction_of_copy']:.3g} of the copy"
+                    print(f"kv_cache: {model} {dtype_name} batch={batch} keys={len_k} "
+                          f"measured: {figures}, {row['paged_vs_contiguous']:.3g}x contiguous",
+                          flush=True)
     return rows
 
 
@@ -287,10 +336,11 @@ def memory_rows(config: KVCacheBenchConfig) -> list[dict[str, object]]:
             spec = KVCacheSpec(num_layers=shape.num_layers, n_kv_heads=shape.n_kv_heads,
                                head_dim=shape.head_dim, dtype=getattr(torch, dtype_name),
                                block_size=config.block_size)
-            blocks = -(-config.decode_len_k // config.block_size)
+            seq_tokens = max(config.decode_lens_k)
+            blocks = -(-seq_tokens // config.block_size)
             rows.append({"model": model, "dtype": dtype_name,
                          "bytes_per_token": spec.bytes_per_token,
-                         "seq_tokens": config.decode_len_k,
+                         "seq_tokens": seq_tokens,
                          "mib_per_seq": blocks * spec.bytes_per_block / 2**20})
     return rows
 
@@ -301,11 +351,15 @@ def tables(decode: list[dict[str, object]], reuse: list[dict[str, object]],
     worst = min((row["paged_vs_contiguous"] for row in decode), default=float("nan"))
     verdict = "met" if worst >= GOAL_PAGED_VS_CONTIGUOUS else "NOT met"
     summary = (f"Goal: paged >= {GOAL_PAGED_VS_CONTIGUOUS}x the contiguous cache's speed: "
-               f"worst case measured {worst:.2f}x ({verdict}).")
-    decode_table = markdown_table(decode, {
+               f"worst case measured {worst:.2f}x ({verdict}).\n\n" + copy_goal_summary(decode))
+    decode_columns = {
         "model": "model", "dtype": "dtype", "batch": "batch", "keys": "keys",
         "block_size": "block size", "contiguous_median_ms": "contiguous (ms)",
-        "paged_median_ms": "paged (ms)", "paged_vs_contiguous": "paged speed vs contiguous"})
+        "paged_median_ms": "paged (ms)", "paged_vs_contiguous": "paged speed vs contiguous",
+        "contiguous_gbps": "contiguous GB/s", "paged_gbps": "paged GB/s"}
+    if any("copy_gbps" in row for row in decode):
+        decode_columns |= {"copy_gbps": "copy GB/s", "fraction_of_copy": "paged / copy"}
+    decode_table = markdown_table(decode, decode_columns)
     memory_table = markdown_table(memory, {
         "model": "model", "dtype": "dtype", "bytes_per_token": "KV bytes per token",
         "seq_tokens": "tokens per sequence", "mib_per_seq": "MiB per sequence"})
@@ -341,19 +395,38 @@ def tables(decode: list[dict[str, object]], reuse: list[dict[str, object]],
     return result
 
 
+def copy_goal_summary(decode: list[dict[str, object]]) -> str:
+    """One line: paged decode's worst fraction of the copy bandwidth where the goal is set."""
+    goal = (f"Goal: paged decode >= {GOAL_FRACTION_OF_COPY:g} of the copy's GB/s at batch >= "
+            f"{GOAL_COPY_MIN_BATCH} and >= {GOAL_COPY_MIN_KEYS} keys")
+    judged = [row["fraction_of_copy"] for row in decode if "fraction_of_copy" in row
+              and row["batch"] >= GOAL_COPY_MIN_BATCH and row["keys"] >= GOAL_COPY_MIN_KEYS]
+    if not judged:
+        return f"{goal}: not measured in this run (no copy, or no case that large)."
+    worst = min(judged)
+    verdict = "met" if worst >= GOAL_FRACTION_OF_COPY else "NOT met"
+    return f"{goal}: worst case measured {worst:.2f} ({verdict})."
+
+
 def parse_args(argv: list[str] | None) -> tuple[KVCacheBenchConfig, Path]:
     """The config and output folder from the command line."""
-    defaults = KVCacheBenchConfig()
+    defaults = KVCacheBenchConfig.for_device(parse_device(argv))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser, benchmark="kv_cache", models=defaults.models,
                         dtypes=defaults.dtypes)
     parser.add_argument("--decode-batches", type=int, nargs="+",
                         default=list(defaults.decode_batches), help="default %(default)s")
-    parser.add_argument("--decode-len-k", type=int, default=defaults.decode_len_k,
-                        help="keys per decode sequence (default %(default)s)")
+    parser.add_argument("--decode-lens-k", "--decode-len-k", type=int, nargs="+",
+                        default=list(defaults.decode_lens_k),
+                        help="keys per decode sequence, a case each (default %(default)s)")
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
                         help="tokens per cache block (default %(default)s)")
-    parser.add_argument("--device", default=defaults.device, help="default %(default)s")
+    parser.add_argument("--copy-mib", type=int, default=defaults.copy_mib,
+                        help="MiB of the copy timed beside each decode case, the bandwidth "
+                             "paged decode is judged against; 0: none (default %(default)s)")
+    parser.add_argument("--device", default=defaults.device,
+                        help="cpu or cuda; the other defaults depend on it (default "
+                             "%(default)s)")
     parser.add_argument("--prefill-model", choices=sorted(MODEL_SHAPES),
                         default=defaults.prefill_model,
                         help="dimensions of the KV-reuse model (default %(default)s)")
@@ -369,8 +442,8 @@ def parse_args(argv: list[str] | None) -> tuple[KVCacheBenchConfig, Path]:
     timer = TimerConfig.from_arguments(args)
     config = KVCacheBenchConfig(
         models=tuple(args.models), dtypes=tuple(args.dtypes),
-        decode_batches=tuple(args.decode_batches), decode_len_k=args.decode_len_k,
-        block_size=args.block_size, device=args.device, timer=timer,
+        decode_batches=tuple(args.decode_batches), decode_lens_k=tuple(args.decode_lens_k),
+        block_size=args.block_size, copy_mib=args.copy_mib, device=args.device, timer=timer,
         prefill_model=args.prefill_model, models_dir=str(args.models_dir),
         # Prefills last seconds: fewer repeats than the decode timer's, the same warm-up.
         prefill_timer=TimerConfig(warmup=min(timer.warmup, 1), repeats=min(timer.repeats, 5),

@@ -21,9 +21,16 @@ output tokens per row). Per case, interleaved in one process:
   (``fastllm.reference.apply_penalties``, vLLM's formula).
 
 With penalties every competitor copies the logits once inside its timed call (fastllm penalizes
-in place); without, none does.
+in place); without, none does. Around the ops it calls, no timed call reads a value back to
+the host; the timer synchronizes the device around each call, alike for all.
+
+Defaults depend on ``--device``: on the CPU, both vocabularies, batches 1, 16 and 64 and every
+setting (sized for two cores); on CUDA, vocabulary 151,936, batches 1, 4, 16, 64 and 256, the
+top-k and top-p settings, and more calls timed. Sizes given on the command line replace the
+device's.
 
     python benchmarks/bench_sampling.py --out results --vocabs 151936 --batches 1 16
+    python benchmarks/bench_sampling.py --out results --device cuda
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from transformers.generation.logits_process import (
 import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare
+from fastllm.bench.workloads import parse_device
 from fastllm.sampling import SamplingParams, SamplingTensors
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF chain", "sort": "sort-based"}
@@ -112,6 +120,17 @@ class SamplingBenchConfig:
     # two cores; a peer call at batch 64 and vocab 151,936 (0.3 - 1 s) is timed once or twice.
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=20,
                                                                    budget_s=0.5))
+
+    @classmethod
+    def for_device(cls, device: str) -> SamplingBenchConfig:
+        """The defaults on ``device``: the class defaults (sized for two CPU cores) except on
+        CUDA, where the top-k and top-p settings run at vocabulary 151,936 and batch 1 to 256,
+        with more calls (of a millisecond or less) timed."""
+        if torch.device(device).type != "cuda":
+            return cls(device=device)
+        return cls(vocabs=(151_936,), batches=(1, 4, 16, 64, 256),
+                   settings=("top_k", "top_p", "top_k_top_p"), device=device,
+                   timer=TimerConfig(warmup=3, repeats=50, budget_s=0.5))
 
     def cases(self) -> list[SamplingCase]:
         """Every case: per vocabulary, per setting, the batches smallest first."""
@@ -267,7 +286,10 @@ def run(config: SamplingBenchConfig) -> list[dict[str, object]]:
         inputs = make_sampling_inputs(setting, batch=case.batch, vocab=case.vocab,
                                       prompt_len=config.prompt_len,
                                       output_len=config.output_len, device=device)
-        timings = compare(sampling_competitors(setting, inputs), config.timer, device=device)
+        # As the engine calls it: parameters checked on the host when they were built.
+        with fastllm.ops.trusted_inputs():
+            timings = compare(sampling_competitors(setting, inputs), config.timer,
+                              device=device)
         rows.append(case_row(case, timings))
         print(f"sampling: vocab={case.vocab} {case.setting} batch={case.batch} measured",
               flush=True)
@@ -312,7 +334,7 @@ def tables(rows: list[dict[str, object]]) -> dict[str, str]:
 
 def parse_args(argv: list[str] | None) -> tuple[SamplingBenchConfig, Path]:
     """The config and output folder from the command line."""
-    defaults = SamplingBenchConfig()
+    defaults = SamplingBenchConfig.for_device(parse_device(argv))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"),
                         help="folder for sampling.json and sampling.md (default %(default)s)")
@@ -322,7 +344,9 @@ def parse_args(argv: list[str] | None) -> tuple[SamplingBenchConfig, Path]:
                         default=list(defaults.batches), help="default %(default)s")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
                         default=list(defaults.settings), help="default %(default)s")
-    parser.add_argument("--device", default=defaults.device, help="default %(default)s")
+    parser.add_argument("--device", default=defaults.device,
+                        help="cpu or cuda; the other defaults depend on it (default "
+                             "%(default)s)")
     TimerConfig.add_arguments(parser, defaults.timer)
     args = parser.parse_args(argv)
     config = SamplingBenchConfig(vocabs=tuple(args.vocabs), batches=tuple(args.batches),

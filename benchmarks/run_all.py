@@ -1,12 +1,21 @@
 """Runs every fastllm benchmark with its defaults into one folder (what ``make bench`` runs).
 
+``--device`` (default cpu) is passed to every benchmark, and each one's defaults depend on it:
+on ``cuda`` they measure the sizes set for a GPU (each benchmark's docstring says which), on
+the CPU the sizes of ``make bench`` on two cores. ``--benchmarks`` runs some of them only. The
+benchmarks that need model files (the Qwen3 tokenizer, stories260K, the DL19 run) read them
+from ``$FASTLLM_MODELS_DIR``, else from ``shared/models`` beside the checkout. A benchmark that
+fails is reported and the others still run; the exit status is then 1.
+
     python benchmarks/run_all.py --out results
+    python benchmarks/run_all.py --device cuda --out results-cuda
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+import traceback
 from pathlib import Path
 
 import bench_attention
@@ -29,16 +38,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results"),
                         help="folder for every benchmark's JSON and markdown (default "
                              "%(default)s)")
-    out = parser.parse_args(argv).out
+    parser.add_argument("--device", default="cpu",
+                        help="where every benchmark runs, cpu or cuda; their default sizes "
+                             "depend on it (default %(default)s)")
+    parser.add_argument("--benchmarks", nargs="+", choices=list(BENCHMARKS), metavar="NAME",
+                        default=list(BENCHMARKS),
+                        help=f"which to run, of {', '.join(BENCHMARKS)} (default: all)")
+    args = parser.parse_args(argv)
     elapsed_s: dict[str, float] = {}
-    for name, bench_main in BENCHMARKS.items():
+    failed: list[str] = []
+    for name in args.benchmarks:
         started = time.perf_counter()
-        bench_main(["--out", str(out)])
+        try:
+            BENCHMARKS[name](["--out", str(args.out), "--device", args.device])
+        except Exception:  # reported; the other benchmarks still run
+            traceback.print_exc()
+            failed.append(name)
         elapsed_s[name] = time.perf_counter() - started
     print("\n" + "=" * 80 + "\n")
-    for name in BENCHMARKS:
-        print((out / f"{name}.md").read_text())
+    for name in args.benchmarks:
+        if name not in failed:
+            print((args.out / f"{name}.md").read_text())
     print(", ".join(f"{name}: {seconds:.0f} s" for name, seconds in elapsed_s.items()))
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The engine benchmark end to end at tiny sizes: fastllm and HF generate the same greedy
-tokens for every request in float32, and the rows hold what the report says."""
+"""The engine benchmark end to end at tiny sizes (fastllm and HF generate the same greedy
+tokens for every request in float32, and the rows hold what the report says), and its defaults
+per device."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import find_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,15 +29,35 @@ TINY = ["--layers", "1", "--hidden-size", "64", "--intermediate-size", "192",
         "--prefix-rounds", str(ROUNDS), "--repeats", "1", "--warmup", "0"]
 
 
-def tiny_engine_bench(out: Path, dtypes: tuple[str, ...] = ("float32",)) -> dict[str, object]:
+def tiny_engine_bench(out: Path, dtypes: tuple[str, ...], device: torch.device
+                      ) -> dict[str, object]:
     """Runs the benchmark at tiny sizes into ``out``; returns its JSON document."""
     models_dir = find_model("qwen3_tokenizer").parent
-    return bench_engine.main(["--out", str(out), "--dtypes", *dtypes,
+    return bench_engine.main(["--out", str(out), "--dtypes", *dtypes, "--device", str(device),
                               "--models-dir", str(models_dir), *TINY])
 
 
-def test_bench_engine_writes_rows(tmp_path: Path) -> None:
-    document = tiny_engine_bench(tmp_path, ("float32", "bfloat16"))
+def test_cpu_defaults_are_make_benchs() -> None:
+    config, _ = bench_engine.parse_args([])
+    assert config == bench_engine.EngineBenchConfig.for_device("cpu")
+    assert config == bench_engine.EngineBenchConfig()
+    assert (config.dtypes, config.num_requests, config.hf_batch_size, config.device) == (
+        ("bfloat16",), 64, 16, "cpu")
+
+
+def test_cuda_defaults_are_the_gpu_sizes() -> None:
+    config, _ = bench_engine.parse_args(["--device", "cuda"])
+    assert config == bench_engine.EngineBenchConfig.for_device("cuda")
+    assert (config.dtypes, config.device) == (("bfloat16",), "cuda")
+    # Batch 64: fastllm serves all 64 requests at once, HF generates them as one padded batch.
+    assert config.num_requests == config.hf_batch_size == 64
+    assert config.at_goal_size
+    config, _ = bench_engine.parse_args(["--device", "cuda", "--hf-batch-size", "32"])
+    assert config.hf_batch_size == 32
+
+
+def test_bench_engine_writes_rows(tmp_path: Path, device: torch.device) -> None:
+    document = tiny_engine_bench(tmp_path, ("float32", "bfloat16"), device)
     written = json.loads((tmp_path / "engine.json").read_text())
     assert written["rows"] == document["rows"]
     rows = written["rows"]

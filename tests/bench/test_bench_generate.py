@@ -1,5 +1,5 @@
-"""The generation benchmark end to end at tiny sizes: fastllm and HF generate the same greedy
-tokens in float32, and the rows hold what the report says."""
+"""The generation benchmark end to end at tiny sizes (fastllm and HF generate the same greedy
+tokens in float32, and the rows hold what the report says), and its defaults per device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import find_model
+
+from fastllm.bench.timer import TimerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -20,10 +23,31 @@ finally:
 VOCAB, HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM = 151_936, 64, 192, 16, 8, 128
 
 
-def test_bench_generate_writes_rows(tmp_path: Path) -> None:
+def test_cpu_defaults_are_make_benchs() -> None:
+    config, _ = bench_generate.parse_args([])
+    assert config == bench_generate.GenerateBenchConfig.for_device("cpu")
+    assert config == bench_generate.GenerateBenchConfig()
+    assert (config.dtypes, config.prompt_len, config.decode_tokens, config.device) == (
+        ("float32", "bfloat16"), 512, 64, "cpu")
+    assert config.timer == TimerConfig(warmup=1, repeats=3, budget_s=30.0)
+    assert config.at_goal_size
+
+
+def test_cuda_defaults_are_the_gpu_sizes() -> None:
+    config, _ = bench_generate.parse_args(["--device", "cuda"])
+    assert config == bench_generate.GenerateBenchConfig.for_device("cuda")
+    assert (config.dtypes, config.device) == (("bfloat16",), "cuda")
+    assert config.at_goal_size  # the whole Qwen3-0.6B shape and its 512-token prompt
+    assert config.decode_tokens >= 64
+    config, _ = bench_generate.parse_args(["--device", "cuda", "--layers", "2"])
+    assert (config.layers, config.dtypes) == (2, ("bfloat16",))
+
+
+def test_bench_generate_writes_rows(tmp_path: Path, device: torch.device) -> None:
     models_dir = find_model("qwen3_tokenizer").parent
     document = bench_generate.main([
-        "--out", str(tmp_path), "--layers", "1", "--hidden-size", str(HIDDEN),
+        "--out", str(tmp_path), "--device", str(device), "--layers", "1",
+        "--hidden-size", str(HIDDEN),
         "--intermediate-size", str(MLP), "--prompt-len", "8", "--decode-tokens", "2",
         "--dtypes", "float32", "bfloat16", "--repeats", "1", "--warmup", "0",
         "--copy-mib", "8", "--models-dir", str(models_dir)])
@@ -45,6 +69,8 @@ def test_bench_generate_writes_rows(tmp_path: Path) -> None:
                 8 / (row[f"{name}_ttft_median_ms"] / 1e3))
             assert row[f"{name}_decode_tok_s"] == pytest.approx(
                 2 / (row[f"{name}_decode_median_ms"] / 1e3))
+            assert row[f"{name}_decode_ms_per_token"] == pytest.approx(
+                row[f"{name}_decode_median_ms"] / 2)
             assert row[f"{name}_weight_gbps"] == pytest.approx(
                 row["weight_bytes"] * row[f"{name}_decode_tok_s"] / 1e9)
             # TTFT and the decode steps happen inside the timed call.

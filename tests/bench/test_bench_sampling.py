@@ -1,13 +1,18 @@
-"""The sampling benchmark end to end at tiny sizes, and its peers sample what they claim to."""
+"""The sampling benchmark end to end at tiny sizes, its defaults per device, and its peers
+sample what they claim to."""
 
 from __future__ import annotations
 
 import json
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+from fastllm.bench.timer import TimerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -17,13 +22,38 @@ finally:
     sys.path.remove(str(REPO / "benchmarks"))
 
 
-def test_bench_sampling_writes_rows(tmp_path: Path) -> None:
-    document = bench_sampling.main(["--out", str(tmp_path), "--vocab", "1000", "--batch", "1",
-                                    "--repeats", "1", "--warmup", "0"])
+def test_cpu_defaults_are_make_benchs() -> None:
+    config, _ = bench_sampling.parse_args([])
+    assert config == bench_sampling.SamplingBenchConfig.for_device("cpu")
+    assert config == bench_sampling.SamplingBenchConfig()
+    assert (config.vocabs, config.batches, config.settings, config.device) == (
+        (32_000, 151_936), (1, 16, 64), tuple(bench_sampling.SETTINGS), "cpu")
+    assert config.timer == TimerConfig(warmup=1, repeats=20, budget_s=0.5)
+
+
+def test_cuda_defaults_are_the_gpu_sizes() -> None:
+    config, _ = bench_sampling.parse_args(["--device", "cuda"])
+    assert config == bench_sampling.SamplingBenchConfig.for_device("cuda")
+    assert (config.vocabs, config.batches, config.device) == (
+        (151_936,), (1, 4, 16, 64, 256), "cuda")
+    assert config.settings == ("top_k", "top_p", "top_k_top_p")
+    # The headline goal's cases are among them.
+    assert {(case.vocab, case.setting, case.batch) for case in config.cases()} >= {
+        (bench_sampling.GOAL_VOCAB, bench_sampling.GOAL_SETTING, batch)
+        for batch in bench_sampling.GOAL_BATCHES}
+    config, _ = bench_sampling.parse_args(["--device", "cuda", "--batches", "8"])
+    assert (config.vocabs, config.batches) == ((151_936,), (8,))
+
+
+def test_bench_sampling_writes_rows(tmp_path: Path, device: torch.device) -> None:
+    document = bench_sampling.main(["--out", str(tmp_path), "--device", str(device),
+                                    "--vocab", "1000", "--batch", "1", "--repeats", "1",
+                                    "--warmup", "0"])
     written = json.loads((tmp_path / "sampling.json").read_text())
     assert written["rows"] == document["rows"]
     rows = written["rows"]
-    assert [row["setting"] for row in rows] == list(bench_sampling.SETTINGS)
+    defaults = bench_sampling.SamplingBenchConfig.for_device(str(device))
+    assert [row["setting"] for row in rows] == list(defaults.settings)
     for row in rows:
         assert (row["vocab"], row["batch"]) == (1000, 1)
         for name in bench_sampling.COMPETITORS:
@@ -54,3 +84,29 @@ def test_peers_sample_from_the_filtered_set(key: str) -> None:
         if setting.params.is_greedy:
             assert torch.equal(tokens, inputs.logits.argmax(dim=-1)), name
         assert allowed.gather(1, tokens[:, None]).all(), name
+
+
+def host_syncs(call: Callable[[], object]) -> int:
+    """How many synchronizing CUDA operations one call of ``call`` makes, after a warm-up call
+    (one-time set-up may synchronize)."""
+    call()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(warning.message) for warning in caught)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("key", ["top_k", "top_p", "top_k_top_p"])
+def test_fastllm_syncs_no_more_than_the_sort_peer(key: str) -> None:
+    setting = bench_sampling.SETTINGS[key]
+    inputs = bench_sampling.make_sampling_inputs(setting, batch=16, vocab=151_936,
+                                                 prompt_len=16, output_len=8,
+                                                 device=torch.device("cuda"))
+    competitors = bench_sampling.sampling_competitors(setting, inputs)
+    assert host_syncs(competitors["fastllm"]) <= host_syncs(competitors["sort"])

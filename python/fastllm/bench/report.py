@@ -30,7 +30,8 @@ def _cpu_model() -> str:
 
 
 def machine_info(device: torch.device | str) -> dict[str, object]:
-    """What the numbers depend on: CPU, threads, torch and fastllm builds, accelerator."""
+    """What the numbers depend on: CPU, threads, torch and fastllm builds, accelerator (its
+    name, compute capability, memory and CUDA version)."""
     device = torch.device(device)
     info: dict[str, object] = {
         "cpu": _cpu_model(),
@@ -44,7 +45,11 @@ def machine_info(device: torch.device | str) -> dict[str, object]:
         "device": str(device),
     }
     if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
+        properties = torch.cuda.get_device_properties(device)
+        info["device_name"] = properties.name
+        info["cuda_capability"] = f"{properties.major}.{properties.minor}"
+        info["device_memory_gib"] = properties.total_memory / 2**30
+        info["cuda"] = torch.version.cuda
     return info
 
 

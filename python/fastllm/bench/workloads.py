@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fastllm.bench.timer import TimerConfig
+from fastllm.bench.timer import TimerConfig, Timing
 from fastllm.models import DecoderLM, ModelConfig
 
-__all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "add_shape_arguments",
-           "make_attention_inputs", "random_model", "repeat_kv"]
+__all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "DeviceCopy",
+           "add_shape_arguments", "make_attention_inputs", "parse_device",
+           "parse_model_bench_args", "random_model", "repeat_kv"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,12 @@ class AttentionInputs:
         """``[batch, n_kv_heads, len_k, head_dim]`` view of ``v``."""
         return self._bhld(self.v, self.len_k)
 
+    @property
+    def io_bytes(self) -> int:
+        """Bytes one attention call moves at the least: q, k and v read once, the output (q's
+        size) written."""
+        return 2 * self.q.nbytes + self.k.nbytes + self.v.nbytes
+
 
 def make_attention_inputs(shape: AttentionShape, *, batch: int, len_q: int, len_k: int,
                           dtype: torch.dtype, device: torch.device | str) -> AttentionInputs:
@@ -111,6 +118,38 @@ def make_attention_inputs(shape: AttentionShape, *, batch: int, len_q: int, len_
         len_q=len_q,
         len_k=len_k,
     )
+
+
+@dataclass(frozen=True)
+class DeviceCopy:
+    """``dst.copy_(src)`` on one large float32 buffer: the device's attainable memory bandwidth,
+    the peer of memory-bound kernels, timed in the same rounds as they are."""
+
+    src: Tensor
+    dst: Tensor
+
+    @classmethod
+    def of_mib(cls, mib: int, device: torch.device | str) -> DeviceCopy:
+        """A copy of ``mib`` MiB. The source is written first, so no read hits untouched
+        (zero-mapped) pages."""
+        src = torch.ones(mib << 18, dtype=torch.float32, device=device)  # 4 bytes each
+        return cls(src, torch.empty_like(src))
+
+    def __call__(self) -> Tensor:
+        """One copy: the timed call."""
+        return self.dst.copy_(self.src)
+
+    def gbps(self, timing: Timing) -> float:
+        """GB/s of a copy lasting ``timing``'s median, counting bytes read plus bytes written."""
+        return 2 * self.src.nbytes / timing.median_s / 1e9
+
+
+def parse_device(argv: list[str] | None) -> str:
+    """The ``--device`` option of a benchmark's command line (default ``cpu``), read before the
+    other options: their defaults depend on it."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", default="cpu")
+    return parser.parse_known_args(argv)[0].device
 
 
 def random_model(shape: AttentionShape, *, num_layers: int | None = None,
