@@ -1,0 +1,184 @@
+// Varlen attention on CUDA: checks, device guard, stream and kernel choice; the kernels are in
+// attention_kernels.cuh. bfloat16/float16 with head_dim <= 256 run the tensor-core kernel (head_dim
+// padded up to 64, 80, 96, 128 or 256), float32 the SIMT kernel; head_dim > 256, which no kernel
+// is built for, runs the ATen composition.
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "attention/attention.h"
+#include "attention/attention_kernels.cuh"
+#include "common/cuda_host.h"
+#include "common/dispatch.h"
+
+namespace fastllm {
+namespace {
+
+constexpr int64_t kMaxKernelHeadDim = 256;
+constexpr int64_t kMaxTokens = INT32_MAX - 256;
+constexpr double kLog2e = 1.4426950408889634;
+
+// The kernels index head_dim densely; other layouts are copied once.
+at::Tensor dense_rows(const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); }
+
+// Whether t's [tokens, heads, head_dim] rows can move in 16-byte chunks.
+bool has_16_byte_rows(const at::Tensor& t) {
+  const int64_t per_chunk = 16 / t.element_size();
+  return t.stride(2) == 1 && t.size(2) % per_chunk == 0 && t.stride(0) % per_chunk == 0 &&
+         t.stride(1) % per_chunk == 0 &&
+         reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+int max_shared_memory_per_block() {
+  int device = 0, bytes = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
+
+// Launches one thread block per (query tile of block_m rows, sequence, head).
+template <typename Params>
+void launch(void (*kernel)(Params), Params params, int block_m, int smem_bytes,
+            int64_t query_rows) {
+  const int64_t query_tiles = ceil_div(query_rows, block_m);
+  const int64_t blocks = query_tiles * params.batch * params.n_heads;
+  TORCH_CHECK_VALUE(blocks <= INT32_MAX, "attention needs ", blocks,
+                    " thread blocks (query tiles x batch x heads), more than a CUDA grid holds");
+  params.query_tiles = int(query_tiles);
+  if (smem_bytes > 48 * 1024)
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  kernel<<<unsigned(blocks), cuda::kAttentionThreads, smem_bytes,
+           c10::cuda::getCurrentCUDAStream()>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Launches the tensor-core kernel padded to kHeadDim if head_dim fits it and its shared memory
+// fits the device.
+template <typename T, int kHeadDim>
+bool launch_tensor_core(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows,
+                        int max_smem) {
+  using Shape = cuda::TensorCoreShape<kHeadDim>;
+  if (params.head_dim > kHeadDim || Shape::kSmemBytes > max_smem) return false;
+  launch(cuda::attention_tensor_core_kernel<T, kHeadDim>, params, Shape::kBlockM,
+         Shape::kSmemBytes, query_rows);
+  return true;
+}
+
+template <typename T, int kDimsPerLane>
+bool launch_simt(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows, int max_smem) {
+  using Shape = cuda::SimtShape<kDimsPerLane>;
+  if (params.head_dim > Shape::kDims || Shape::kSmemBytes > max_smem) return false;
+  launch(cuda::attention_simt_kernel<T, kDimsPerLane>, params, Shape::kBlockM, Shape::kSmemBytes,
+         query_rows);
+  return true;
+}
+
+// The smallest kernel configuration that takes head_dim; false when none fits the device.
+template <typename T>
+bool launch_attention(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows) {
+  const int max_smem = max_shared_memory_per_block();
+  if constexpr (!std::is_same_v<T, float>) {
+    if (launch_tensor_core<T, 64>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 80>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 96>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 128>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 256>(params, query_rows, max_smem))
+      return true;
+  }
+  return launch_simt<T, 1>(params, query_rows, max_smem) ||
+         launch_simt<T, 2>(params, query_rows, max_smem) ||
+         launch_simt<T, 3>(params, query_rows, max_smem) ||
+         launch_simt<T, 4>(params, query_rows, max_smem) ||
+         launch_simt<T, 6>(params, query_rows, max_smem) ||
+         launch_simt<T, 8>(params, query_rows, max_smem);
+}
+
+void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                        std::optional<double> scale, int64_t window_left, at::Tensor& out) {
+  const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q, max_seqlen_k, window_left);
+  check_attention_out(out, q, k, v);
+  if (can_check_values()) {
+    check_cu_seqlens_values(host_copy(cu_seqlens_q), q.size(0), max_seqlen_q, "cu_seqlens_q");
+    check_cu_seqlens_values(host_copy(cu_seqlens_k), k.size(0), max_seqlen_k, "cu_seqlens_k");
+  }
+  const double softmax_scale = resolve_attention_scale(scale, dims.head_dim);
+  // The kernels index tokens with int32, as cu_seqlens do, with a tile's worth of headroom.
+  TORCH_CHECK_VALUE(q.size(0) <= kMaxTokens && k.size(0) <= kMaxTokens, "attention takes at most ",
+                    kMaxTokens, " packed tokens, got q with ", q.size(0), " and k with ",
+                    k.size(0));
+  if (dims.head_dim > kMaxKernelHeadDim) {
+    attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, scale, window_left, out);
+    return;
+  }
+  // No sequence is longer than max_seqlen_q (checked above) nor than all of q.
+  const int64_t query_rows = std::min(max_seqlen_q, q.size(0));
+  if (query_rows == 0 || dims.batch == 0) return;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto q_rows = dense_rows(q), k_rows = dense_rows(k), v_rows = dense_rows(v);
+  const auto cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  bool launched = false;
+  FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::attention_cuda", [&] {
+    using T = cuda_storage_t<scalar_t>;
+    cuda::VarlenAttentionParams<T> params{};
+    params.q = cuda_ptr<scalar_t>(q_rows);
+    params.k = cuda_ptr<scalar_t>(k_rows);
+    params.v = cuda_ptr<scalar_t>(v_rows);
+    params.out = cuda_mutable_ptr<scalar_t>(out);
+    params.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
+    params.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
+    params.q_stride_token = q_rows.stride(0);
+    params.q_stride_head = q_rows.stride(1);
+    params.k_stride_token = k_rows.stride(0);
+    params.k_stride_head = k_rows.stride(1);
+    params.v_stride_token = v_rows.stride(0);
+    params.v_stride_head = v_rows.stride(1);
+    params.out_stride_token = out.stride(0);
+    params.out_stride_head = out.stride(1);
+    params.out_stride_dim = out.stride(2);
+    params.total_q = int(q.size(0));
+    params.total_k = int(k.size(0));
+    params.batch = int(dims.batch);
+    params.n_heads = int(dims.n_heads);
+    params.group = int(dims.n_heads / dims.n_kv_heads);
+    params.head_dim = int(dims.head_dim);
+    // A window of at least total_k keys never excludes a visible key: the same as none.
+    params.window_left = window_left < 0 || window_left >= k.size(0) ? -1 : int(window_left);
+    params.causal = causal;
+    params.vector_loads =
+        has_16_byte_rows(q_rows) && has_16_byte_rows(k_rows) && has_16_byte_rows(v_rows);
+    params.vector_stores = has_16_byte_rows(out);
+    params.scale_log2 = float(softmax_scale * kLog2e);
+    launched = launch_attention<T>(params, query_rows);
+  });
+  if (!launched)  // no kernel configuration fits this device's shared memory
+    attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, scale, window_left, out);
+}
+
+at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                          int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                          std::optional<double> scale, int64_t window_left) {
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  attention_out_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     scale, window_left, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fastllm, CUDA, m) {
+  m.impl("attention", &attention_cuda);
+  m.impl("attention_out", &attention_out_cuda);
+}
+
+}  // namespace fastllm
