@@ -35,6 +35,9 @@ def check(impl, case, *, exact=True, **kwargs):
         assert out.shape == case.q.shape and out.dtype == case.q.dtype
         assert not out.isnan().any(), "NaN in the output: unowned slots or blocks were read"
         seq_lens = case.seq_lens.tolist()
+        # Bit-equality holds where both ops are one kernel (the CPU's) or one composition; on
+        # CUDA, paged decode and packed prefill are separate kernels (float64 still rules).
+        exact = exact and (impl == "composite" or case.q.device.type == "cpu")
         if exact:  # with the op's thread count: the kernel's key splits depend on it
             with num_threads(1):
                 k = reference.gather_paged(case.k_cache, case.block_tables, case.seq_lens)
