@@ -325,6 +325,8 @@ def test_attention_metadata_build():
     assert meta.positions.tolist() == [5, 6, 7, 8, 2]
     assert meta.slot_mapping.tolist() == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0, 2 * 4 + 2]
     assert meta.block_tables[0].tolist() == [0, 1, 3]
+    assert not meta.keys_are_new  # the new tokens attend to keys cached before them
+    assert AttentionMetadata.build(cache, [5, 6], [9, 3], "cpu").keys_are_new  # whole prompts
     assert (meta.cu_seqlens_q.dtype, meta.seq_lens.dtype, meta.block_tables.dtype,
             meta.slot_mapping.dtype, meta.positions.dtype) == (torch.int32, torch.int32,
                                                                torch.int32, torch.int64,

@@ -45,6 +45,9 @@ class AttentionMetadata:
     block_tables: Tensor
     slot_mapping: Tensor
     positions: Tensor
+    # Every sequence's keys are exactly its new tokens (a prefill with nothing cached): attention
+    # can then run on the step's own K/V, packed, without reading them back through the cache.
+    keys_are_new: bool = False
 
     @classmethod
     def build(cls, kv_cache: PagedKVCache, seq_ids: Sequence[int],
@@ -86,7 +89,8 @@ class AttentionMetadata:
                    seq_lens=to_device(lens.to(torch.int32), device),
                    block_tables=to_device(block_tables, device),
                    slot_mapping=to_device(blocks * block_size + positions % block_size, device),
-                   positions=to_device(positions, device))
+                   positions=to_device(positions, device),
+                   keys_are_new=all(start == 0 for start in starts))
 
 
 class Linear(nn.Linear):
@@ -149,10 +153,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         key_rotation = self.rotate(positions, q, k, cos_sin_cache, pre_rope)
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                  meta.cu_seqlens_q, meta.max_seqlen_q, causal=True,
-                                  window_left=self.window_left,
-                                  rotary_cos_sin_cache=key_rotation)  # [T, n_heads, head_dim]
+        if meta.keys_are_new and key_rotation is None:
+            # The packed prefill kernel on the step's own (rotated) K/V: on a GPU the tensor-core
+            # one; on the CPU the same kernel paged attention runs, so the same bits.
+            out = ops.attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
+                                meta.max_seqlen_q, causal=True, window_left=self.window_left)
+        else:
+            out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.cu_seqlens_q, meta.max_seqlen_q, causal=True,
+                                      window_left=self.window_left,
+                                      rotary_cos_sin_cache=key_rotation)  # [T, n_heads, head_dim]
         return self.o_proj(out.view(tokens, -1))  # [T, hidden]
 
 
