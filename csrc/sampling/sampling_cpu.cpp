@@ -267,30 +267,6 @@ void sample_cpu_impl(const at::Tensor& logits_in, const at::Tensor& temperature,
   });
 }
 
-at::Tensor sample_cpu(const at::Tensor& logits, const at::Tensor& temperature,
-                      const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                      const at::Tensor& seeds, const at::Tensor& offsets) {
-  auto tokens = at::empty({logits.dim() == 2 ? logits.size(0) : 0}, logits.options().dtype(at::kLong));
-  sample_cpu_impl(logits, temperature, top_k, top_p, min_p, seeds, offsets, 0, tokens, nullptr,
-                  nullptr, nullptr);
-  return tokens;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sample_with_logprobs_cpu(
-    const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-    const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
-    const at::Tensor& offsets, int64_t num_logprobs) {
-  const int64_t batch = logits.dim() == 2 ? logits.size(0) : 0;
-  const int64_t n = std::max<int64_t>(num_logprobs, 0);
-  auto tokens = at::empty({batch}, logits.options().dtype(at::kLong));
-  auto token_logprobs = at::empty({batch}, logits.options().dtype(at::kFloat));
-  auto top_ids = at::empty({batch, n}, logits.options().dtype(at::kLong));
-  auto top_logprobs = at::empty({batch, n}, logits.options().dtype(at::kFloat));
-  sample_cpu_impl(logits, temperature, top_k, top_p, min_p, seeds, offsets, num_logprobs, tokens,
-                  &token_logprobs, &top_ids, &top_logprobs);
-  return {tokens, token_logprobs, top_ids, top_logprobs};
-}
-
 void apply_penalties_cpu(at::Tensor& logits, const at::Tensor& prompt_mask,
                          const at::Tensor& output_counts, const at::Tensor& repetition_penalty,
                          const at::Tensor& frequency_penalty, const at::Tensor& presence_penalty,
@@ -331,8 +307,8 @@ void apply_penalties_cpu(at::Tensor& logits, const at::Tensor& prompt_mask,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastllm, CPU, m) {
-  m.impl("sample", &sample_cpu);
-  m.impl("sample_with_logprobs", &sample_with_logprobs_cpu);
+  m.impl("sample", &sample_op<sample_cpu_impl>);
+  m.impl("sample_with_logprobs", &sample_with_logprobs_op<sample_cpu_impl>);
   m.impl("apply_penalties", &apply_penalties_cpu);
 }
 

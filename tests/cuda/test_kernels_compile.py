@@ -79,7 +79,7 @@ def test_kernels_compile_for_every_architecture(header, tmp_path):
     unit = tmp_path / "check.cu"
     unit.write_text(f'#define FASTLLM_KERNEL_COMPILE_CHECK\n'
                     f'#include "{header.relative_to(CSRC).as_posix()}"\n')
-    flags = list(COMMON_FLAGS)
+    flags = [*COMMON_FLAGS, "--threads", "0"]  # the architectures in parallel, one per core
     for arch in ARCHITECTURES:
         flags += gencode(arch)
     compile_once(unit, flags, tmp_path)
