@@ -4,6 +4,7 @@
 #include <optional>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 namespace fastllm {
 
@@ -53,6 +54,25 @@ void check_attention_out(const at::Tensor& out, const at::Tensor& q, const at::T
                          const at::Tensor& v);
 
 double resolve_attention_scale(std::optional<double> scale, int64_t head_dim);
+
+// A device's attention_out: checks its inputs and writes the result into `out`.
+using AttentionOutImpl = void (*)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                  int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                                  std::optional<double> scale, int64_t window_left,
+                                  at::Tensor& out);
+
+// The attention op around a device's attention_out: allocates the output it writes.
+template <AttentionOutImpl impl>
+at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
+                        std::optional<double> scale, int64_t window_left) {
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+       window_left, out);
+  return out;
+}
 
 // ATen composition of the op, registered for devices without a native kernel (MPS).
 at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_cache,

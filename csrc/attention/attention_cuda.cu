@@ -164,20 +164,10 @@ void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
                             causal, scale, window_left, out);
 }
 
-at::Tensor attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                          int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-                          std::optional<double> scale, int64_t window_left) {
-  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
-  attention_out_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                     scale, window_left, out);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fastllm, CUDA, m) {
-  m.impl("attention", &attention_cuda);
+  m.impl("attention", &attention_op<attention_out_cuda>);
   m.impl("attention_out", &attention_out_cuda);
 }
 

@@ -54,6 +54,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include "common/cuda_async_copy.cuh"
 #include "common/cuda_types.cuh"
 
 namespace fastllm {
@@ -111,22 +112,6 @@ namespace attention_detail {
 __device__ __forceinline__ unsigned char* dynamic_smem() {
   extern __shared__ __align__(16) unsigned char smem[];
   return smem;
-}
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; with fill == false nothing is read and 16 zero bytes are written.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(fill ? 16 : 0)
-               : "memory");
-}
-
-// Waits for this thread's cp.async copies (a barrier then publishes them to the block).
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {

@@ -55,6 +55,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
+#include "common/cuda_async_copy.cuh"
 #include "common/cuda_types.cuh"
 
 namespace fastllm {
@@ -178,27 +179,6 @@ namespace paged_detail {
 __device__ __forceinline__ unsigned char* paged_smem() {
   extern __shared__ __align__(16) unsigned char paged_smem_bytes[];
   return paged_smem_bytes;
-}
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; with fill == false nothing is read and 16 zero bytes are written.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool fill) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(fill ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most kPending of this thread's committed copy groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Unpacks one 32-bit word of storage elements into float32 (lower address first).
