@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastllm import ops
 from fastllm.bench.timer import TimerConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,4 +110,5 @@ def test_fastllm_syncs_no_more_than_the_sort_peer(key: str) -> None:
                                                  prompt_len=16, output_len=8,
                                                  device=torch.device("cuda"))
     competitors = bench_sampling.sampling_competitors(setting, inputs)
-    assert host_syncs(competitors["fastllm"]) <= host_syncs(competitors["sort"])
+    with ops.trusted_inputs():  # as the benchmark times them (and the engine calls the op)
+        assert host_syncs(competitors["fastllm"]) <= host_syncs(competitors["sort"])
