@@ -12,6 +12,7 @@
 #include "attention/attention.h"
 #include "attention/attention_kernels.cuh"
 #include "common/cuda_host.h"
+#include "common/cuda_launch.cuh"
 #include "common/dispatch.h"
 
 namespace fastllm {
@@ -51,9 +52,7 @@ void launch(void (*kernel)(Params), Params params, int block_m, int smem_bytes,
   if (smem_bytes > 48 * 1024)
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  kernel<<<unsigned(blocks), cuda::kAttentionThreads, smem_bytes,
-           c10::cuda::getCurrentCUDAStream()>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, unsigned(blocks), cuda::kAttentionThreads, smem_bytes, params);
 }
 
 // Launches the tensor-core kernel padded to kHeadDim if head_dim fits it and its shared memory

@@ -54,7 +54,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
-#include "common/cuda_async_copy.cuh"
+#include "common/cuda_ptx.cuh"
 #include "common/cuda_types.cuh"
 
 namespace fastllm {
@@ -109,50 +109,6 @@ struct SimtShape {
 
 namespace attention_detail {
 
-__device__ __forceinline__ unsigned char* dynamic_smem() {
-  extern __shared__ __align__(16) unsigned char smem[];
-  return smem;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address)
-               : "memory");
-}
-
-// c += A (16x16) * B (16x8), float32 accumulators.
-template <typename scalar_t>
-__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
-                                                            uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__half>(float (&c)[4], const uint32_t (&a)[4],
-                                                     uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Two floats rounded into one register, `low` in the lower 16 bits (the lower column).
 template <typename scalar_t>
 __device__ __forceinline__ uint32_t pack_pair(float low, float high);
@@ -167,13 +123,6 @@ template <>
 __device__ __forceinline__ uint32_t pack_pair<__half>(float low, float high) {
   const __half2 pair = __floats2half2_rn(low, high);
   return *reinterpret_cast<const uint32_t*>(&pair);
-}
-
-// 2^x in one MUFU instruction; exact 0 for -inf, so masked scores vanish.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // Keys [begin, end) that query position i of a sequence sees: causal keys j <= i + len_k - len_q
@@ -306,7 +255,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const QueryTile tile = locate_query_tile(params, kBlockM);
   if (tile.rows <= 0) return;  // the whole block: past the end of its sequence
 
-  scalar_t* q_smem = reinterpret_cast<scalar_t*>(dynamic_smem());
+  scalar_t* q_smem = reinterpret_cast<scalar_t*>(dynamic_shared_memory());
   scalar_t* k_smem = q_smem + kBlockM * kStride;
   scalar_t* v_smem = k_smem + kBlockN * kStride;
 
@@ -548,7 +497,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
   const QueryTile tile = locate_query_tile(params, kBlockM);
   if (tile.rows <= 0) return;
 
-  float* q_smem = reinterpret_cast<float*>(dynamic_smem());  // [kBlockM][kDims], pre-scaled
+  float* q_smem = reinterpret_cast<float*>(dynamic_shared_memory());  // [kBlockM][kDims], pre-scaled
   float* k_smem = q_smem + kBlockM * kDims;                  // [kBlockN][kKeyStride]
   float* v_smem = k_smem + kBlockN * kKeyStride;             // [kBlockN][kDims]
 

@@ -11,6 +11,7 @@
 #include "attention/attention.h"
 #include "attention/paged_attention_kernels.cuh"
 #include "common/cuda_host.h"
+#include "common/cuda_launch.cuh"
 #include "common/dispatch.h"
 
 namespace fastllm {
@@ -90,19 +91,15 @@ void launch_paged_attention(cuda::PagedAttentionParams<T> params, int64_t max_qu
     params.split_target = 1;  // every block sees all its keys and writes the output
   }
 
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   const dim3 grid(unsigned(seq_tiles), unsigned(n_kv_heads),
                   unsigned(std::max<int64_t>(grid_splits, 1)));
-  cuda::paged_attention_kernel<T, kHeadDim, kRows>
-      <<<grid, Shape::kThreads, Shape::kSmemBytes, stream>>>(params);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(kernel, grid, Shape::kThreads, Shape::kSmemBytes, params);
   if (grid_splits > 1) {
     const int64_t rows = int64_t(params.total_q) * params.n_heads;
-    cuda::paged_attention_combine_kernel<T>
-        <<<unsigned(ceil_div(rows, cuda::kPagedCombineWarps)), cuda::kPagedCombineWarps * 32, 0,
-           stream>>>(params.partial_out, params.partial_stats, params.out, rows,
-                     params.head_dim, int(grid_splits));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(&cuda::paged_attention_combine_kernel<T>,
+                  unsigned(ceil_div(rows, cuda::kPagedCombineWarps)),
+                  cuda::kPagedCombineWarps * 32, 0, params.partial_out, params.partial_stats,
+                  params.out, rows, params.head_dim, int(grid_splits));
   }
 }
 

@@ -55,7 +55,7 @@
 #include <cuda_fp16.h>
 #include <math_constants.h>
 
-#include "common/cuda_async_copy.cuh"
+#include "common/cuda_ptx.cuh"
 #include "common/cuda_types.cuh"
 
 namespace fastllm {
@@ -175,11 +175,6 @@ struct PagedShape {
 };
 
 namespace paged_detail {
-
-__device__ __forceinline__ unsigned char* paged_smem() {
-  extern __shared__ __align__(16) unsigned char paged_smem_bytes[];
-  return paged_smem_bytes;
-}
 
 // Unpacks one 32-bit word of storage elements into float32 (lower address first).
 template <typename scalar_t>
@@ -446,7 +441,7 @@ __global__ void __launch_bounds__(kPagedThreads)
     return;
   }
 
-  unsigned char* smem = paged_smem();
+  unsigned char* smem = dynamic_shared_memory();
   scalar_t* kv_stages = reinterpret_cast<scalar_t*>(smem);
   float* q_t = reinterpret_cast<float*>(smem + Shape::kKvBytes);
   float* scores = reinterpret_cast<float*>(smem + Shape::kKvBytes + Shape::kQBytes);

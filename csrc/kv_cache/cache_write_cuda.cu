@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "common/cuda_host.h"
+#include "common/cuda_launch.cuh"
 #include "common/dispatch.h"
 #include "kv_cache/cache_write.h"
 #include "kv_cache/cache_write_kernels.cuh"
@@ -31,14 +32,12 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   const int elements = int(key.size(1) * key.size(2));
   const int threads = int(std::min<int64_t>(512, ceil_div(elements, 32) * 32));
   FASTLLM_DISPATCH_FLOAT_TYPES(k_cache.scalar_type(), "fastllm::reshape_and_cache_cuda", [&] {
-    cuda::reshape_and_cache_kernel<cuda_storage_t<scalar_t>>
-        <<<tokens, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            cuda_ptr<scalar_t>(k), cuda_ptr<scalar_t>(v), cuda_mutable_ptr<scalar_t>(k_cache),
-            cuda_mutable_ptr<scalar_t>(v_cache), slots.const_data_ptr<int64_t>(), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), int(key.size(1)), int(key.size(2)), int(k_cache.size(1)),
-            num_slots);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(&cuda::reshape_and_cache_kernel<cuda_storage_t<scalar_t>>, unsigned(tokens),
+                  threads, 0, cuda_ptr<scalar_t>(k), cuda_ptr<scalar_t>(v),
+                  cuda_mutable_ptr<scalar_t>(k_cache), cuda_mutable_ptr<scalar_t>(v_cache),
+                  slots.const_data_ptr<int64_t>(), k.stride(0), k.stride(1), v.stride(0),
+                  v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  int(key.size(1)), int(key.size(2)), int(k_cache.size(1)), num_slots);
   });
 }
 

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "common/cuda_host.h"
+#include "common/cuda_launch.cuh"
 #include "common/dispatch.h"
 #include "rotary/rotary.h"
 #include "rotary/rotary_kernels.cuh"
@@ -39,7 +40,6 @@ void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& q,
   const auto pos = positions.contiguous();
   const int64_t heads = q.size(1) + (k.has_value() ? k->size(1) : 0);
   const int threads = int(std::min<int64_t>(256, ceil_div(heads * rot / 2, 32) * 32));
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::rotary_embedding_cuda", [&] {
     using q_t = cuda_storage_t<scalar_t>;
     q_t* k_ptr = k_dense.has_value() ? cuda_mutable_ptr<scalar_t>(*k_dense) : nullptr;
@@ -51,11 +51,10 @@ void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& q,
       using cache_t = cuda_storage_t<scalar_t>;
       const cache_t* table_ptr = cuda_ptr<scalar_t>(table);
       AT_DISPATCH_INDEX_TYPES(pos.scalar_type(), "fastllm::rotary_positions_cuda", [&] {
-        cuda::rotary_embedding_kernel<q_t, cache_t, index_t><<<tokens, threads, 0, stream>>>(
-            pos.const_data_ptr<index_t>(), q_ptr, k_ptr, table_ptr, int(rot), q_dense.stride(0),
-            q_dense.stride(1), k_stride_token, k_stride_head, int(q.size(1)), num_k_heads,
-            is_neox, max_position);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_kernel(&cuda::rotary_embedding_kernel<q_t, cache_t, index_t>, unsigned(tokens),
+                      threads, 0, pos.const_data_ptr<index_t>(), q_ptr, k_ptr, table_ptr,
+                      int(rot), q_dense.stride(0), q_dense.stride(1), k_stride_token,
+                      k_stride_head, int(q.size(1)), num_k_heads, is_neox, max_position);
       });
     });
   });

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "common/cuda_host.h"
+#include "common/cuda_launch.cuh"
 #include "common/dispatch.h"
 #include "sampling/sampling.h"
 #include "sampling/sampling_kernels.cuh"
@@ -64,18 +65,12 @@ void sample_cuda_impl(const at::Tensor& logits_in, const at::Tensor& temperature
   // 16-byte loads need every row to start on a 16-byte boundary.
   const bool vector_rows = reinterpret_cast<uintptr_t>(logits.const_data_ptr()) % 16 == 0 &&
                            vocab * logits.element_size() % 16 == 0;
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   FASTLLM_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "fastllm::sample_cuda", [&] {
     using storage_t = cuda_storage_t<scalar_t>;
     constexpr int kVec = 16 / sizeof(storage_t);
-    const storage_t* rows = cuda_ptr<scalar_t>(logits);
-    if (vector_rows)
-      cuda::sample_kernel<storage_t, kVec>
-          <<<unsigned(batch), cuda::kSampleThreads, 0, stream>>>(rows, args);
-    else
-      cuda::sample_kernel<storage_t, 1>
-          <<<unsigned(batch), cuda::kSampleThreads, 0, stream>>>(rows, args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(vector_rows ? &cuda::sample_kernel<storage_t, kVec>
+                              : &cuda::sample_kernel<storage_t, 1>,
+                  unsigned(batch), cuda::kSampleThreads, 0, cuda_ptr<scalar_t>(logits), args);
   });
   // Out-of-range controls and unusable rows still sampled safely; raise where the host can look.
   if (can_check_values()) raise_row_errors(status, temperature, top_p, min_p);
@@ -106,13 +101,12 @@ void apply_penalties_cuda(at::Tensor& logits, const at::Tensor& prompt_mask,
   const dim3 grid(unsigned(ceil_div(vocab, kPenaltyThreads)),
                   unsigned(std::min<int64_t>(batch, 65535)));
   FASTLLM_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "fastllm::apply_penalties_cuda", [&] {
-    cuda::apply_penalties_kernel<cuda_storage_t<scalar_t>>
-        <<<grid, kPenaltyThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            cuda_mutable_ptr<scalar_t>(logits), logits.stride(0), logits.stride(1),
-            mask.const_data_ptr<bool>(), counts.const_data_ptr<int32_t>(),
-            rp.const_data_ptr<float>(), fp.const_data_ptr<float>(), pp.const_data_ptr<float>(),
-            bias.defined() ? bias.const_data_ptr<float>() : nullptr, batch, vocab);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_kernel(&cuda::apply_penalties_kernel<cuda_storage_t<scalar_t>>, grid,
+                  kPenaltyThreads, 0, cuda_mutable_ptr<scalar_t>(logits), logits.stride(0),
+                  logits.stride(1), mask.const_data_ptr<bool>(), counts.const_data_ptr<int32_t>(),
+                  rp.const_data_ptr<float>(), fp.const_data_ptr<float>(),
+                  pp.const_data_ptr<float>(),
+                  bias.defined() ? bias.const_data_ptr<float>() : nullptr, batch, vocab);
   });
 }
 
