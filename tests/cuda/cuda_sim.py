@@ -1,0 +1,131 @@
+"""Builds and loads the CUDA simulator (``tests/cuda/sim``): the CUDA host files and kernel
+templates of ``csrc`` compiled by the host C++ compiler, with the simulator's headers in front of
+the CUDA and c10/cuda ones, into a library whose ops ``torch.ops.fastllm_sim.<op>`` run the CUDA
+code paths on CPU tensors.
+
+This runs every CUDA kernel on machines without a GPU (CI here): its indexing, tiling, masking,
+key splits, pipelines and barriers, checked against the same references as the CPU kernels. What
+it cannot check is the hardware: timing, registers, and the PTX instructions, which it does as the
+PTX ISA describes them (``sim/include/common/cuda_ptx.cuh``).
+
+The library is built once per content (csrc, the simulator, the flags, compiler and torch
+versions) under ``build/cuda-sim/<key>``, replacing the build of any older content; a warm run
+loads it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.utils.cpp_extension
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+SIM = Path(__file__).resolve().parent / "sim"
+BUILDS = ROOT / "build" / "cuda-sim"
+
+# The host files and what they call from the rest of csrc (checks, the composite fallbacks).
+UNITS = [
+    *sorted(CSRC.glob("**/*_cuda.cu")),
+    *sorted(CSRC.glob("**/*_checks.cpp")),
+    *sorted(CSRC.glob("**/*_composite.cpp")),
+    CSRC / "common" / "trusted_inputs.cpp",
+    SIM / "cuda_sim.cpp",
+]
+
+
+def cuda_include_dir() -> Path | None:
+    """The CUDA toolkit's headers (cuda_fp16.h and friends): beside nvcc, or under CUDA_HOME."""
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]) / "include")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parents[1] / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    return next((c for c in candidates if (c / "cuda_fp16.h").is_file()), None)
+
+
+def _flags(cuda_include: Path) -> list[str]:
+    flags = ["-std=c++20", "-O2", "-fPIC", "-g0", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas",
+             # The kernels pun types as CUDA code does (a __half2 read as one uint32).
+             "-fno-strict-aliasing",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             "-include", str(SIM / "include" / "cuda_sim.h"),
+             "-include", str(SIM / "include" / "cuda_sim_torch.h"),
+             # The simulator's headers shadow csrc/common's PTX and launch headers and c10/cuda's.
+             "-I", str(SIM / "include"), "-I", str(CSRC)]
+    for path in torch.utils.cpp_extension.include_paths():
+        flags += ["-I", path]
+    return [*flags, "-I", sysconfig.get_paths()["include"], "-I", str(cuda_include)]
+
+
+def _key(compiler: str, flags: list[str]) -> str:
+    digest = hashlib.sha256()
+    for tree in (CSRC, SIM):
+        for path in sorted(tree.rglob("*")):
+            if path.is_file():
+                digest.update(str(path.relative_to(ROOT)).encode())
+                digest.update(path.read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest.update("\n".join([*flags, version, torch.__version__]).encode())
+    return digest.hexdigest()[:24]
+
+
+def build() -> Path:
+    """The simulator library, compiled if this content has not been yet."""
+    cuda_include = cuda_include_dir()
+    if cuda_include is None:
+        raise FileNotFoundError("CUDA headers (cuda_fp16.h) not found: no nvcc, CUDA_HOME or "
+                                "/usr/local/cuda")
+    compiler = os.environ.get("CXX", "g++")
+    flags = _flags(cuda_include)
+    out = BUILDS / _key(compiler, flags)
+    library = out / "libfastllm_cuda_sim.so"
+    if library.exists():
+        return library
+    out.mkdir(parents=True, exist_ok=True)
+
+    def compile_unit(unit: Path) -> Path:
+        obj = out / (str(unit.relative_to(ROOT)).replace("/", "_") + ".o")
+        result = subprocess.run([compiler, *flags, "-x", "c++", "-c", str(unit), "-o", str(obj)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"cuda sim: compiling {unit} failed:\n{result.stderr[-20000:]}")
+        return obj
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objects = list(pool.map(compile_unit, UNITS))
+    torch_lib = Path(torch.__file__).parent / "lib"
+    partial = out / "partial.so"
+    result = subprocess.run(
+        [compiler, "-shared", "-o", str(partial), *map(str, objects), f"-L{torch_lib}",
+         f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-Wl,--no-undefined"],
+        capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"cuda sim: linking failed:\n{result.stderr[-20000:]}")
+    partial.rename(library)  # only a complete library carries the final name
+    for stale in BUILDS.iterdir():  # one build is kept: older contents are never loaded again
+        if stale != out:
+            shutil.rmtree(stale, ignore_errors=True)
+    for obj in objects:
+        obj.unlink()
+    return library
+
+
+def load():
+    """``torch.ops.fastllm_sim``, the simulator's ops (built first if needed)."""
+    import fastllm  # noqa: F401  (the fastllm::* schemas the simulator's ops copy)
+
+    torch.ops.load_library(str(build()))
+    return torch.ops.fastllm_sim
+
+
+if __name__ == "__main__":
+    print(build())

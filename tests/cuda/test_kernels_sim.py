@@ -1,0 +1,321 @@
+"""The CUDA kernels run, on the CPU, through the CUDA simulator (``cuda_sim.py``): the host files'
+checks, kernel choices and key splits, and the kernels' tiling, masking, pipelines and barriers,
+against the same float64 oracles and CPU ops as the device tests. This is what runs of the CUDA
+code where there is no GPU; on a GPU the device-parametrized tests run the real thing.
+
+Every output starts poisoned (NaN, or a sentinel for integers), shared memory starts as NaN
+bytes, and cp.async copies land only when a wait requires them, so unwritten elements, reads of
+unstaged tiles and missing waits show. A few cases run again with each block's threads scheduled
+last to first: a result that depends on the order has a missing barrier."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cuda_sim
+from conftest import assert_within_twice_plain_error, blind_rows, num_threads
+from fastllm import ops, reference
+
+# The paged-attention and sampling test helpers live beside their own tests.
+for folder in ("kv_cache", "sampling"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / folder))
+from paged_util import cu_seqlens, make_case  # noqa: E402
+from sampling_util import Row, conditioned_logits, random_logits, row_args  # noqa: E402
+
+pytestmark = pytest.mark.skipif(cuda_sim.cuda_include_dir() is None,
+                                reason="CUDA headers not found")
+
+F32_TOL = 2e-5
+SMS = 132  # the simulated device's SMs (an H100/H200)
+BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return cuda_sim.load()
+
+
+@pytest.fixture(autouse=True)
+def fresh_device(sim):
+    sim.configure(SMS, False, False)
+    sim.set_trusted_inputs(False)
+    sim.take_launch_log()
+    yield
+    sim.configure(SMS, False, False)
+    sim.set_trusted_inputs(False)
+
+
+def as_float64(args) -> list:
+    """The oracle's inputs: floating tensors in float64, the rest as they are."""
+    return [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+
+
+def judge(got: torch.Tensor, plain, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32 tight against float64; bfloat16/float16 flash-attention's 2x rule, where
+    ``plain()`` is the reference run in the low-precision dtype."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expected, atol=F32_TOL, rtol=F32_TOL)
+    else:
+        assert_within_twice_plain_error(got.double(), plain().double(), expected)
+
+
+# --- attention ------------------------------------------------------------------------------
+
+# dtype, head_dim, group, lens_q, lens_k, causal, window_left
+ATTENTION = [
+    (BF16, 64, 1, [5, 70, 1], [9, 70, 130], True, -1),
+    (BF16, 67, 4, [5, 70, 1], [9, 70, 130], True, -1),  # tensor cores, padded to 80
+    (FP16, 96, 2, [33, 1], [33, 200], True, -1),
+    (FP16, 128, 7, [130], [130], True, -1),  # two query tiles
+    (BF16, 256, 1, [20, 3], [70, 3], True, -1),
+    (BF16, 64, 2, [150], [150], False, -1),
+    (BF16, 64, 2, [150], [150], True, 17),  # sliding window
+    (FP16, 64, 1, [9, 0, 3, 1], [4, 5, 0, 1], True, -1),  # rows above the diagonal, empty seqs
+    (F32, 64, 2, [5, 70, 1], [9, 70, 130], True, -1),  # SIMT
+    (F32, 100, 1, [17], [40], True, 5),
+    (F32, 32, 1, [1], [1], True, 0),
+    (BF16, 320, 1, [3], [5], True, -1),  # no kernel: the ATen composition
+]
+
+
+def run_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal, window_left):
+    n_kv = 2
+    q = torch.randn(sum(lens_q), n_kv * group, head_dim, dtype=dtype)
+    k = torch.randn(sum(lens_k), n_kv, head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+    args = (q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k))
+    kwargs = dict(causal=causal, scale=None, window_left=window_left)
+    # A strided view of a poisoned buffer: only the view may be written.
+    buffer = torch.full((q.shape[0], q.shape[1], head_dim + 8), math.nan, dtype=dtype)
+    out = buffer[..., 4:head_dim + 4]
+    sim.attention_out(*args, **kwargs, out=out)
+    assert buffer[..., :4].isnan().all() and buffer[..., head_dim + 4:].isnan().all()
+    return args, kwargs, out
+
+
+@pytest.mark.parametrize("dtype, head_dim, group, lens_q, lens_k, causal, window_left", ATTENTION)
+def test_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal, window_left):
+    args, kwargs, out = run_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal,
+                                      window_left)
+    assert not out.isnan().any(), "some output elements were never written"
+    with num_threads(1):
+        blind = blind_rows(lens_q, lens_k, causal, window_left)
+        assert (out[blind] == 0).all(), "a query that sees no key must output exactly 0"
+        expected = reference.attention(*as_float64(args), **kwargs)
+        judge(out, lambda: reference.attention(*args, **kwargs), expected, dtype)
+    assert torch.equal(sim.attention(*args, **kwargs), out), "functional != out= result"
+
+
+# --- paged attention ------------------------------------------------------------------------
+
+# dtype, head_dim, n_heads, n_kv_heads, block_size, lens_q, seq_lens, causal, window_left
+PAGED = [
+    (F32, 64, 8, 2, 16, [1, 1, 1], [37, 300, 1], True, -1),  # decode
+    (BF16, 128, 16, 2, 16, [1, 1, 1, 1], [1000, 17, 256, 5], True, -1),
+    (FP16, 67, 7, 1, 1, [1, 1], [40, 9], True, -1),  # block size 1, odd head_dim
+    (BF16, 64, 4, 4, 16, [7, 40], [20, 90], True, -1),  # chunked prefill over a prefix
+    (F32, 128, 8, 2, 32, [33], [100], True, -1),  # the prefill shape (132 rows)
+    (BF16, 64, 4, 2, 16, [20, 1], [80, 50], True, 5),
+    (F32, 64, 4, 2, 16, [6], [30], False, -1),
+    (BF16, 96, 6, 3, 5, [3, 0, 2], [3, 0, 70], True, -1),  # an empty sequence
+]
+
+
+@pytest.mark.parametrize("sm_count", [SMS, 1], ids=["132_sms", "1_sm"])
+@pytest.mark.parametrize("dtype, head_dim, n_heads, n_kv, block, lens_q, seq_lens, causal, window",
+                         PAGED)
+def test_paged_attention(sim, sm_count, dtype, head_dim, n_heads, n_kv, block, lens_q, seq_lens,
+                         causal, window):
+    sim.configure(sm_count, False, False)
+    case = make_case(lens_q, seq_lens, n_heads, n_kv, head_dim, block, dtype=dtype)
+    kwargs = dict(causal=causal, scale=None, window_left=window)
+    out = sim.paged_attention(*case.args(), **kwargs, rotary_cos_sin_cache=None,
+                              rotary_is_neox=True)
+    assert not out.isnan().any(), "NaN in the output: unowned slots or blocks were read"
+    with num_threads(1):
+        assert (out[blind_rows(lens_q, seq_lens, causal, window)] == 0).all()
+        expected = reference.paged_attention(*as_float64(case.args()), **kwargs)
+        judge(out, lambda: reference.paged_attention(*case.args(), **kwargs), expected, dtype)
+
+
+def test_long_decode_splits_keys_and_combines(sim):
+    """Few sequences with many keys: the grid splits each sequence's keys (grid.z) and a
+    combine kernel merges them; one SM's worth of blocks does not split. Both agree."""
+    case = make_case([1, 1], [3000, 700], 32, 8, 128, 16, dtype=BF16)
+    outs, grids = [], []
+    for sm_count in (SMS, 1):
+        sim.configure(sm_count, False, False)
+        outs.append(sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
+                                        rotary_cos_sin_cache=None, rotary_is_neox=True))
+        grids.append(sim.take_launch_log())
+    assert grids[0].shape[0] == 2 and grids[0][0, 2] > 1, f"no key split: {grids[0].tolist()}"
+    assert grids[1].shape[0] == 1 and grids[1][0, 2] == 1, f"split on one SM: {grids[1]}"
+    with num_threads(1):
+        expected = reference.paged_attention(*as_float64(case.args()))
+        for out in outs:
+            judge(out, lambda: reference.paged_attention(*case.args()), expected, BF16)
+
+
+@pytest.mark.parametrize("dtype, is_neox, rotary_dim", [(F32, True, 64), (BF16, False, 32)])
+def test_pre_rope_paged_attention(sim, dtype, is_neox, rotary_dim):
+    case = make_case([1, 5], [300, 40], 8, 2, 64, 16, dtype=dtype)
+    cos_sin = ops.rope_cos_sin_cache(400, rotary_dim)
+    kwargs = dict(causal=True, scale=None, window_left=-1, rotary_cos_sin_cache=cos_sin,
+                  rotary_is_neox=is_neox)
+    out = sim.paged_attention(*case.args(), **kwargs)
+    with num_threads(1):
+        expected = reference.paged_attention(*as_float64(case.args()), **kwargs)
+        judge(out, lambda: reference.paged_attention(*case.args(), **kwargs), expected, dtype)
+
+
+def test_paged_attention_checks_block_tables_unless_trusted(sim):
+    case = make_case([1], [40], 4, 2, 64, 16)
+    case.block_tables[0, 1] = case.k_cache.shape[0]  # a block id past the pool
+    with pytest.raises(ValueError, match="block"):
+        sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
+                            rotary_cos_sin_cache=None, rotary_is_neox=True)
+    # Trusted (or while a CUDA graph is captured), the kernel reads no such block: the keys of
+    # the bad block do not count, and nothing outside the pool is touched.
+    sim.configure(SMS, False, True)
+    out = sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
+                              rotary_cos_sin_cache=None, rotary_is_neox=True)
+    assert not out.isnan().any()
+
+
+# --- cache writes and rotary ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16, FP16])
+@pytest.mark.parametrize("heads, head_dim", [(2, 64), (3, 67), (8, 128)])
+def test_reshape_and_cache_equals_cpu(sim, dtype, heads, head_dim):
+    tokens, num_blocks, block = 9, 5, 16
+    k = torch.randn(tokens, heads, head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+    slot_mapping = torch.randperm(num_blocks * block)[:tokens]
+    slot_mapping[3] = -1  # a padding token: not written
+    caches = [torch.full((num_blocks, block, heads, head_dim), math.nan, dtype=dtype)
+              for _ in range(4)]
+    sim.reshape_and_cache(k, v, caches[0], caches[1], slot_mapping)
+    ops.reshape_and_cache(k, v, caches[2], caches[3], slot_mapping)
+    for got, expected in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+def test_reshape_and_cache_rejects_a_slot_past_the_pool_unless_trusted(sim):
+    k = torch.randn(3, 2, 64)
+    caches = [torch.full((2, 16, 2, 64), math.nan) for _ in range(2)]
+    bad = torch.tensor([0, 32, 5])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        sim.reshape_and_cache(k, k, *caches, bad)
+    assert caches[0].isnan().all(), "a rejected call wrote"
+    sim.set_trusted_inputs(True)
+    sim.reshape_and_cache(k, k, *caches, bad)  # the bad row is skipped, the others written
+    written = ~caches[0].view(-1, 2, 64).isnan().all(-1).all(-1)
+    assert written.nonzero().flatten().tolist() == [0, 5]
+
+
+@pytest.mark.parametrize("dtype, is_neox, rotary_dim, with_k, positions_dtype", [
+    (F32, True, 64, True, torch.int64),
+    (BF16, False, 64, True, torch.int32),
+    (FP16, True, 32, False, torch.int64),  # partial rotary dim, no k
+])
+def test_rotary_embedding_equals_cpu(sim, dtype, is_neox, rotary_dim, with_k, positions_dtype):
+    tokens, head_dim = 7, 64
+    positions = torch.randint(0, 100, (tokens,), dtype=positions_dtype)
+    # q as a strided slice of a fused projection, rotated in place.
+    fused = torch.randn(tokens, 6 * head_dim, dtype=dtype)
+    q = fused[:, :4 * head_dim].view(tokens, 4, head_dim)
+    k = torch.randn(tokens, 2, head_dim, dtype=dtype) if with_k else None
+    cos_sin = ops.rope_cos_sin_cache(128, rotary_dim)
+    q_cpu, k_cpu = q.clone(), None if k is None else k.clone()
+    untouched = fused[:, 4 * head_dim:].clone()
+    sim.rotary_embedding(positions, q, k, cos_sin, is_neox=is_neox, rotary_dim=None)
+    ops.rotary_embedding(positions, q_cpu, k_cpu, cos_sin, is_neox=is_neox)
+    torch.testing.assert_close(q, q_cpu)
+    if with_k:
+        torch.testing.assert_close(k, k_cpu)
+    assert torch.equal(fused[:, 4 * head_dim:], untouched)
+
+
+# --- sampling -------------------------------------------------------------------------------
+
+ROWS = [
+    Row(),
+    Row(temperature=0.0),
+    Row(temperature=0.7, top_k=5, seed=1),
+    Row(top_p=0.8, seed=3, offset=9),
+    Row(min_p=0.1, seed=5),
+    Row(temperature=1.3, top_k=50, top_p=0.9, min_p=0.02, seed=11, offset=2),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, FP16])
+@pytest.mark.parametrize("vocab", [4096, 4099, 1])  # 16-byte rows, unaligned rows, one token
+def test_sample_with_logprobs_equals_cpu(sim, dtype, vocab):
+    """Well-conditioned rows (far from every top-p / min-p boundary) draw the CPU's tokens: the
+    same Philox keying and the same walk through the vocabulary."""
+    logits = torch.stack([conditioned_logits(lambda: random_logits(vocab), row, margin=1e-5)
+                          for row in ROWS]).to(dtype)
+    args = row_args(ROWS)
+    tokens, token_logprobs, top_ids, top_logprobs = sim.sample_with_logprobs(logits, *args, 4)
+    expected = ops.sample_with_logprobs(logits, *args, 4)
+    assert torch.equal(tokens, expected[0])
+    torch.testing.assert_close(token_logprobs, expected[1], atol=2e-6, rtol=2e-6)
+    assert torch.equal(top_ids, expected[2])
+    torch.testing.assert_close(top_logprobs, expected[3], atol=2e-6, rtol=2e-6)
+    assert torch.equal(sim.sample(logits, *args), tokens)
+
+
+def test_sample_flags_bad_rows(sim):
+    logits = torch.randn(3, 100)
+    logits[1, 7] = math.nan
+    args = row_args([Row(seed=1), Row(seed=2), Row(seed=3)])
+    with pytest.raises(ValueError, match="row 1"):
+        sim.sample(logits, *args)
+    sim.set_trusted_inputs(True)  # no host check: the row's token says it
+    tokens = sim.sample(logits, *args)
+    assert tokens[1] == -1 and (tokens[[0, 2]] >= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_apply_penalties_equals_cpu(sim, dtype):
+    batch, vocab = 3, 1000
+    logits = torch.randn(batch, vocab, dtype=dtype)
+    prompt_mask = torch.rand(batch, vocab) < 0.1
+    counts = torch.randint(0, 3, (batch, vocab), dtype=torch.int32)
+    penalties = (torch.tensor([1.0, 1.3, 0.8]), torch.tensor([0.0, 0.5, -0.2]),
+                 torch.tensor([0.1, 0.0, 1.0]))
+    bias = torch.randn(batch, vocab)
+    expected = logits.clone()
+    ops.apply_penalties(expected, prompt_mask, counts, *penalties, bias)
+    sim.apply_penalties(logits, prompt_mask, counts, *penalties, bias)
+    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+
+
+# --- scheduling order -----------------------------------------------------------------------
+
+def test_results_do_not_depend_on_the_threads_order(sim):
+    """Each block's threads run first to last, then last to first: with every barrier in place
+    the outputs are bit-identical."""
+    attention = ATTENTION[1]
+    case = make_case([1, 9], [900, 60], 16, 2, 64, 16, dtype=BF16)
+    logits = torch.randn(4, 4096)
+    args = row_args(ROWS[2:])
+    runs = []
+    for reverse in (False, True):
+        sim.configure(SMS, reverse, False)
+        torch.manual_seed(0)
+        runs.append((run_attention(sim, *attention)[2],
+                     sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
+                                         rotary_cos_sin_cache=None, rotary_is_neox=True),
+                     sim.sample_with_logprobs(logits, *args, 3)))
+    (attn_f, paged_f, sample_f), (attn_r, paged_r, sample_r) = runs
+    assert torch.equal(attn_f, attn_r)
+    assert torch.equal(paged_f, paged_r)
+    for a, b in zip(sample_f, sample_r):
+        assert torch.equal(a, b)
