@@ -1,15 +1,20 @@
 """fastllm: fast LLM inference kernels and orchestration for PyTorch users.
 
-``fastllm.ops`` holds the ops (registered as ``torch.ops.fastllm.*`` and dispatched per device),
-``fastllm.reference`` their plain-PyTorch twins, ``fastllm.MaskCache`` the causal-mask cache,
-``fastllm.SamplingParams`` / ``fastllm.sample_next_tokens`` the sampling step and
-``fastllm.kv_cache`` the KV caches, with ``fastllm.BlockManager`` handing out paged-KV blocks,
-``fastllm.models`` the decoder models and their loaders (safetensors, GGUF),
-``fastllm.Tokenizer`` the tokenizers, chat templates and incremental detokenization, and
-``fastllm.LLM`` / ``fastllm.AsyncLLM`` text generation (vLLM's interface) with continuous
-batching (``fastllm.engine``) on models from ``fastllm.load``, the bounded model pool, and
-``fastllm.Reranker`` Qwen3-Reranker scoring.
+The package is laid out by layer; each imports only those below it:
+
+- ``fastllm.ops``: the ops (``torch.ops.fastllm.*``, dispatched per device), their fakes and
+  plain-PyTorch twins (``fastllm.ops.reference``); ``fastllm.MaskCache``, the causal-mask cache.
+- ``fastllm.kv_cache``: KV pools and the block manager; ``fastllm.sampling``: ``SamplingParams``
+  and the sampling step; ``fastllm.tokenizer``: tokenizers, chat templates, detokenization.
+- ``fastllm.models``: the decoder family, its loaders (safetensors, GGUF) and the model pool.
+- ``fastllm.engine``: requests, the scheduler, the model runner, continuous batching.
+- ``fastllm.entrypoints``: ``LLM``, ``AsyncLLM``, ``Reranker`` and the ``fastllm`` command.
+
+Names are imported on first use, so ``import fastllm.ops`` loads no engine, tokenizer or
+entrypoint module.
 """
+
+import importlib
 
 import torch
 
@@ -21,28 +26,40 @@ if _C.torch_version != torch.__version__:
         "installed; rebuild it with `pip install --no-build-isolation .`"
     )
 
-from fastllm import kv_cache, ops, reference  # noqa: E402  (needs the op registry loaded above)
-from fastllm.kv_cache import BlockManager, KVCacheFullError  # noqa: E402
-from fastllm.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
-from fastllm.sampling import (  # noqa: E402
-    SampleOutput,
-    SamplingParams,
-    SamplingTensors,
-    sample_next_tokens,
-)
-
-from fastllm.model_pool import load  # noqa: E402
-from fastllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
-from fastllm.llm import LLM  # noqa: E402
-from fastllm.async_llm import AsyncLLM  # noqa: E402
-from fastllm.engine import EngineConfig, EngineStats  # noqa: E402
-from fastllm.rerank import Reranker, RerankResult  # noqa: E402
-
 MaskCache = _C.MaskCache
 
-__all__ = ["LLM", "AsyncLLM", "BlockManager", "CompletionOutput", "EngineConfig", "EngineStats",
-           "IncrementalDetokenizer", "KVCacheFullError", "Logprob", "MaskCache",
-           "RequestMetrics", "RequestOutput", "Reranker", "RerankResult", "SampleOutput",
-           "SamplingParams", "SamplingTensors", "Tokenizer", "kv_cache", "load", "ops",
-           "reference", "sample_next_tokens"]
+# Public name -> the module that defines it (a module itself when the name is a subpackage).
+_EXPORTS = {
+    "ops": "fastllm.ops", "kv_cache": "fastllm.kv_cache", "sampling": "fastllm.sampling",
+    "tokenizer": "fastllm.tokenizer", "models": "fastllm.models", "engine": "fastllm.engine",
+    "entrypoints": "fastllm.entrypoints",
+    "BlockManager": "fastllm.kv_cache", "KVCacheFullError": "fastllm.kv_cache",
+    "SampleOutput": "fastllm.sampling", "SamplingParams": "fastllm.sampling",
+    "SamplingTensors": "fastllm.sampling", "sample_next_tokens": "fastllm.sampling",
+    "IncrementalDetokenizer": "fastllm.tokenizer", "Tokenizer": "fastllm.tokenizer",
+    "load": "fastllm.models.pool",
+    "CompletionOutput": "fastllm.engine.outputs", "Logprob": "fastllm.engine.outputs",
+    "RequestMetrics": "fastllm.engine.outputs", "RequestOutput": "fastllm.engine.outputs",
+    "ChunkedPrompt": "fastllm.engine.chunked_prompt",
+    "EngineConfig": "fastllm.engine", "EngineStats": "fastllm.engine",
+    "LLM": "fastllm.entrypoints", "AsyncLLM": "fastllm.entrypoints",
+    "Reranker": "fastllm.entrypoints", "RerankResult": "fastllm.entrypoints",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fastllm' has no attribute {name!r}")
+    imported = importlib.import_module(module)
+    value = imported if module == f"fastllm.{name}" else getattr(imported, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = ["MaskCache", *_EXPORTS]
 __version__ = "0.1.0"

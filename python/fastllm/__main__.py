@@ -1,5 +1,5 @@
 """``python -m fastllm``: the ``fastllm`` command line."""
 
-from fastllm.cli import main
+from fastllm.entrypoints.cli import main
 
 main()

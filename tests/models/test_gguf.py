@@ -12,14 +12,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import metadata_for
 import transformers
 from gguf import GGMLQuantizationType as QT
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from fastllm.kv_cache import PagedKVCache
-from fastllm.model_runner import run_step
-from fastllm.models import AttentionMetadata, DecoderLM, hf_weight_map, load_model
+from fastllm.engine.scheduler import run_step
+from fastllm.models import DecoderLM, hf_weight_map, load_model
 from fastllm.models.gguf import gguf_tensor_name, load_gguf
 from tiny_hf import randomize_
 
@@ -179,7 +180,7 @@ def prefill_logits(model: DecoderLM, tokens: list[int]) -> torch.Tensor:
     """``[len(tokens), vocab]`` logits of one sequence's prefill."""
     cache = PagedKVCache(model.kv_cache_spec(4), 64)
     cache.block_manager.allocate(0, tokens)
-    meta = AttentionMetadata.build(cache, [0], [len(tokens)], "cpu")
+    meta = metadata_for(cache, [0], [len(tokens)])
     return model.compute_logits(model(torch.tensor(tokens), meta.positions, meta, cache))
 
 

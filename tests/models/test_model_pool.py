@@ -10,21 +10,21 @@ import pytest
 import torch
 
 import fastllm
-from fastllm import model_pool
-from fastllm.model_pool import ModelPool, resolve_dtype
+from fastllm.models import pool
+from fastllm.models.pool import ModelPool, resolve_dtype
 
 
 @pytest.fixture
 def loads(monkeypatch) -> list:
     """Records every real load the pools below make."""
     calls = []
-    real = model_pool.load_model
+    real = pool.load_model
 
     def counting(path, **kwargs):
         calls.append((path, kwargs["dtype"]))
         return real(path, **kwargs)
 
-    monkeypatch.setattr(model_pool, "load_model", counting)
+    monkeypatch.setattr(pool, "load_model", counting)
     return calls
 
 
@@ -81,8 +81,8 @@ def test_concurrent_loads_of_one_model_load_it_once(model_path, loads):
 
 
 def test_the_process_pool_is_bounded_and_public(model_path):
-    assert fastllm.load == model_pool.model_pool.load
-    assert model_pool.model_pool.max_models >= 1
+    assert fastllm.load == pool.model_pool.load
+    assert pool.model_pool.max_models >= 1
     folder = model_path("stories260K_hf")
     assert fastllm.load(folder) is fastllm.load(folder)
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import metadata_for
 import transformers
 from tiny_hf import randomize_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fastllm.kv_cache import PagedKVCache
-from fastllm.models import AttentionMetadata, DecoderLM, ModelConfig, load_model
+from fastllm.models import DecoderLM, ModelConfig, load_model
 from fastllm.models.rope import build_cos_sin_cache, rope_inv_freq
 
 transformers.logging.set_verbosity_error()
@@ -107,7 +108,7 @@ def run_step(model: DecoderLM, cache: PagedKVCache, seq_ids: list[int],
     """One packed forward of ``new_tokens[b]`` (already in the block manager) for each
     sequence; returns each sequence's logits ``[len(new_tokens[b]), vocab]``."""
     counts = [len(tokens) for tokens in new_tokens]
-    meta = AttentionMetadata.build(cache, seq_ids, counts, "cpu")
+    meta = metadata_for(cache, seq_ids, counts)
     input_ids = torch.tensor([t for tokens in new_tokens for t in tokens])
     hidden = model(input_ids, meta.positions, meta, cache)  # [T, hidden]
     return list(model.compute_logits(hidden).split(counts))
@@ -221,7 +222,7 @@ def test_logits_for_selected_rows_only(models):
     cache = shuffled_cache(model)
     for seq_id, prompt in enumerate(batch):
         cache.block_manager.allocate(seq_id, prompt)
-    meta = AttentionMetadata.build(cache, [0, 1], [3, 6], "cpu")
+    meta = metadata_for(cache, [0, 1], [3, 6])
     assert meta.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5]
     hidden = model(torch.tensor(batch[0] + batch[1]), meta.positions, meta, cache)
     last_rows = meta.cu_seqlens_q[1:].long() - 1
@@ -310,7 +311,7 @@ def test_stories260k_tells_its_story(model_path):
     assert text.decode(tokens).startswith("Once upon a time, there was a little girl named Lily.")
 
 
-def test_attention_metadata_build():
+def test_attention_metadata_layout():
     """Slots and positions of the newest tokens, through each sequence's own block table."""
     config = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **BASE})
     cache = PagedKVCache(DecoderLM(config).kv_cache_spec(BLOCK_SIZE), 16,
@@ -319,17 +320,17 @@ def test_attention_metadata_build():
     manager.allocate(5, [3] * 6)  # blocks [0, 1]
     manager.allocate(6, [4] * 3)  # blocks [2]
     manager.append_tokens(5, [7, 7, 7])  # 9 tokens: blocks [0, 1, 3]
-    meta = AttentionMetadata.build(cache, [5, 6], [4, 1], "cpu")
+    meta = metadata_for(cache, [5, 6], [4, 1])
     assert meta.cu_seqlens_q.tolist() == [0, 4, 5] and meta.max_seqlen_q == 4
     assert meta.seq_lens.tolist() == [9, 3]
     assert meta.positions.tolist() == [5, 6, 7, 8, 2]
     assert meta.slot_mapping.tolist() == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0, 2 * 4 + 2]
     assert meta.block_tables[0].tolist() == [0, 1, 3]
     assert not meta.keys_are_new  # the new tokens attend to keys cached before them
-    assert AttentionMetadata.build(cache, [5, 6], [9, 3], "cpu").keys_are_new  # whole prompts
+    assert metadata_for(cache, [5, 6], [9, 3]).keys_are_new  # whole prompts
     assert (meta.cu_seqlens_q.dtype, meta.seq_lens.dtype, meta.block_tables.dtype,
             meta.slot_mapping.dtype, meta.positions.dtype) == (torch.int32, torch.int32,
                                                                torch.int32, torch.int64,
                                                                torch.int64)
     with pytest.raises(ValueError, match="holds 3 tokens, so it cannot have 4 new ones"):
-        AttentionMetadata.build(cache, [6], [4], "cpu")
+        metadata_for(cache, [6], [4])

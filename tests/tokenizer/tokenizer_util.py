@@ -20,7 +20,8 @@ import transformers
 
 from conftest import MODELS_DIR
 from conftest import find_model as model_file
-from fastllm.tokenizer import Tokenizer, protobuf_fields
+from fastllm.tokenizer import Tokenizer
+from fastllm.tokenizer.sentencepiece import protobuf_fields
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the references load local folders only
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fastllm.rerank import DEFAULT_INSTRUCTION, RECIPE_PREFIX, RECIPE_SUFFIX
+from fastllm.entrypoints.rerank import DEFAULT_INSTRUCTION, RECIPE_PREFIX, RECIPE_SUFFIX
 
 __all__ = ["RECIPE_MAX_LENGTH", "recipe_ids", "recipe_scores"]
 

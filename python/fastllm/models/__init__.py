@@ -1,14 +1,17 @@
-"""Model code: the config read from HF ``config.json``, the Llama decoder family and its loader.
+"""Model code: the config read from HF ``config.json``, the Llama decoder family, its loaders and
+the model pool.
 
 ``load_model(folder)`` reads a HF safetensors checkpoint (or ``load_model(file.gguf)`` a llama.cpp
 GGUF file) into a :class:`DecoderLM`, which runs packed batches against a paged KV cache
 described by :class:`AttentionMetadata`.
 """
 
+from fastllm.models.attention_metadata import AttentionMetadata
+from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from fastllm.models.gguf import load_gguf
-from fastllm.models.llama import AttentionMetadata, DecoderLM
-from fastllm.models.loader import hf_weight_map, load_model
+from fastllm.models.llama import DecoderLM
+from fastllm.models.loader import load_model
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "AttentionMetadata", "DecoderLM", "ModelConfig",
-           "RopeScaling", "hf_weight_map", "load_gguf", "load_model"]
+           "RopeScaling", "build_model", "hf_weight_map", "load_gguf", "load_model"]

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
-from fastllm.models.loader import build_model, hf_weight_map
+from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.rope import rope_inv_freq
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",

@@ -9,88 +9,17 @@ plain matmuls, with q/k/v fused into one and gate/up into another.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastllm import ops
-from fastllm.host_to_device import to_device
 from fastllm.kv_cache import KVCacheSpec, PagedKVCache
+from fastllm.models.attention_metadata import AttentionMetadata
 from fastllm.models.config import ModelConfig
 from fastllm.models.rope import build_cos_sin_cache
 
-__all__ = ["AttentionMetadata", "DecoderLM"]
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Where one step's tokens sit in the batch and in the paged cache.
-
-    Attributes:
-        cu_seqlens_q: int32 ``[B + 1]`` offsets of each sequence's new tokens in the packed batch.
-        max_seqlen_q: the most new tokens of any sequence.
-        seq_lens: int32 ``[B]`` keys per sequence once this step's tokens are written.
-        block_tables: int32 ``[B, max_blocks]`` each sequence's cache blocks, in token order.
-        slot_mapping: int64 ``[T]`` cache slot (``block * block_size + offset``) of each new token.
-        positions: int64 ``[T]`` each new token's position in its sequence (the ``positions``
-            argument of :meth:`DecoderLM.forward`).
-    """
-
-    cu_seqlens_q: Tensor
-    max_seqlen_q: int
-    seq_lens: Tensor
-    block_tables: Tensor
-    slot_mapping: Tensor
-    positions: Tensor
-    # Every sequence's keys are exactly its new tokens (a prefill with nothing cached): attention
-    # can then run on the step's own K/V, packed, without reading them back through the cache.
-    keys_are_new: bool = False
-
-    @classmethod
-    def build(cls, kv_cache: PagedKVCache, seq_ids: Sequence[int],
-              num_new_tokens: Sequence[int], device: torch.device | str,
-              starts: Sequence[int] | None = None) -> AttentionMetadata:
-        """Metadata for ``num_new_tokens[b]`` tokens of each sequence ``seq_ids[b]``.
-
-        The sequences must already hold these tokens in the block manager (``allocate`` /
-        ``append_tokens`` called, and their copy-on-write copies applied). They are logical
-        positions ``[starts[b], starts[b] + n)``, by default the sequence's last ``n`` tokens;
-        an earlier start is a prefill chunk of a prompt held whole, which attends to the keys
-        before it and to itself only. Runs on the CPU, then moves the tensors to ``device``
-        once, without waiting for the device (:mod:`fastllm.host_to_device`).
-        """
-        if len(seq_ids) != len(num_new_tokens):
-            raise ValueError(f"{len(seq_ids)} seq_ids but {len(num_new_tokens)} num_new_tokens")
-        manager = kv_cache.block_manager
-        held = [manager.num_tokens(seq_id) for seq_id in seq_ids]
-        if starts is None:
-            starts = [length - n for length, n in zip(held, num_new_tokens)]
-        elif len(starts) != len(seq_ids):
-            raise ValueError(f"{len(seq_ids)} seq_ids but {len(starts)} starts")
-        for seq_id, n, start, length in zip(seq_ids, num_new_tokens, starts, held):
-            if not (n >= 0 and 0 <= start and start + n <= length):
-                raise ValueError(f"sequence {seq_id} holds {length} tokens, so it cannot have "
-                                 f"{n} new ones from position {start}")
-        new = torch.tensor(num_new_tokens, dtype=torch.int64)
-        lens = torch.tensor(starts, dtype=torch.int64) + new  # keys visible after this step
-        block_tables = manager.block_tables(list(seq_ids))  # [B, max_blocks]
-        # Each new token's sequence and logical position, then its physical slot.
-        seq_index = torch.repeat_interleave(torch.arange(len(seq_ids)), new)  # [T]
-        first_rows = torch.cumsum(new, 0) - new  # [B] first packed row of each sequence
-        positions = (lens - new)[seq_index] + torch.arange(int(new.sum())) - first_rows[seq_index]
-        block_size = manager.block_size
-        blocks = block_tables[seq_index, positions // block_size].long()  # [T]
-        cu_seqlens_q = F.pad(torch.cumsum(new, 0), (1, 0)).to(torch.int32)
-        return cls(cu_seqlens_q=to_device(cu_seqlens_q, device),
-                   max_seqlen_q=max(num_new_tokens, default=0),
-                   seq_lens=to_device(lens.to(torch.int32), device),
-                   block_tables=to_device(block_tables, device),
-                   slot_mapping=to_device(blocks * block_size + positions % block_size, device),
-                   positions=to_device(positions, device),
-                   keys_are_new=all(start == 0 for start in starts))
+__all__ = ["DecoderLM"]
 
 
 class Linear(nn.Linear):
@@ -243,7 +172,7 @@ class DecoderLM(nn.Module):
         Args:
             input_ids: int64 ``[T]``, every sequence's new tokens back to back.
             positions: int64 ``[T]``, each token's position in its sequence.
-            meta: the step's :class:`AttentionMetadata` (``AttentionMetadata.build``).
+            meta: the step's :class:`AttentionMetadata` (built by the engine's model runner).
             kv_cache: the paged cache the tokens' K/V go into and are read from (post-RoPE
                 keys, or pre-RoPE ones rotated as attention reads them: ``kv_cache.pre_rope``).
 

@@ -2,15 +2,14 @@
 
 The files are memory-mapped (``safetensors.safe_open``) and read tensor by tensor through an
 explicit HF name -> fastllm name map that also fuses q/k/v and gate/up. The model is built on
-the meta device and materialized once, by assigning the loaded tensors (:func:`build_model`,
-shared with the GGUF loader, :mod:`fastllm.models.gguf`, to which a ``.gguf`` path is handed).
+the meta device and materialized once, by assigning the loaded tensors
+(:mod:`fastllm.models.build`); a ``.gguf`` path is handed to :mod:`fastllm.models.gguf`.
 Pickle checkpoints (``.bin``, ``.pt``, ``.pth``) are refused: loading them can run arbitrary code.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -18,78 +17,16 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from fastllm.models.build import HFTensor, build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
+from fastllm.models.gguf import load_gguf
 from fastllm.models.llama import DecoderLM
 
-__all__ = ["build_model", "hf_weight_map", "load_model"]
+__all__ = ["load_model"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 # Buffers some older HF checkpoints saved; HF skips them on load too.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-# One HF tensor: its checkpoint name and the shape it must have.
-HFTensor = tuple[str, tuple[int, ...]]
-
-
-def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
-    """fastllm parameter name -> the HF tensors it is made of, concatenated along dim 0."""
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    q, kv = config.n_heads * d, config.n_kv_heads * d
-    names: dict[str, list[HFTensor]] = {
-        "embed_tokens.weight": [("model.embed_tokens.weight", (config.vocab_size, h))],
-        "norm.weight": [("model.norm.weight", (h,))],
-    }
-    if not config.tie_word_embeddings:
-        names["lm_head.weight"] = [("lm_head.weight", (config.vocab_size, h))]
-    for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn, mlp = src + "self_attn.", src + "mlp."
-        names[dst + "input_layernorm.weight"] = [(src + "input_layernorm.weight", (h,))]
-        names[dst + "post_attention_layernorm.weight"] = [
-            (src + "post_attention_layernorm.weight", (h,))]
-        names[dst + "self_attn.qkv_proj.weight"] = [
-            (attn + "q_proj.weight", (q, h)), (attn + "k_proj.weight", (kv, h)),
-            (attn + "v_proj.weight", (kv, h))]
-        if config.qkv_bias:
-            names[dst + "self_attn.qkv_proj.bias"] = [
-                (attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)),
-                (attn + "v_proj.bias", (kv,))]
-        if config.qk_norm:
-            names[dst + "self_attn.q_norm.weight"] = [(attn + "q_norm.weight", (d,))]
-            names[dst + "self_attn.k_norm.weight"] = [(attn + "k_norm.weight", (d,))]
-        names[dst + "self_attn.o_proj.weight"] = [(attn + "o_proj.weight", (h, q))]
-        if config.o_bias:
-            names[dst + "self_attn.o_proj.bias"] = [(attn + "o_proj.bias", (h,))]
-        names[dst + "mlp.gate_up_proj.weight"] = [
-            (mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
-        names[dst + "mlp.down_proj.weight"] = [(mlp + "down_proj.weight", (h, inter))]
-        if config.mlp_bias:
-            names[dst + "mlp.gate_up_proj.bias"] = [
-                (mlp + "gate_proj.bias", (inter,)), (mlp + "up_proj.bias", (inter,))]
-            names[dst + "mlp.down_proj.bias"] = [(mlp + "down_proj.bias", (h,))]
-    return names
-
-
-def build_model(config: ModelConfig, read: Callable[[str, tuple[int, ...]], Tensor], *,
-                dtype: torch.dtype, device: torch.device | str) -> DecoderLM:
-    """Builds a :class:`DecoderLM` on the meta device and materializes it once.
-
-    ``read(hf_name, shape)`` returns the checkpoint's tensor ``hf_name``, already checked to
-    have ``shape``; the parts of each fused parameter are concatenated in
-    :func:`hf_weight_map`'s order, then cast to ``dtype`` and placed on ``device``.
-    """
-    state: dict[str, Tensor] = {}
-    for name, parts in hf_weight_map(config).items():
-        tensors = [read(hf_name, shape) for hf_name, shape in parts]
-        fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        state[name] = fused.to(device=device, dtype=dtype)
-
-    with torch.device("meta"):
-        model = DecoderLM(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.init_rope_cache()
-    return model.eval()
-
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> DecoderLM:
@@ -103,8 +40,6 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     """
     folder = Path(path)
     if folder.suffix == ".gguf":
-        from fastllm.models.gguf import load_gguf  # imported here: gguf.py imports this module
-
         return load_gguf(folder, dtype=dtype, device=device)
     if folder.suffix in _PICKLE_SUFFIXES:
         raise ValueError(_pickle_refusal(folder))

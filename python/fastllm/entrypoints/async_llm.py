@@ -18,9 +18,9 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastllm.llm import LLM, PromptType
-from fastllm.outputs import RequestOutput
-from fastllm.request import Request
+from fastllm.engine.outputs import RequestOutput
+from fastllm.engine.request import Request
+from fastllm.entrypoints.client import EngineClient, PromptType
 from fastllm.sampling import SamplingParams
 
 __all__ = ["AsyncLLM"]
@@ -29,12 +29,12 @@ __all__ = ["AsyncLLM"]
 class AsyncLLM:
     """Continuous batching for asyncio callers; takes :class:`fastllm.LLM`'s arguments.
 
-    The ``AsyncLLM`` owns its ``LLM`` (``self.llm``): use this object's methods, not the
-    ``LLM``'s, to generate. Call :meth:`shutdown` (or use ``async with``) to stop the thread.
+    Its engine client (``self.client``, the one :class:`fastllm.LLM` uses too) is stepped by a
+    background thread. Call :meth:`shutdown` (or use ``async with``) to stop the thread.
     """
 
     def __init__(self, model: str | os.PathLike, **llm_kwargs: Any) -> None:
-        self.llm = LLM(model, **llm_kwargs)
+        self.client = EngineClient(model, **llm_kwargs)
         self._subscribers: dict[Request, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._closed = False
@@ -80,25 +80,24 @@ class AsyncLLM:
             raise RuntimeError("this AsyncLLM was shut down")
         if isinstance(sampling_params, (list, tuple)):
             raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
-        request, = self.llm._make_requests([prompt], sampling_params)
+        request, = self.client.make_requests([prompt], sampling_params)
         queue: asyncio.Queue = asyncio.Queue()
-        with self.llm._lock:
-            self.llm.engine.add_request(request)  # a bad request fails here, alone
+        with self.client.lock:
+            self.client.add([request])  # a bad request fails here, alone
             self._subscribers[request] = (asyncio.get_running_loop(), queue)
         self._wake.set()
         return request, queue
 
     def _forget(self, request: Request) -> None:
         """Drops a request its caller stopped waiting for; aborts it if unfinished."""
-        with self.llm._lock:
+        with self.client.lock:
             self._subscribers.pop(request, None)
-            if not request.finished:
-                self.llm.engine.abort_request(request)
+            self.client.abort_unfinished([request])
 
     def _run(self) -> None:
-        engine = self.llm.engine
+        engine = self.client.engine
         while not self._closed:
-            with self.llm._lock:
+            with self.client.lock:
                 busy = engine.has_unfinished()
                 if busy:
                     try:
@@ -119,7 +118,7 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         self._error = error
         for request, (loop, queue) in list(self._subscribers.items()):
-            self.llm.engine.abort_request(request)
+            self.client.abort_unfinished([request])
             loop.call_soon_threadsafe(queue.put_nowait, ([], True, error))
 
     def shutdown(self) -> None:
@@ -127,9 +126,9 @@ class AsyncLLM:
         self._closed = True
         self._wake.set()
         self._thread.join()
-        with self.llm._lock:
+        with self.client.lock:
             for request, (loop, queue) in list(self._subscribers.items()):
-                self.llm.engine.abort_request(request)
+                self.client.abort_unfinished([request])
                 loop.call_soon_threadsafe(queue.put_nowait, ([], True, None))
 
     async def __aenter__(self) -> AsyncLLM:

@@ -4,7 +4,7 @@ Every op is declared once in C++ (``csrc/ops.cpp``) and implemented per device (
 kernel; an ATen composite for MPS). Input checks live in C++, in one place shared by every
 device, so the wrappers, direct ``torch.ops.fastllm`` callers and ``torch.compile`` graphs all get
 the same ``ValueError``/``TypeError`` naming the offending value. Each op has a fake kernel here
-for ``torch.compile(fullgraph=True)`` and a plain-PyTorch twin in :mod:`fastllm.reference`.
+for ``torch.compile(fullgraph=True)`` and a plain-PyTorch twin in :mod:`fastllm.ops.reference`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ copy-on-write forks.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,10 +18,11 @@ import torch
 from torch import Tensor
 
 from fastllm import _C
-from fastllm.host_to_device import device_tensor
+from fastllm.ops.host_to_device import device_tensor
 
 __all__ = ["BlockManager", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan", "PagedKVCache",
-           "StaticKVCache", "plan_pool"]
+           "StaticKVCache", "default_kv_cache_memory", "plan_pool",
+           "zeros_pool"]
 
 BlockManager = _C.BlockManager
 KVCacheFullError = _C.KVCacheFullError
@@ -125,6 +127,36 @@ def plan_pool(spec: KVCacheSpec, *, max_num_seqs: int | None = None,
                       max_tokens=num_blocks * spec.block_size)
 
 
+# The default KV budget (vLLM's CPU backend likewise reserves a fixed KV space by default): a
+# share of the memory free now, capped on the host, where the pool is touched page by page when
+# allocated and shares the memory with everything else.
+_HOST_KV_FRACTION = 0.25
+_HOST_KV_CAP = 2 << 30
+_GPU_KV_FRACTION = 0.5
+
+
+def default_kv_cache_memory(device: torch.device | str) -> int:
+    """Bytes for a KV pool when the caller gives no budget: on a GPU half of its free memory; on
+    the host a quarter of the available memory, at most 2 GiB."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * _GPU_KV_FRACTION)
+    return int(min(_available_host_memory() * _HOST_KV_FRACTION, _HOST_KV_CAP))
+
+
+def _available_host_memory() -> int:
+    """MemAvailable (free plus reclaimable caches) where Linux tells it, else free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class StaticKVCache:
     """K/V rows ``[max_batch, max_len]`` per layer, allocated once and written in place.
 
@@ -227,7 +259,7 @@ class PagedKVCache:
     ``pre_rope=True`` makes the cache position-independent: it holds keys *before* rotary
     embedding, and attention rotates each key by its position in its sequence as it reads it
     (``paged_attention(..., rotary_cos_sin_cache=...)``), so cached K/V can be placed at any
-    offset (:mod:`fastllm.chunk_prefill`). Attention results equal the default (post-RoPE)
+    offset (:mod:`fastllm.engine.chunk_prefill`). Attention results equal the default (post-RoPE)
     mode's; reading costs a rotation per key.
     """
 
@@ -266,3 +298,24 @@ class PagedKVCache:
         src, dst = (device_tensor(ids, torch.long, self.k_cache.device) for ids in zip(*copies))
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
+
+    def slots(self, seq_id: int, start: int, end: int) -> Tensor:
+        """int64 cache slots (``block * block_size + offset``) of positions ``[start, end)`` of
+        sequence ``seq_id``, on the cache's device."""
+        table = torch.tensor(self.block_manager.block_table(seq_id), dtype=torch.long)
+        positions = torch.arange(start, end)
+        block_size = self.spec.block_size
+        return (table[positions // block_size] * block_size + positions % block_size).to(
+            self.k_cache.device)
+
+    def read_rows(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Copies of the K and V rows at ``slots``, all layers:
+        ``[num_layers, len(slots), n_kv_heads, head_dim]`` each."""
+        rows = (self.spec.num_layers, -1, self.spec.n_kv_heads, self.spec.head_dim)
+        return self.k_cache.view(rows)[:, slots], self.v_cache.view(rows)[:, slots]
+
+    def write_rows(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Writes K and V rows (as :meth:`read_rows` returns them) at ``slots``, all layers."""
+        rows = (self.spec.num_layers, -1, self.spec.n_kv_heads, self.spec.head_dim)
+        self.k_cache.view(rows)[:, slots] = k
+        self.v_cache.view(rows)[:, slots] = v

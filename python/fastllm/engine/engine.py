@@ -1,35 +1,30 @@
 """The engine: continuous batching over a paged KV cache with prefix caching and chunked prefill.
 
-Each :meth:`Engine.step` builds one packed batch under a token budget: first the running
-requests (one decode token each, or the next chunk of a prompt still being prefilled), then
-waiting requests in arrival order while sequences, tokens and KV blocks last. A prompt whose
-prefix is cached starts after it. A long prompt is prefilled a chunk per step, so it never
-stalls the running decodes. When KV blocks run out, the newest running request is preempted:
-its blocks are freed and it waits at the front of the queue to be recomputed (its prompt and
-the tokens it had generated, often from the prefix cache); its random stream is keyed by its
-own seed and token count, so its output does not change.
+Each :meth:`Engine.step` asks the :class:`~fastllm.engine.scheduler.Scheduler` (the one owner of
+KV state) for a batch, has the :class:`~fastllm.engine.model_runner.ModelRunner` run it, tells
+the scheduler what was computed, then samples one token for each request that reached the end
+of its tokens. A preempted request's random stream is keyed by its own seed and token count, so
+its output does not change when it is recomputed.
 
 The host waits for the device once per step, for the sampled ids.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from fastllm import ops
-from fastllm.decode_graphs import DecodeGraphs
-from fastllm.host_to_device import device_tensor, to_device
-from fastllm.kv_cache import KVCacheFullError, PagedKVCache
-from fastllm.model_runner import run_step
+from fastllm.engine.decode_graphs import DecodeGraphs
+from fastllm.engine.model_runner import ModelRunner
+from fastllm.engine.outputs import Logprob
+from fastllm.engine.request import Request
+from fastllm.engine.scheduler import Scheduler, SchedulerConfig
+from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
-from fastllm.outputs import Logprob
-from fastllm.request import Request
+from fastllm.ops.host_to_device import device_tensor, to_device
 from fastllm.sampling import SampleOutput, SamplingTensors, sample_next_tokens
 from fastllm.tokenizer import Tokenizer
 
@@ -46,7 +41,7 @@ class EngineConfig:
         max_prefill_chunk: most prompt tokens one request prefills in a step; None = as many
             as the token budget leaves.
         enforce_eager: on CUDA, run decode steps op by op instead of replaying CUDA graphs
-            (:mod:`fastllm.decode_graphs`); other devices always run eagerly.
+            (:mod:`fastllm.engine.decode_graphs`); other devices always run eagerly.
     """
 
     max_num_seqs: int = 32
@@ -84,173 +79,88 @@ class EngineStats:
             else 0.0
 
 
-@dataclass
-class _Scheduled:
-    request: Request
-    start: int  # position of the first token computed this step
-    tokens: list[int] = field(default_factory=list)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so its logits give a token."""
-        return self.start + len(self.tokens) == self.request.num_tokens
-
-
 class Engine:
     """Runs many requests at once on one model and one paged KV cache. Not thread-safe: one
     caller at a time (``fastllm.LLM`` and ``fastllm.AsyncLLM`` hold a lock around it)."""
 
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer, kv_cache: PagedKVCache,
-                 config: EngineConfig, max_model_len: int) -> None:
+                 config: EngineConfig, max_model_len: int,
+                 chunk_store: ChunkKVStore | None = None) -> None:
         self.model, self.tokenizer, self.kv_cache = model, tokenizer, kv_cache
         self.config = config
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
         self.device = kv_cache.k_cache.device
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.stats = EngineStats()
-        self._seq_ids = itertools.count()
-        self.decode_graphs = (
+        self.scheduler = Scheduler(
+            kv_cache, SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                      max_num_batched_tokens=config.max_num_batched_tokens,
+                                      max_prefill_chunk=config.max_prefill_chunk),
+            max_model_len, chunk_store)
+        decode_graphs = (
             DecodeGraphs(model, kv_cache, max_batch=config.max_num_seqs,
                          max_model_len=max_model_len)
             if self.device.type == "cuda" and not config.enforce_eager else None)
+        self.runner = ModelRunner(model, kv_cache, decode_graphs)
 
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queues a request; a prompt that cannot fit the context or the KV pool is a
         ValueError for this request alone."""
-        length = len(request.prompt_token_ids)
-        if length >= self.max_model_len:
-            raise ValueError(f"request {request.request_id}: the prompt has {length} tokens, "
-                             f"which leaves no room to generate under max_model_len="
-                             f"{self.max_model_len}")
-        blocks = math.ceil((length + 1) / self.kv_cache.spec.block_size)
-        if blocks > self.kv_cache.num_blocks:
-            raise ValueError(f"request {request.request_id}: the prompt needs {blocks} KV "
-                             f"blocks but the pool has {self.kv_cache.num_blocks}")
-        if request.params.needs_penalties():
+        self.scheduler.add_request(request)
+        if request.params.needs_penalties() and request.score_token_ids is None:
             prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             prompt_mask[request.prompt_token_ids] = True
             request.prompt_mask = to_device(prompt_mask, self.device)
             request.output_counts = torch.zeros(self.vocab_size, dtype=torch.int32,
                                                 device=self.device)
-        self.waiting.append(request)
 
     def abort_request(self, request: Request) -> None:
         """Ends a request now ("abort"): its KV blocks are freed at once."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self._release(request)
+        self.scheduler.finish_request(request)
         request.abort()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def _release(self, request: Request) -> None:
-        if request.seq_id is not None:
-            self.kv_cache.block_manager.free(request.seq_id)
-            request.seq_id = None
-
-    def _preempt(self, request: Request) -> None:
-        """Frees the request's blocks and queues it first, to be recomputed."""
-        self.running.remove(request)
-        self._release(request)
-        request.metrics.num_preemptions += 1
-        self.stats.preemptions += 1
-        self.waiting.appendleft(request)
-
-    # ---- scheduling --------------------------------------------------------------------------
-
-    def _chunk(self, remaining: int, budget: int) -> int:
-        limit = self.config.max_prefill_chunk or remaining
-        return min(remaining, budget, limit)
-
-    def _hold_new_tokens(self, request: Request) -> bool:
-        """Gives the block manager the tokens the request sampled since its last step,
-        preempting the newest running requests while blocks lack; False when the request
-        itself had to go."""
-        manager = self.kv_cache.block_manager
-        new = request.all_token_ids[manager.num_tokens(request.seq_id):]
-        while True:
-            try:
-                self.kv_cache.copy_blocks(manager.append_tokens(request.seq_id, new))
-                return True
-            except KVCacheFullError:
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is request:
-                    return False
-
-    def _schedule(self) -> list[_Scheduled]:
-        manager = self.kv_cache.block_manager
-        budget = self.config.max_num_batched_tokens
-        batch: list[_Scheduled] = []
-        preempted = self.stats.preemptions
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            if not self._hold_new_tokens(request):
-                continue  # it left the running list
-            start = manager.num_computed_tokens(request.seq_id)
-            n = self._chunk(request.num_tokens - start, budget)
-            batch.append(_Scheduled(request, start, request.all_token_ids[start:start + n]))
-            budget -= n
-            i += 1
-        # New requests only when nothing was preempted this step (they would take the blocks).
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and self.stats.preemptions == preempted):
-            request = self.waiting[0]
-            seq_id = next(self._seq_ids)
-            tokens = request.all_token_ids  # a preempted request recomputes its output too
-            try:
-                cached = manager.allocate(seq_id, tokens)
-            except KVCacheFullError:
-                break
-            self.waiting.popleft()
-            self.running.append(request)
-            request.seq_id = seq_id
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = time.perf_counter()
-                request.metrics.num_cached_tokens = cached
-            n = self._chunk(len(tokens) - cached, budget)
-            batch.append(_Scheduled(request, cached, tokens[cached:cached + n]))
-            budget -= n
-        return batch
+        return self.scheduler.has_unfinished()
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Schedules, runs and samples one batch; returns the requests that got a token (their
-        new text is in ``take_deltas()``; finished ones have left the engine)."""
+        """Schedules, runs and samples one batch; returns the requests that got a token or
+        finished (their new text is in ``take_deltas()``; finished ones have left the
+        engine)."""
         started = time.perf_counter()
-        batch = self._schedule()
-        if not batch:
+        scheduled = self.scheduler.schedule()
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if scheduled is None:
             return []
+        batch, owners = scheduled
         with torch.inference_mode():
-            logits = run_step(self.model, self.kv_cache,
-                              [s.request.seq_id for s in batch], [s.tokens for s in batch],
-                              starts=[s.start for s in batch],
-                              logits=[s.samples for s in batch],
-                              decode_graphs=self.decode_graphs)
-            sampling = [s.request for s in batch if s.samples]
+            output = self.runner.execute(batch)
+            scored = self.scheduler.update_from_output(batch, owners, output)
+            sampling = [owner for owner, sequence in zip(owners, batch.sequences)
+                        if sequence.logit_token_ids == "all"]
             # SamplingParams checked every value on the host.
             with ops.trusted_inputs():
-                sampled = self._sample(logits, sampling) if sampling else None
+                sampled = self._sample(output.logits, sampling) if sampling else None
         self.stats.steps += 1
-        self.stats.scheduled_tokens += sum(len(s.tokens) for s in batch)
-        self.stats.peak_kv_usage = max(self.stats.peak_kv_usage,
-                                       self.kv_cache.block_manager.usage)
+        self.stats.scheduled_tokens += batch.num_tokens
+        self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.scheduler.usage)
+        for request in scored:
+            request.finish_prompt()
+            self._finish(request)
         if sampled is not None:
             self._append_tokens(sampling, sampled)
-        counters = self.kv_cache.block_manager.stats()
+        counters = self.scheduler.prefix_cache_counters()
         self.stats.prefix_cache_hits = counters["hits"]
         self.stats.prefix_cache_queries = counters["queries"]
         self.stats.step_s += time.perf_counter() - started
-        return sampling
+        return scored + sampling
+
+    def _finish(self, request: Request) -> None:
+        request.metrics.kv_usage = self.scheduler.usage
+        self.scheduler.finish_request(request)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
         tensors = SamplingTensors.from_params([r.params for r in requests], self.vocab_size,
@@ -289,9 +199,7 @@ class Engine:
                         if request.params.logprobs is not None else None)
             request.append_token(token, logprobs)
             if request.finished:
-                request.metrics.kv_usage = self.kv_cache.block_manager.usage
-                self.running.remove(request)
-                self._release(request)
+                self._finish(request)
         self.stats.detokenize_s += time.perf_counter() - started
 
     def _logprob_entry(self, sampled: SampleOutput, row: int, token: int,

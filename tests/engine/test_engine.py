@@ -93,7 +93,8 @@ def test_a_small_pool_preempts_and_every_request_completes_unchanged(folder, llm
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=60, ignore_eos=True)
               for i in range(10)]
     expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
-    small = LLM(folder, max_model_len=256)  # 16 blocks of 16 tokens: room for about 2 requests
+    # 16 blocks of 16 tokens: room for about 2 requests
+    small = LLM(folder, max_model_len=256, kv_cache_memory=16 * llm.kv_cache.spec.bytes_per_block)
     outputs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.stats.preemptions > 0
     assert sum(out.metrics.num_preemptions for out in outputs) == small.engine.stats.preemptions
@@ -106,17 +107,18 @@ def test_cancelling_a_request_frees_its_blocks_at_once(llm):
     manager = llm.kv_cache.block_manager
     prompt = {"prompt_token_ids": mixed_prompts(1, seed=6)[0]}
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    other, = llm._make_requests([prompt], params)
-    doomed, = llm._make_requests([prompt], params)
-    llm._add([other, doomed])
+    other, = llm.client.make_requests([prompt], params)
+    doomed, = llm.client.make_requests([prompt], params)
+    llm.client.add([other, doomed])
     for _ in range(5):
         llm.engine.step()
     held = manager.num_free_blocks
     llm.engine.abort_request(doomed)
     assert manager.num_free_blocks > held and doomed.output().outputs[0].finish_reason == "abort"
     llm.engine.step()
-    assert other in llm.engine.running and doomed not in llm.engine.running
-    llm._abort_unfinished([other])
+    running = llm.engine.scheduler.running
+    assert other in running and doomed not in running
+    llm.client.abort_unfinished([other])
     assert manager.usage == 0
 
 
@@ -148,7 +150,7 @@ def test_async_streams_run_together_and_equal_generate(folder, llm):
     async def main():
         async with AsyncLLM(folder, kv_cache_memory=8 << 20) as engine:
             texts = await asyncio.gather(*(collect(engine, p) for p in prompts))
-            return texts, engine.llm.engine.stats.steps
+            return texts, engine.client.engine.stats.steps
 
     texts, steps = asyncio.run(main())
     assert texts == expected
@@ -158,7 +160,7 @@ def test_async_streams_run_together_and_equal_generate(folder, llm):
 def test_async_cancellation_frees_the_blocks(folder):
     async def main():
         async with AsyncLLM(folder) as engine:
-            manager = engine.llm.kv_cache.block_manager
+            manager = engine.client.kv_cache.block_manager
             params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             task = asyncio.create_task(engine.generate({"prompt_token_ids": [1] * 100}, params))
             while manager.usage == 0:

@@ -10,7 +10,7 @@ import pytest
 from tiny_hf import random_hf_model, save_hf_model
 
 from fastllm import LLM, SamplingParams
-from fastllm.cli import main
+from fastllm.entrypoints.cli import main
 
 PROMPT = "Once upon a time"
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fastllm import ops
-from fastllm.host_to_device import device_tensor, to_device
+from fastllm.ops.host_to_device import device_tensor, to_device
 
 __all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "resolve_seed",
            "sample_next_tokens"]

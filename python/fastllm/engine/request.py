@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from fastllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastllm.engine.chunked_prompt import ChunkedPrompt
+from fastllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from fastllm.sampling import SamplingParams, resolve_seed
 from fastllm.tokenizer import Tokenizer
 
@@ -32,6 +33,11 @@ class Request:
         tokenizer: turns the output into text.
         eos_token_ids: ids that end generation unless ``params.ignore_eos``.
         max_model_len: the most tokens, prompt and output, the sequence may hold.
+        chunked_prompt: the prompt under block attention (its ``token_ids`` are
+            ``prompt_token_ids``), for independent-chunk prefill.
+        score_token_ids: makes the request prompt-only: it generates nothing and finishes once
+            its prompt is computed, with ``scores`` the logits of these tokens at the prompt's
+            last position (an empty tuple: none; the prompt's KV is only computed and cached).
 
     An engine keeps its scheduling state here too: the sequence id the request holds in the
     block manager (None while waiting or preempted), its resolved seed (drawn once, so a
@@ -40,10 +46,18 @@ class Request:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
                  params: SamplingParams, tokenizer: Tokenizer,
-                 eos_token_ids: Sequence[int], max_model_len: int) -> None:
+                 eos_token_ids: Sequence[int], max_model_len: int, *,
+                 chunked_prompt: ChunkedPrompt | None = None,
+                 score_token_ids: Sequence[int] | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self.chunked_prompt = chunked_prompt
+        if chunked_prompt is not None and chunked_prompt.token_ids != self.prompt_token_ids:
+            raise ValueError(f"request {request_id}: prompt_token_ids are not the chunked "
+                             "prompt's tokens")
+        self.score_token_ids = None if score_token_ids is None else tuple(score_token_ids)
+        self.scores: Tensor | None = None
         self.params = params
         self.max_model_len = max_model_len
         self.metrics = RequestMetrics(arrival_time=time.perf_counter(),
@@ -77,6 +91,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def finish_prompt(self) -> None:
+        """Ends a prompt-only request once its prompt is computed."""
+        self._finish("length", None)
 
     def abort(self) -> None:
         """Ends the request without finishing it (cancelled): finish_reason "abort"."""

@@ -13,25 +13,25 @@ What makes it fast, without changing a score:
   without it);
 - the LM head runs at each pair's last position only, and only for the two rows "no" and "yes";
 - the tokens every pair of a query shares (the prefix, the instruction, the query) are computed
-  once and reused by all its documents through the paged KV cache's prefix sharing. The shared
+  once and reused by all its documents through the engine's ordinary prefix caching. The shared
   part is the pairs' longest common *token* prefix, found after tokenizing each pair whole, so
   a tokenization that merges across the query/document boundary only shortens what is shared:
   the ids are always the recipe's.
+
+Pairs are prompt-only requests of the same engine that generates text (continuous batching under
+its token budget): each finishes once its prompt is computed, with its two logits.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from fastllm.kv_cache import PagedKVCache
-from fastllm.model_pool import load
-from fastllm.model_runner import run_step
-from fastllm.tokenizer import Tokenizer
+from fastllm.entrypoints.client import EngineClient
+from fastllm.models.pool import load
 
 __all__ = ["DEFAULT_INSTRUCTION", "RECIPE_PREFIX", "RECIPE_SUFFIX", "RerankResult", "Reranker"]
 
@@ -39,6 +39,9 @@ RECIPE_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requi
                  "on the Query and the Instruct provided. Note that the answer can only be "
                  "\"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
 RECIPE_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+# Pairs run while the token budget and the KV pool last; this only bounds the bookkeeping.
+_MAX_PAIRS_PER_STEP = 256
+
 DEFAULT_INSTRUCTION = ("Given a web search query, retrieve relevant passages that answer the "
                        "query")
 
@@ -60,17 +63,26 @@ class Reranker:
         dtype, device: as in :class:`fastllm.LLM` (the model comes from :func:`fastllm.load`).
         instruction: the task instruction; default the model card's web-search one.
         max_length: the most tokens of a wrapped pair; longer documents are cut at the end.
-        max_num_batched_tokens: tokens computed per forward step (a longer pair runs alone).
+        max_num_batched_tokens: tokens computed per forward step (a longer pair is prefilled
+            over several).
         block_size: tokens per KV-cache block; the shared part is reused in whole blocks.
+        kv_cache_memory: bytes for the KV pool, as in :class:`fastllm.LLM`.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", instruction: str | None = None,
                  max_length: int = 8192, max_num_batched_tokens: int = 4096,
-                 block_size: int = 16) -> None:
-        self.model = load(model, dtype, device)
-        self.device = torch.device(device)
-        self.tokenizer = Tokenizer.from_pretrained(model)
+                 block_size: int = 16, kv_cache_memory: int | None = None) -> None:
+        context = load(model, dtype, device).config.max_position_embeddings
+        valid_length = isinstance(max_length, int) and max_length >= 2  # checked fully below
+        if valid_length and max_length > context:
+            raise ValueError(f"max_length={max_length} exceeds the model's context ({context})")
+        self.client = EngineClient(model, dtype=dtype, device=device,
+                                   max_model_len=max_length if valid_length else None,
+                                   kv_cache_memory=kv_cache_memory, block_size=block_size,
+                                   max_num_seqs=_MAX_PAIRS_PER_STEP,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
         if not isinstance(self.instruction, str):
             raise TypeError(f"instruction must be a str, got {type(instruction).__name__}")
@@ -80,14 +92,7 @@ class Reranker:
         if not isinstance(max_length, int) or max_length <= wrap:
             raise ValueError(f"max_length must be an int above the {wrap} tokens of the recipe's "
                              f"prefix and suffix, got {max_length!r}")
-        if max_length > self.model.config.max_position_embeddings:
-            raise ValueError(f"max_length={max_length} exceeds the model's context "
-                             f"({self.model.config.max_position_embeddings})")
-        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an int >= 1, got "
-                             f"{max_num_batched_tokens!r}")
         self.max_length = max_length
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         answer_ids = []
         for answer in ("no", "yes"):
@@ -96,8 +101,7 @@ class Reranker:
                 raise ValueError(f"the tokenizer has no token {answer!r}: not a Qwen3-Reranker "
                                  "tokenizer")
             answer_ids.append(token_id)
-        self.answer_ids = torch.tensor(answer_ids, device=self.device)  # [no, yes]
-        self._kv_cache: PagedKVCache | None = None
+        self.answer_ids = tuple(answer_ids)  # (no, yes)
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -145,66 +149,24 @@ class Reranker:
 
     # ---- the computation ---------------------------------------------------------------------
 
-    def _batches(self, ids: list[list[int]], shared: int) -> list[list[int]]:
-        """Pair indices grouped longest first, each group's new tokens within the budget."""
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        batches: list[list[int]] = []
-        tokens = 0
-        for i in order:
-            new = len(ids[i]) - shared
-            if batches and tokens + new <= self.max_num_batched_tokens:
-                batches[-1].append(i)
-                tokens += new
-            else:
-                batches.append([i])
-                tokens = new
-        return batches
-
-    def _cache(self, num_blocks: int) -> PagedKVCache:
-        """The KV pool, grown when a query needs more blocks than it has."""
-        if self._kv_cache is None or self._kv_cache.num_blocks < num_blocks:
-            self._kv_cache = None  # let the old pool go before the new one is allocated
-            self._kv_cache = PagedKVCache(self.model.kv_cache_spec(self.block_size), num_blocks,
-                                          device=self.device)
-        return self._kv_cache
-
     def _score_shared(self, ids: list[list[int]]) -> list[float]:
-        """Scores of one query's pairs: their common token prefix computed once (held by a
-        sequence of its own, so its blocks stay put), then the rest in packed batches."""
-        bs = self.block_size
+        """Scores of one query's pairs: their common token prefix computed once (a prompt-only
+        request whose full blocks enter the prefix cache), then every pair, longest first, as a
+        prompt-only request giving its "no" and "yes" logits."""
+        client = self.client
         # At least one token of every pair is left to compute: it gives the pair's logits.
         shared = min(len(_common_prefix(ids)), min(len(x) for x in ids) - 1)
-        reused = shared // bs * bs  # prefix sharing works in whole blocks
-        batches = self._batches(ids, reused)
-        per_batch = max(sum(math.ceil(len(ids[i]) / bs) - reused // bs for i in batch)
-                        for batch in batches)
-        cache = self._cache(math.ceil(shared / bs) + per_batch)
-        manager = cache.block_manager
-        prefix_seq = -1
+        reused = shared // self.block_size * self.block_size  # sharing works in whole blocks
+        if reused:
+            client.run([client.make_scoring_request(ids[0][:reused], ())])
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        requests = [client.make_scoring_request(ids[i], self.answer_ids) for i in order]
+        client.run(requests)
+        logits = torch.stack([request.scores for request in requests]).float()  # [n, 2]
+        yes = torch.log_softmax(logits, dim=-1)[:, 1].exp().tolist()
         scores = [0.0] * len(ids)
-        try:
-            if reused:
-                computed = manager.allocate(prefix_seq, ids[0][:reused])
-                if computed < reused:
-                    run_step(self.model, cache, [prefix_seq], [ids[0][computed:reused]],
-                             logits=False)
-            for batch in batches:
-                starts: list[int] = []  # per allocated pair: its tokens found in the cache
-                try:
-                    for i in batch:
-                        starts.append(manager.allocate(i, ids[i]))
-                    logits = run_step(self.model, cache, batch,
-                                      [ids[i][start:] for i, start in zip(batch, starts)],
-                                      logit_token_ids=self.answer_ids)  # [B, 2]: no, yes
-                    yes = torch.log_softmax(logits.float(), dim=-1)[:, 1].exp().tolist()
-                finally:
-                    for i in batch[:len(starts)]:
-                        manager.free(i)
-                for i, score in zip(batch, yes):
-                    scores[i] = score
-        finally:
-            if reused:
-                manager.free(prefix_seq)
+        for i, score in zip(order, yes):
+            scores[i] = score
         return scores
 
 

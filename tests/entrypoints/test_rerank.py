@@ -15,7 +15,7 @@ from tiny_hf import random_hf_model, save_hf_model
 import fastllm
 from fastllm import Reranker
 from fastllm.bench.rerank_recipe import recipe_ids, recipe_scores
-from fastllm.cli import main
+from fastllm.entrypoints.cli import main
 
 transformers.logging.set_verbosity_error()
 
@@ -111,22 +111,15 @@ def test_score_pairs_groups_queries_and_keeps_order(reranker, model_path):
     assert_close(reranker.score_pairs(interleaved), [expected[p] for p in interleaved])
 
 
-def test_the_shared_part_is_computed_once_per_query(reranker, model_path, monkeypatch):
-    import fastllm.rerank as rerank_module
-
-    computed = []
-    real = rerank_module.run_step
-
-    def counting(model, cache, seq_ids, new_tokens, **kwargs):
-        computed.append(sum(len(t) for t in new_tokens))
-        return real(model, cache, seq_ids, new_tokens, **kwargs)
-
-    monkeypatch.setattr(rerank_module, "run_step", counting)
+def test_the_shared_part_is_computed_once_per_query(reranker, model_path):
+    stats = reranker.client.engine.stats
+    before = stats.scheduled_tokens
     query, documents = dl19(model_path, queries=1, hits=8)[0]
     reranker.score(query, documents)
+    computed = stats.scheduled_tokens - before
     total = sum(len(reranker.pair_token_ids(query, d)) for d in documents)
     shared = len(reranker.pair_token_ids(query, "")) - len(reranker.suffix_ids) - 4
-    assert sum(computed) <= total - (len(documents) - 1) * (shared // 16 * 16)
+    assert computed <= total - (len(documents) - 1) * (shared // 16 * 16)
 
 
 def test_removing_the_causal_mask_changes_the_scores(reranker, model_path, monkeypatch):

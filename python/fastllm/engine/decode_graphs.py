@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from fastllm.kv_cache import PagedKVCache
-from fastllm.models.llama import AttentionMetadata, DecoderLM
+from fastllm.models import AttentionMetadata, DecoderLM
 
 __all__ = ["DecodeGraphs", "padded_batch_sizes"]
 
@@ -52,7 +52,7 @@ class DecodeGraphs:
         if self.use_cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
         rows = self.sizes[-1]
-        width = math.ceil(max_model_len / kv_cache.block_manager.block_size)
+        width = math.ceil(max_model_len / kv_cache.spec.block_size)
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)

@@ -1,4 +1,4 @@
-"""Decode steps through fastllm.decode_graphs equal plain ones, on the real stories260K weights.
+"""Decode steps through fastllm.engine.decode_graphs equal plain ones, on the real stories260K weights.
 
 On CUDA the steps replay captured CUDA graphs; on the CPU the same padded static-buffer step
 runs eagerly, so the padding (sequences without keys or cache slots) is checked everywhere.
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import metadata_for
 
 from fastllm import LLM, SamplingParams
-from fastllm.decode_graphs import DecodeGraphs, padded_batch_sizes
+from fastllm.engine.decode_graphs import DecodeGraphs, padded_batch_sizes
 from fastllm.kv_cache import PagedKVCache
-from fastllm.model_runner import run_step
+from fastllm.engine.scheduler import run_step
 from fastllm.models import load_model
-from fastllm.models.llama import AttentionMetadata
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 128
@@ -85,7 +85,7 @@ def test_steps_that_are_not_plain_decode_run_eagerly(stories_path):
     for seq_id in range(3):
         cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [5]))
     assert run_step(model, cache, [0, 1, 2], [[5]] * 3, decode_graphs=graphs).shape[0] == 3
-    meta = AttentionMetadata.build(cache, [0, 1], [2, 1], "cpu", starts=[0, 3])
+    meta = metadata_for(cache, [0, 1], [2, 1], [0, 3])
     with pytest.raises(ValueError, match="one new token per sequence, got 3 tokens for 2"):
         graphs.run(torch.tensor([5, 5]), meta)
 
@@ -102,7 +102,7 @@ def test_llm_generates_the_same_with_and_without_graphs(stories_path, device):
     outputs = []
     for enforce_eager in (True, False):
         llm = LLM(stories_path, device=device, max_num_seqs=4, enforce_eager=enforce_eager)
-        assert (llm.engine.decode_graphs is not None) == (device.type == "cuda"
+        assert (llm.engine.runner.decode_graphs is not None) == (device.type == "cuda"
                                                          and not enforce_eager)
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), greedy)])
     assert outputs[0] == outputs[1]

@@ -2,11 +2,12 @@
 
 - pre-RoPE caches give the same logits and greedy tokens as post-RoPE ones (prefill, decode);
 - a prompt whose prefix blocks come from the prefix cache gives the logits of a recompute;
-- independent-chunk prefill equals an independent reference of block attention built from HF
-  transformers (each prefix + chunk run causally, the chunk's K/V re-rotated from the positions
-  it was encoded at to those it occupies, then the suffix run over that cache), whether the
-  chunks are encoded now or come from the store, in any order and at any offset; with a single
-  chunk it is plain causal prefill.
+- chunked prompts through ``LLM.generate`` equal an independent reference of block attention
+  built from HF transformers (each prefix + chunk run causally, the chunk's K/V re-rotated from
+  the positions it was encoded at to those it occupies, then the suffix and the greedy
+  continuation run over that cache), whether the chunks are encoded now or come from the store,
+  in any order and at any offset, alone or batched with ordinary prompts, with chunked prefill
+  and preemption; with a single chunk it is plain causal prefill.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from fastllm.chunk_prefill import ChunkedPrompt, ChunkKVStore, prefill_independent_chunks
-from fastllm.kv_cache import PagedKVCache
-from fastllm.model_runner import run_step
+from fastllm import LLM, ChunkedPrompt, SamplingParams
+from fastllm.engine.scheduler import run_step
+from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM, load_model
 
 ATOL = 1e-4  # float32 logits of a 5-layer model, fastllm vs HF
@@ -92,9 +93,10 @@ def rotate_keys(hf: transformers.PreTrainedModel, keys: torch.Tensor, shift: int
 
 
 @torch.no_grad()
-def hf_block_attention(hf: transformers.PreTrainedModel, prompt: ChunkedPrompt) -> torch.Tensor:
-    """The reference: last logits of the suffix over [prefix][chunks] K/V built chunk by chunk
-    with HF transformers."""
+def hf_block_attention(hf: transformers.PreTrainedModel, prompt: ChunkedPrompt,
+                       steps: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """The reference: the suffix's last logits over [prefix][chunks] K/V built chunk by chunk
+    with HF transformers, and ``steps`` greedy tokens decoded after it over the same cache."""
     prefix = list(prompt.prefix)
     layers = hf.config.num_hidden_layers
     keys = [[] for _ in range(layers)]
@@ -111,62 +113,108 @@ def hf_block_attention(hf: transformers.PreTrainedModel, prompt: ChunkedPrompt) 
         offset += len(chunk)
     cache = DynamicCache(ddp_cache_data=[(torch.cat(k, 2), torch.cat(v, 2))
                                          for k, v in zip(keys, values)])
-    suffix = torch.tensor([list(prompt.suffix)])
-    positions = torch.arange(offset, offset + suffix.shape[1])[None]
-    return hf(suffix, position_ids=positions, past_key_values=cache).logits[0, -1]
+    new = torch.tensor([list(prompt.suffix)])
+    first = None
+    out: list[int] = []
+    for _ in range(steps + 1):
+        positions = torch.arange(offset, offset + new.shape[1])[None]
+        logits = hf(new, position_ids=positions, past_key_values=cache).logits[0, -1]
+        first = logits if first is None else first
+        offset += new.shape[1]
+        out.append(int(logits.argmax()))
+        new = torch.tensor([[out[-1]]])
+    return first, out[:steps]
 
 
-@torch.no_grad()
-def test_independent_chunks_equal_the_block_attention_reference(stories):
-    hf, model = stories
-    cache = make_cache(model, pre_rope=True)
-    store = ChunkKVStore(max_bytes=2**24)
+def chunked_llm(model_path, **kwargs) -> LLM:
+    kwargs = {"block_size": 8, "chunk_store_memory": 2**24, **kwargs}
+    return LLM(model_path("stories260K_hf"), **kwargs)
+
+
+def first_logprobs(output, hf_logits: torch.Tensor) -> None:
+    """The output's first-token logprobs (top 5) equal HF's log-softmax of ``hf_logits``."""
+    expected = torch.log_softmax(hf_logits, -1)
+    entry = output.outputs[0].logprobs[0]
+    got = torch.tensor([lp.logprob for lp in entry.values()])
+    torch.testing.assert_close(got, expected[list(entry)], atol=ATOL, rtol=ATOL)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+
+
+def test_independent_chunks_equal_the_block_attention_reference(stories, model_path):
+    hf, _ = stories
+    llm = chunked_llm(model_path)
+    store = llm.engine.scheduler.chunk_store
     prefix = [1, *tokens(13, 10)]
     docs = [tokens(n, 11 + n) for n in (9, 16, 5)]
     first = ChunkedPrompt(prefix, docs, tokens(6, 20))
-    got = prefill_independent_chunks(model, cache, 0, first, store)
-    torch.testing.assert_close(got, hf_block_attention(hf, first), atol=ATOL, rtol=ATOL)
+    [got] = llm.generate([first], GREEDY, use_tqdm=False)
+    hf_logits, hf_tokens = hf_block_attention(hf, first, steps=8)
+    first_logprobs(got, hf_logits)
+    assert got.outputs[0].token_ids == hf_tokens
     assert (store.hits, store.misses, len(store)) == (0, 3, 3)
 
     # The same documents in another order, one twice, after another question: every chunk comes
-    # from the store and lands at a new offset.
+    # from the store and lands at a new offset; decoding goes on like any sequence.
     second = ChunkedPrompt(prefix, [docs[2], docs[0], docs[2], docs[1]], tokens(4, 21))
-    got = prefill_independent_chunks(model, cache, 1, second, store)
+    [got] = llm.generate([second], GREEDY, use_tqdm=False)
     assert (store.hits, store.misses) == (3, 3)
-    torch.testing.assert_close(got, hf_block_attention(hf, second), atol=ATOL, rtol=ATOL)
-
-    # Decoding goes on from the whole prompt like any sequence.
-    manager = cache.block_manager
-    assert manager.num_tokens(1) == len(second.token_ids)
-    cache.copy_blocks(manager.append_tokens(1, [int(got.argmax())]))
-    assert run_step(model, cache, [1], [[int(got.argmax())]]).shape == (1, 512)
+    hf_logits, hf_tokens = hf_block_attention(hf, second, steps=8)
+    first_logprobs(got, hf_logits)
+    assert got.outputs[0].token_ids == hf_tokens
+    assert llm.kv_cache.block_manager.usage == 0
 
 
-@torch.no_grad()
-def test_one_chunk_is_causal_prefill(stories):
-    hf, model = stories
+def test_chunked_prompts_batched_with_ordinary_ones(stories, model_path):
+    """Chunked and ordinary prompts in one continuous batch, with chunked prefill and a pool
+    small enough to preempt: each equals its reference (HF block attention, or the prompt run
+    alone)."""
+    hf, _ = stories
+    prefix = [1, *tokens(11, 50)]
+    docs = [tokens(n, 51 + n) for n in (12, 7, 20)]
+    chunked = [ChunkedPrompt(prefix, [docs[0], docs[1]], tokens(5, 60)),
+               ChunkedPrompt(prefix, [docs[2], docs[0]], tokens(3, 61)),
+               ChunkedPrompt([1, *tokens(4, 62)], [docs[1]], tokens(2, 63))]
+    ordinary = [[1, *tokens(n, 70 + n)] for n in (30, 3, 17)]
+    prompts = [chunked[0], ordinary[0], chunked[1], ordinary[1], chunked[2], ordinary[2]]
+    alone = chunked_llm(model_path)
+    expected_ordinary = [alone.generate([p], GREEDY, use_tqdm=False)[0] for p in ordinary]
+    llm = chunked_llm(model_path, max_num_batched_tokens=24, kv_cache_memory=24 * 8 * 1280,
+                      max_model_len=128)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.stats.preemptions > 0  # the pool of 24 blocks cannot hold them all
+    for prompt, output in zip(prompts, outputs):
+        if isinstance(prompt, ChunkedPrompt):
+            hf_logits, hf_tokens = hf_block_attention(hf, prompt, steps=8)
+            first_logprobs(output, hf_logits)
+            assert output.outputs[0].token_ids == hf_tokens
+        else:
+            assert output.outputs[0].token_ids == \
+                expected_ordinary[ordinary.index(prompt)].outputs[0].token_ids
+    assert llm.kv_cache.block_manager.usage == 0
+
+
+def test_one_chunk_is_causal_prefill(stories, model_path):
+    hf, _ = stories
     prompt = ChunkedPrompt([1, *tokens(10, 30)], [tokens(20, 31)], tokens(3, 32))
-    got = prefill_independent_chunks(model, make_cache(model, pre_rope=True), 0, prompt,
-                                     ChunkKVStore(max_bytes=2**20))
-    expected = hf(torch.tensor([prompt.token_ids])).logits[0, -1]
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+    [got] = chunked_llm(model_path).generate([prompt], GREEDY, use_tqdm=False)
+    first_logprobs(got, hf(torch.tensor([prompt.token_ids])).logits[0, -1])
 
 
-@torch.no_grad()
-def test_chunk_kv_never_enters_the_prefix_cache(stories):
+def test_chunk_kv_never_enters_the_prefix_cache(stories, model_path):
     # A causal request with the same tokens as a chunked one must not reuse its chunk blocks.
-    hf, model = stories
-    cache = make_cache(model, pre_rope=True)
+    hf, _ = stories
+    llm = chunked_llm(model_path)
     prompt = ChunkedPrompt([1, *tokens(15, 40)], [tokens(16, 41), tokens(16, 42)], [7])
-    prefill_independent_chunks(model, cache, 0, prompt, ChunkKVStore(max_bytes=2**20))
-    _, logits = greedy(model, cache, 1, prompt.token_ids, 0)
-    assert cache.block_manager.stats()["hits"] == 2  # the 16 prefix tokens only
-    expected = hf(torch.tensor([prompt.token_ids])).logits[0, -1]
-    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=ATOL)
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    hits = llm.engine.stats.prefix_cache_hits
+    [causal] = llm.generate([prompt.token_ids], GREEDY, use_tqdm=False)
+    assert llm.engine.stats.prefix_cache_hits - hits == 2  # the 16 prefix tokens only
+    first_logprobs(causal, hf(torch.tensor([prompt.token_ids])).logits[0, -1])
 
 
-def test_store_bound_and_errors(stories):
-    _, model = stories
+def test_store_bound_and_errors(model_path):
     store = ChunkKVStore(max_bytes=3000)
     k = torch.zeros(5, 10, 4, 8)  # 6400 bytes with v: more than the bound, never kept
     store.put((1,), (2,), k, k)
@@ -184,6 +232,8 @@ def test_store_bound_and_errors(stories):
         ChunkedPrompt([1], [[2]], [])
     with pytest.raises(ValueError, match="chunk 1 is empty"):
         ChunkedPrompt([1], [[2], []], [3])
-    with pytest.raises(ValueError, match="pre_rope=True"):
-        prefill_independent_chunks(model, make_cache(model, pre_rope=False), 0,
-                                   ChunkedPrompt([1], [[2]], [3]), store)
+    plain = LLM(model_path("stories260K_hf"))
+    with pytest.raises(ValueError, match="chunk_store_memory"):
+        plain.generate([ChunkedPrompt([1], [[2]], [3])], use_tqdm=False)
+    with pytest.raises(ValueError, match="chunk_store_memory"):
+        LLM(model_path("stories260K_hf"), chunk_store_memory=-1)

@@ -1,0 +1,219 @@
+"""The engine client every entry point shares: one model, tokenizer, KV cache and engine, the
+prompts turned into requests, and the lock that lets several threads step one engine.
+
+``LLM``, ``AsyncLLM`` and ``Reranker`` each hold an :class:`EngineClient` and go through its
+methods; none reaches into another's state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+
+from fastllm.engine import Engine, EngineConfig
+from fastllm.engine.chunked_prompt import ChunkedPrompt
+from fastllm.engine.request import Request
+from fastllm.kv_cache import ChunkKVStore, PagedKVCache, default_kv_cache_memory, plan_pool
+from fastllm.models.pool import load
+from fastllm.sampling import SamplingParams
+from fastllm.tokenizer import Tokenizer
+
+__all__ = ["EngineClient", "PromptType"]
+
+# A prompt: text, token ids, vLLM's {"prompt": text} / {"prompt_token_ids": ids}, or a prompt of
+# independent chunks.
+PromptType = Union[str, Sequence[int], Mapping[str, Any], ChunkedPrompt]
+
+_DEFAULT_MAX_MODEL_LEN = 8192  # cap on the default context
+
+logger = logging.getLogger("fastllm")
+
+
+class EngineClient:
+    """A model, its tokenizer, a paged KV cache and the engine over them, driven under one lock.
+
+    Takes :class:`fastllm.LLM`'s arguments (see there).
+    """
+
+    def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", tokenizer: str | os.PathLike | None = None,
+                 max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
+                 max_prefill_chunk: int | None = None, enforce_eager: bool = False,
+                 chunk_store_memory: int | None = None) -> None:
+        engine_config = EngineConfig(max_num_seqs=max_num_seqs,
+                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     max_prefill_chunk=max_prefill_chunk,
+                                     enforce_eager=enforce_eager)
+        if chunk_store_memory is not None and (not isinstance(chunk_store_memory, int)
+                                               or chunk_store_memory < 0):
+            raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "
+                             f"{chunk_store_memory!r}")
+        self.model = load(model, dtype, device)
+        self.device = torch.device(device)
+        self.tokenizer = Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
+        config = self.model.config
+        if max_model_len is None:
+            max_model_len = min(config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
+        if not isinstance(max_model_len, int) or not \
+                2 <= max_model_len <= config.max_position_embeddings:
+            raise ValueError(f"max_model_len must be an int in [2, {config.max_position_embeddings}"
+                             f"] (the model's max_position_embeddings), got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        spec = self.model.kv_cache_spec(block_size)
+        one_sequence = -(-max_model_len // block_size) * spec.bytes_per_block
+        if kv_cache_memory is None:
+            # A share of the free memory, no more than max_num_seqs full-length sequences need,
+            # and never less than one.
+            budget = min(default_kv_cache_memory(self.device), max_num_seqs * one_sequence)
+            plan = plan_pool(spec, memory_bytes=max(budget, one_sequence))
+        else:
+            plan = plan_pool(spec, memory_bytes=kv_cache_memory)
+            if plan.max_tokens < max_model_len:
+                raise ValueError(f"kv_cache_memory={kv_cache_memory:,} bytes hold "
+                                 f"{plan.max_tokens} tokens, fewer than max_model_len="
+                                 f"{max_model_len}; give it at least {one_sequence:,}")
+        logger.info("KV cache: %s", plan.describe())
+        self.kv_cache = PagedKVCache(spec, plan, device=self.device,
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     pre_rope=chunk_store_memory is not None)
+        chunk_store = None if chunk_store_memory is None else ChunkKVStore(chunk_store_memory)
+        self.vocab_size = config.vocab_size
+        self.engine = Engine(self.model, self.tokenizer, self.kv_cache, engine_config,
+                             max_model_len, chunk_store)
+        self.lock = threading.RLock()  # one engine step at a time, whichever thread asks
+        self._request_counter = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def make_requests(self, prompts: PromptType | Sequence[PromptType],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                      ) -> list[Request]:
+        """Checked requests for prompts (one or a list) and their parameters (one for all, or
+        one each; default ``SamplingParams()``)."""
+        if isinstance(prompts, (str, Mapping, ChunkedPrompt)) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        requests = []
+        for prompt, params in zip(prompts, params_list):
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got "
+                                f"{type(params).__name__}")
+            params.check_vocab(self.vocab_size)
+            text, token_ids = self._prompt_ids(prompt)
+            requests.append(Request(
+                str(next(self._request_counter)), text, token_ids, params, self.tokenizer,
+                self.tokenizer.eos_token_ids, self.max_model_len,
+                chunked_prompt=prompt if isinstance(prompt, ChunkedPrompt) else None))
+        return requests
+
+    def make_scoring_request(self, token_ids: Sequence[int],
+                             score_token_ids: Sequence[int]) -> Request:
+        """A prompt-only request: its prompt is computed (and its KV cached), nothing is
+        generated, and it finishes with the logits of ``score_token_ids`` at its last token."""
+        token_ids = list(token_ids)
+        self._check_ids(token_ids)
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise ValueError(f"a scored prompt needs 1 to max_model_len={self.max_model_len} "
+                             f"tokens, got {len(token_ids)}")
+        return Request(str(next(self._request_counter)), None, token_ids, SamplingParams(),
+                       self.tokenizer, (), self.max_model_len, score_token_ids=score_token_ids)
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, its token ids), checked."""
+        if isinstance(prompt, ChunkedPrompt):
+            token_ids = prompt.token_ids
+            self._check_ids(token_ids)
+            return None, self._check_length(prompt, token_ids)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys "
+                                 f"{sorted(prompt)}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
+            text = None
+            token_ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+            self._check_ids(token_ids)
+        else:
+            raise TypeError(f"a prompt is a str, a list of token ids, a dict or a ChunkedPrompt, "
+                            f"got {type(prompt).__name__}")
+        return text, self._check_length(prompt, token_ids)
+
+    def _check_ids(self, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are not ints in [0, {self.vocab_size})")
+
+    def _check_length(self, prompt: PromptType, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise ValueError(f"prompt {prompt!r} has no tokens")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, which leaves no room to "
+                             f"generate under max_model_len={self.max_model_len}")
+        return token_ids
+
+    # ---- driving the engine ------------------------------------------------------------------
+
+    def add(self, requests: Sequence[Request]) -> None:
+        """Queues requests in the engine, all or none."""
+        with self.lock:
+            try:
+                for request in requests:
+                    self.engine.add_request(request)
+            except BaseException:
+                self.abort_unfinished(requests)
+                raise
+
+    def abort_unfinished(self, requests: Sequence[Request]) -> None:
+        """Ends requests a caller no longer waits for (an error, or a stream closed early),
+        freeing their KV blocks."""
+        with self.lock:
+            for request in requests:
+                if not request.finished:
+                    self.engine.abort_request(request)
+
+    def step_until(self, done: Callable[[], bool]) -> bool:
+        """One engine step unless ``done()`` already holds (checked under the lock, so a step
+        another thread ran counts); returns ``done()`` after it."""
+        with self.lock:
+            if not done():
+                self.engine.step()
+            return done()
+
+    def run(self, requests: Sequence[Request],
+            on_progress: Callable[[int], None] | None = None) -> None:
+        """Adds the requests and steps the engine until all of them finished; on an error or an
+        interrupt, the unfinished ones are aborted. ``on_progress(n)`` hears of each newly
+        finished count."""
+        self.add(requests)
+        try:
+            finished_before = 0
+            while finished_before < len(requests):
+                self.step_until(lambda: all(r.finished for r in requests))
+                finished = sum(r.finished for r in requests)
+                if on_progress is not None and finished > finished_before:
+                    on_progress(finished - finished_before)
+                finished_before = finished
+        finally:
+            self.abort_unfinished(requests)

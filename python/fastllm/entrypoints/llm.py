@@ -1,0 +1,154 @@
+"""``fastllm.LLM``: text generation with vLLM's interface.
+
+    llm = fastllm.LLM("path/to/model", dtype="bfloat16")
+    outputs = llm.generate(["Once upon a time"], fastllm.SamplingParams(max_tokens=32))
+    print(outputs[0].outputs[0].text)
+    for delta in llm.stream("Once upon a time", fastllm.SamplingParams(temperature=0)):
+        print(delta, end="", flush=True)
+
+Requests run through :class:`fastllm.engine.Engine` (held by an
+:class:`~fastllm.entrypoints.client.EngineClient`): continuous batching over a paged KV cache,
+with the KV of prompt prefixes cached across requests and long prompts prefilled in chunks.
+Per step the host waits for one thing: the sampled token ids, which it needs to detokenize and
+to check the stop rules. ``generate``, ``stream`` and ``chat`` may be called from several
+threads at once; each call steps the shared engine, which advances every request in it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from fastllm.engine.outputs import RequestOutput
+from fastllm.entrypoints.client import EngineClient, PromptType
+from fastllm.sampling import SamplingParams
+
+__all__ = ["LLM", "PromptType"]
+
+
+class LLM:
+    """A model, its tokenizer and a paged KV cache, generating text for prompts.
+
+    Args:
+        model: a Hugging Face model folder (config.json, *.safetensors, tokenizer files) or a
+            ``.gguf`` file. Loaded through :func:`fastllm.load`, so several ``LLM`` objects share
+            one copy of the weights.
+        dtype: "float32", "bfloat16" or "float16" (or a torch dtype).
+        device: where the model and the KV cache live.
+        tokenizer: a folder or file to read the tokenizer from, if not ``model``.
+        max_model_len: the most tokens (prompt and output) one sequence may hold. Default: the
+            model's context, capped at 8192.
+        kv_cache_memory: bytes for the paged KV pool; the pool is what bounds how many
+            requests run at once (beyond it, the newest are preempted and recomputed later).
+            Default: a share of the free memory (:func:`fastllm.kv_cache.default_kv_cache_memory`:
+            a quarter of the host's available memory up to 2 GiB; half a GPU's free memory), no
+            more than ``max_num_seqs`` sequences of ``max_model_len`` tokens need and at least
+            one. The plan is logged (logger "fastllm", INFO). What running requests do not hold
+            keeps cached prefixes for later ones.
+        block_size: tokens per KV-cache block.
+        enable_prefix_caching: reuse the KV of prompt prefixes computed before.
+        max_num_seqs, max_num_batched_tokens, max_prefill_chunk: the engine's scheduling limits
+            (:class:`fastllm.engine.EngineConfig`).
+        enforce_eager: on CUDA, never replay decode steps from CUDA graphs (as vLLM's flag).
+        chunk_store_memory: bytes for the store of encoded independent chunks; setting it (0
+            keeps none) lets ``generate`` take :class:`fastllm.ChunkedPrompt` prompts and makes
+            the KV cache position-independent (keys cached before RoPE, rotated as attention
+            reads them). Default None: no chunked prompts.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", tokenizer: str | os.PathLike | None = None,
+                 max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
+                 max_prefill_chunk: int | None = None, enforce_eager: bool = False,
+                 chunk_store_memory: int | None = None) -> None:
+        self.client = EngineClient(
+            model, dtype=dtype, device=device, tokenizer=tokenizer, max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
+            enforce_eager=enforce_eager, chunk_store_memory=chunk_store_memory)
+        self.model, self.tokenizer = self.client.model, self.client.tokenizer
+        self.kv_cache, self.engine = self.client.kv_cache, self.client.engine
+        self.device, self.max_model_len = self.client.device, self.client.max_model_len
+
+    # ---- public API --------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates a completion for each prompt, in order.
+
+        Args:
+            prompts: one prompt or a list of them; a prompt is text (tokenized with the
+                tokenizer's special tokens, e.g. BOS), a list of token ids, a dict with
+                ``"prompt"`` or ``"prompt_token_ids"``, or a :class:`fastllm.ChunkedPrompt`
+                (with ``chunk_store_memory`` set), all batched together.
+            sampling_params: for all prompts, or one per prompt. Default: ``SamplingParams()``.
+            use_tqdm: show a progress bar over the prompts.
+        """
+        requests = self.client.make_requests(prompts, sampling_params)
+        with tqdm(total=len(requests), desc="Generating", unit="prompt",
+                  disable=not use_tqdm or not requests) as progress:
+            self.client.run(requests, progress.update)
+        return [request.output() for request in requests]
+
+    def stream(self, prompt: PromptType,
+               sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields the text of one completion as it is generated, delta by delta.
+
+        The deltas join to ``generate``'s text for the same prompt and parameters (text that
+        may start a stop string is held back until it is known not to). Closing the iterator
+        early ends the request and frees its KV.
+        """
+        if isinstance(sampling_params, Sequence):
+            raise TypeError("stream takes one prompt and one SamplingParams")
+        client = self.client
+        request, = client.make_requests([prompt], sampling_params)
+        client.add([request])
+        try:
+            while True:
+                with client.lock:
+                    finished = client.step_until(lambda: request.finished)
+                    deltas = request.take_deltas()
+                yield from deltas
+                if finished:
+                    return
+        finally:
+            client.abort_unfinished([request])
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        """``generate`` on one conversation (a list of ``{"role", "content"}`` messages) or a
+        list of them, each rendered with the chat template and a generation prompt.
+        ``template_kwargs`` go to the template (e.g. ``enable_thinking=False``)."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [self.chat_prompt(conversation, **template_kwargs)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
+                    **template_kwargs: Any) -> dict[str, list[int]]:
+        """The prompt (for ``generate`` or ``stream``) of a conversation: its chat template
+        rendered with a generation prompt and tokenized without adding special tokens, since
+        the template holds them."""
+        return {"prompt_token_ids": self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **template_kwargs)}
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text for a conversation, as HF's ``apply_chat_template`` renders it (see
+        :meth:`fastllm.Tokenizer.apply_chat_template`). To generate from a conversation use
+        :meth:`chat` or :meth:`chat_prompt`, which tokenize it without adding a second BOS."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"LLM({self.model.config.architecture}, dtype={self.model.embed_tokens.weight.dtype}"
+                f", device={self.device}, max_model_len={self.max_model_len}, "
+                f"kv_cache={self.kv_cache.num_blocks} blocks)")

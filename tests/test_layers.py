@@ -1,0 +1,99 @@
+"""The package's layering, read from its source: no import circle, no import from a lower layer
+to a higher one, the block manager driven from the scheduler and the KV cache module only, and
+``import fastllm.ops`` loading no engine, entrypoint, tokenizer or model module."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import fastllm
+
+PACKAGE = Path(fastllm.__file__).resolve().parent
+# Lower layers first; a module may import its own layer and those before it.
+LAYERS = [{"fastllm", "fastllm._C", "fastllm.ops"}, {"fastllm.kv_cache", "fastllm.sampling",
+                                          "fastllm.tokenizer"},
+          {"fastllm.models"}, {"fastllm.engine"}, {"fastllm.entrypoints"},
+          {"fastllm.bench", "fastllm.__main__"}]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int:
+    top = ".".join(module.split(".")[:2])
+    return next(i for i, group in enumerate(LAYERS) if top in group)
+
+
+def runtime_nodes(tree: ast.AST):
+    """Every node, less those under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
+def imports(path: Path) -> set[str]:
+    """fastllm modules imported by the file when it runs (lazy imports count too)."""
+    found = set()
+    for node in runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")} | {"fastllm._C", "fastllm"}
+    return {name for name in found if name in modules}
+
+
+SOURCES = {module_name(p): p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"
+           or p.parent != PACKAGE}
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    upward = [(module, imported) for module, path in SOURCES.items()
+              for imported in imports(path) if layer(imported) > layer(module)]
+    assert not upward
+
+
+def test_no_import_circle():
+    graph = {module: imports(path) - {module} for module, path in SOURCES.items()}
+    # A package's __init__ re-exporting its own modules is not a circle through them.
+    graph = {module: {i for i in deps if not module.startswith(i + ".")}
+             for module, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        if state.get(module) == 1:
+            raise AssertionError(f"import circle: {' -> '.join(trail + [module])}")
+        if state.get(module) == 2:
+            return
+        state[module] = 1
+        for dep in graph.get(module, ()):
+            visit(dep, trail + [module])
+        state[module] = 2
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_only_the_scheduler_and_the_kv_cache_drive_the_block_manager():
+    owners = {"fastllm.engine.scheduler", "fastllm.kv_cache.paged_cache"}
+    callers = {module for module, path in SOURCES.items()
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Attribute) and node.attr == "block_manager"}
+    assert callers <= owners, callers - owners
+
+
+def test_importing_the_ops_loads_no_higher_layer():
+    code = ("import sys, fastllm.ops; print(sorted(m for m in sys.modules if m.startswith("
+            "('fastllm.engine', 'fastllm.entrypoints', 'fastllm.tokenizer', 'fastllm.models', "
+            "'fastllm.sampling', 'fastllm.kv_cache'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "[]"
