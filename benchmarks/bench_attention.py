@@ -46,6 +46,7 @@ from fastllm.bench.timer import TimerConfig, Timing, compare
 from fastllm.bench.workloads import (MODEL_SHAPES, AttentionInputs, DeviceCopy,
                                      add_shape_arguments, make_attention_inputs, parse_device,
                                      repeat_kv)
+from fastllm.ops import reference
 
 MEMCPY = "memcpy"
 # --sdpa-backend: the backend forced on the SDPA peer; "auto" forces none (torch's choice).
@@ -121,8 +122,8 @@ def hf_attention(inputs: AttentionInputs, group: int, *, causal: bool) -> Tensor
     """HF transformers' path: a fresh additive mask, K/V repeated to all heads, then SDPA."""
     q = inputs.q_bhld  # [B, H, Lq, D]
     if causal:
-        mask = fastllm.reference.causal_mask(inputs.len_q, inputs.len_k, dtype=q.dtype,
-                                             device=q.device)  # [Lq, Lk]
+        mask = reference.causal_mask(inputs.len_q, inputs.len_k, dtype=q.dtype,
+                                     device=q.device)  # [Lq, Lk]
     else:
         mask = torch.zeros(1, inputs.len_k, dtype=q.dtype, device=q.device)  # [1, Lk]
     return F.scaled_dot_product_attention(q, repeat_kv(inputs.k_bhld, group),

@@ -1,14 +1,16 @@
 """Continuous batching: ``fastllm.LLM.generate`` serving many requests at once against HF
-transformers ``generate`` on padded batches of the same prompts, and the prefix cache's effect
-on time to first token.
+transformers ``generate`` on padded batches of the same prompts, the prefix cache's effect on
+time to first token, and ``fastllm.LLM(path)`` on its defaults (the KV pool sized from the
+memory budget) on mixed prompts.
 
 The model is bench_generate's random-weight Qwen3-0.6B (28 layers, hidden 1024, MLP 3072,
 16 query and 8 KV heads of 128, vocabulary 151,936, tied embeddings), saved once with the Qwen3
 tokenizer files; ``--layers``, ``--hidden-size`` and ``--intermediate-size`` scale it down. Per
 dtype (bfloat16 by default), both competitors load that folder in the dtype. On this project's
-2-core machine the default run takes about 4.5 minutes: one call each (fastllm about 75 s, HF
-about 150 s; a call this long is its own warm-up, see ``TimerConfig``), the prefix section
-and saving the model; ``--layers 4`` takes about a minute.
+2-core machine the default run takes about 6 minutes: about 4.5 for the throughput section
+(one call each, fastllm about 75 s, HF about 150 s; a call this long is its own warm-up, see
+``TimerConfig``), the prefix section and saving the model, and about 1.5 for the LLM-defaults
+section (one call each, fastllm about 30 s, HF about 40 s); ``--layers 4`` takes about 2.5.
 
 Throughput: ``--num-requests`` prompts (64) of random ordinary-token ids, their lengths drawn
 uniformly from ``--min-prompt-len`` .. ``--max-prompt-len`` (32 .. 512, fixed seed), each
@@ -43,6 +45,18 @@ after the timer's warm-up rounds: cold TTFT is the median of the rounds' first r
 cached TTFT the median of all the others; the hit rate is the block manager's (prompt blocks
 reused over prompt blocks looked up, in the timed rounds).
 
+LLM defaults: ``fastllm.LLM(folder)`` with no argument but the device (float32, prefix
+caching on, the engine's default limits, and ``kv_cache_memory=None``: the KV pool sized from
+the memory budget) serves ``--mixed-requests`` prompts (24) of ``--mixed-min-prompt-len`` ..
+``--mixed-max-prompt-len`` random tokens (10 .. 400), ``--mixed-output-tokens`` (32) greedy
+tokens each, against HF ``generate`` in float32 on the same prompts in padded batches as above,
+on the same random-weight shape with ``--mixed-layers`` layers (4), saved apart. Each call gets
+new prompts of the same lengths (the same for both competitors), so the prefix cache never
+serves one call from another's. Reported: output tokens/s of each, preemptions over every call
+(the check: none, the default pool holding every request), and the tokens the last call
+scheduled against those it needed (every prompt token, and every output token but each
+request's last, once).
+
 Goals, at the full Qwen3-0.6B shape with 64 requests of 32-512 tokens: fastllm throughput
 >= 5x HF's; cached-prefix TTFT >= 5x lower than cold. Greedy tokens are compared per request:
 float32 should agree; bfloat16 may drift apart (batch shapes change the rounding).
@@ -62,7 +76,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -74,7 +88,7 @@ from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
 from fastllm.bench.workloads import MODEL_SHAPES, parse_device, parse_model_bench_args
 from fastllm.engine import EngineStats
-from fastllm.model_pool import model_pool
+from fastllm.models.pool import model_pool
 from fastllm.models import DecoderLM
 
 # The random model, its prompts' vocabulary and the HF token clock are bench_generate's.
@@ -107,6 +121,12 @@ class EngineBenchConfig:
     suffix_len: int = 32
     prefix_requests: int = 8  # per round: one cold, then cached
     prefix_rounds: int = 3
+    # LLM(path) on its defaults: mixed prompts on the same shape with mixed_layers layers.
+    mixed_requests: int = 24
+    mixed_min_prompt_len: int = 10
+    mixed_max_prompt_len: int = 400
+    mixed_output_tokens: int = 32
+    mixed_layers: int = 4
     dtypes: tuple[str, ...] = ("bfloat16",)
     device: str = "cpu"
     seed: int = 0
@@ -122,6 +142,12 @@ class EngineBenchConfig:
         if self.output_tokens < 2 or self.prefix_requests < 2 or self.prefix_rounds < 1:
             raise ValueError(f"need output_tokens >= 2, prefix_requests >= 2 and "
                              f"prefix_rounds >= 1, got {self}")
+        if not (1 <= self.mixed_min_prompt_len <= self.mixed_max_prompt_len
+                and self.mixed_requests >= 1 and self.mixed_output_tokens >= 2
+                and self.mixed_layers >= 1):
+            raise ValueError(f"need 1 <= mixed_min_prompt_len <= mixed_max_prompt_len, "
+                             f"mixed_requests >= 1, mixed_output_tokens >= 2 and "
+                             f"mixed_layers >= 1, got {self}")
 
     @classmethod
     def for_device(cls, device: str) -> EngineBenchConfig:
@@ -382,6 +408,71 @@ def prefix_rows(config: EngineBenchConfig, folder: Path,
     return [row, *requests]
 
 
+def mixed_prompt_sets(config: EngineBenchConfig) -> list[list[list[int]]]:
+    """One set of ``mixed_requests`` prompts per call the timer may make (warm-up and timed):
+    the same lengths, drawn uniformly from ``mixed_min_prompt_len`` .. ``mixed_max_prompt_len``,
+    with new tokens in each set (so no call finds an earlier one's prompts in the prefix
+    cache)."""
+    generator = torch.Generator().manual_seed(config.seed + 2)
+    lengths = torch.randint(config.mixed_min_prompt_len, config.mixed_max_prompt_len + 1,
+                            (config.mixed_requests,), generator=generator).tolist()
+    return [[random_tokens(generator, length) for length in lengths]
+            for _ in range(config.timer.warmup + config.timer.repeats)]
+
+
+def in_turn(calls: Sequence[Callable[[], None]]) -> Callable[[], None]:
+    """A call whose n-th run runs ``calls[n]``."""
+    pending = iter(calls)
+    return lambda: next(pending)()
+
+
+def defaults_rows(config: EngineBenchConfig, folder: Path) -> list[dict[str, object]]:
+    """``fastllm.LLM(folder)`` on every default (float32, the KV pool sized from the memory
+    budget) against HF ``generate`` in float32 on mixed prompts; returns the section's row."""
+    prompt_sets = mixed_prompt_sets(config)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                              attn_implementation="sdpa").to(config.device).eval()
+    llm = fastllm.LLM(folder, device=config.device)  # the device alone is given
+    new_tokens = config.mixed_output_tokens
+    samples: dict[str, list[RunSample]] = {"fastllm": [], "hf": []}
+    with torch.inference_mode():
+        calls = {"fastllm": in_turn([fastllm_call(llm, prompts, new_tokens, samples["fastllm"])
+                                     for prompts in prompt_sets]),
+                 "hf": in_turn([hf_call(hf, padded_batches(prompts, config.hf_batch_size,
+                                                           config.device),
+                                        len(prompts), new_tokens, samples["hf"])
+                                for prompts in prompt_sets])}
+        timings = compare(calls, config.timer, device=config.device)
+    kv_pool_tokens = llm.kv_cache.num_blocks * llm.kv_cache.spec.block_size
+    row: dict[str, object] = {
+        "section": "defaults", "model": MODEL, "dtype": "float32", "layers": config.mixed_layers,
+        "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+        "num_requests": config.mixed_requests, "min_prompt_len": config.mixed_min_prompt_len,
+        "max_prompt_len": config.mixed_max_prompt_len, "output_tokens_each": new_tokens,
+        "prompt_tokens": sum(len(p) for p in prompt_sets[0]),
+        "max_model_len": llm.max_model_len, "kv_pool_tokens": kv_pool_tokens,
+        "kv_pool_mib": llm.kv_cache.nbytes / 2**20,
+        "preemptions": llm.engine.stats.preemptions}  # over every call
+    del hf, llm, calls
+    model_pool.clear()
+    gc.collect()
+    output_tokens = config.mixed_requests * new_tokens
+    for name, timing in timings.items():
+        row.update({f"{name}_call_{key}": value for key, value in timing.to_dict().items()})
+        row[f"{name}_tok_s"] = output_tokens / timing.median_s
+    row["throughput_speedup_vs_hf"] = row["fastllm_tok_s"] / row["hf_tok_s"]
+    # Every prompt token and every output token but the last of each request, once.
+    row["needed_tokens"] = row["prompt_tokens"] + config.mixed_requests * (new_tokens - 1)
+    last = samples["fastllm"][-1]
+    row["scheduled_tokens"] = last.stats["scheduled_tokens"]  # of the last call
+    row["scheduled_over_needed"] = row["scheduled_tokens"] / row["needed_tokens"]
+    row["steps"] = last.stats["steps"]
+    row["peak_kv_usage"] = last.stats["peak_kv_usage"]
+    agree = [leading_agreement(f, h) for f, h in zip(last.tokens, samples["hf"][-1].tokens)]
+    row["requests_tokens_equal"] = sum(n == new_tokens for n in agree)
+    return [row]
+
+
 def run(config: EngineBenchConfig) -> list[dict[str, object]]:
     """Saves the random model, then measures both sections per dtype; returns the JSON rows."""
     prompts = random_prompts(config)
@@ -392,6 +483,9 @@ def run(config: EngineBenchConfig) -> list[dict[str, object]]:
             print(f"engine: {dtype_name} throughput measured", flush=True)
             rows += prefix_rows(config, folder, dtype_name)
             print(f"engine: {dtype_name} prefix cache measured", flush=True)
+    with random_model_folder(replace(config, layers=config.mixed_layers), "engine") as folder:
+        rows += defaults_rows(config, folder)
+        print("engine: LLM defaults measured", flush=True)
     return rows
 
 
@@ -469,14 +563,42 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
         "time)": stats,
         "Prefix cache: TTFT with a shared system prompt (cold / cached > 1: the cache "
         "helps)": prefix_about + "\n\n" + prefix_table,
+        f"fastllm.LLM(path) on its defaults: {config.mixed_requests} mixed requests "
+        "(speedup > 1: fastllm faster)": defaults_table(config, rows),
     }
+
+
+def defaults_table(config: EngineBenchConfig, rows: list[dict[str, object]]) -> str:
+    """The defaults section's check, what it ran, and its table."""
+    found = [row for row in rows if row["section"] == "defaults"]
+    preemptions = sum(row["preemptions"] for row in found)
+    check = (f"Check: no preemption with LLM's default KV pool: {preemptions} "
+             f"({'met' if preemptions == 0 else 'NOT met'})." if found else "")
+    about = (f"fastllm.LLM(path) with every default (float32, prefix caching on, the KV pool "
+             f"sized from the memory budget) against HF generate in float32, the prompts sorted "
+             f"by length in left-padded batches of {config.hf_batch_size}; "
+             f"{config.mixed_requests} requests arriving at once, "
+             f"prompts of {config.mixed_min_prompt_len}-{config.mixed_max_prompt_len} random "
+             f"tokens (new ones each call), {config.mixed_output_tokens} greedy output tokens "
+             f"each, on a random-weight {MODEL} shape with {config.mixed_layers} layers. "
+             "Preemptions: over every call; tokens scheduled: in the last call, against those "
+             "needed (every prompt token, and every output token but each request's last, "
+             "once).")
+    return check + "\n\n" + about + "\n\n" + markdown_table(found, {
+        "fastllm_tok_s": "fastllm tok/s", "hf_tok_s": "HF tok/s",
+        "throughput_speedup_vs_hf": "speedup vs HF", "preemptions": "preemptions",
+        "scheduled_tokens": "tokens scheduled", "needed_tokens": "tokens needed",
+        "kv_pool_tokens": "KV pool tokens", "kv_pool_mib": "KV pool MiB",
+        "peak_kv_usage": "peak KV usage", "requests_tokens_equal": "requests with equal tokens"})
 
 
 def parse_args(argv: list[str] | None) -> tuple[EngineBenchConfig, Path]:
     """The config and output folder from the command line."""
     sizes = ("layers", "hidden_size", "intermediate_size", "num_requests", "min_prompt_len",
              "max_prompt_len", "output_tokens", "hf_batch_size", "max_num_batched_tokens",
-             "prefix_len", "suffix_len", "prefix_requests", "prefix_rounds", "seed")
+             "prefix_len", "suffix_len", "prefix_requests", "prefix_rounds", "mixed_requests",
+             "mixed_min_prompt_len", "mixed_max_prompt_len", "mixed_output_tokens",
+             "mixed_layers", "seed")
     return parse_model_bench_args(argv, EngineBenchConfig.for_device(parse_device(argv)),
                                   benchmark="engine", description=__doc__.split("\n\n")[0],
                                   sizes=sizes,

@@ -63,7 +63,7 @@ from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare, summarize
 from fastllm.bench.workloads import (MODEL_SHAPES, DeviceCopy, parse_device,
                                      parse_model_bench_args)
-from fastllm.model_pool import model_pool
+from fastllm.models.pool import model_pool
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
 GOAL_DECODE_SPEEDUP = 2.0  # fastllm decode tokens/s over HF's, at least
@@ -127,17 +127,26 @@ class ModelSizes(Protocol):
     models_dir: str
 
 
-def save_random_model(config: ModelSizes, folder: Path) -> None:
-    """Writes a Qwen3-shaped HF model with random float32 weights and the Qwen3 tokenizer
+# The HF model type of each architecture save_random_model writes.
+HF_MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+def save_random_model(config: ModelSizes, folder: Path, shape: str = MODEL) -> None:
+    """Writes an HF model of ``shape``'s family and heads (default Qwen3-0.6B's) with the
+    config's layers, hidden and MLP sizes, random float32 weights, and the Qwen3 tokenizer
     files into ``folder``."""
-    shape = MODEL_SHAPES[MODEL]
+    dims = MODEL_SHAPES[shape]
+    # Qwen3's special tokens, where the vocabulary holds them (random token ids never reach
+    # them: they are drawn from the ordinary ones).
+    special = ({"bos_token_id": QWEN3_BOS, "eos_token_id": QWEN3_EOS, "pad_token_id": QWEN3_BOS}
+               if dims.vocab_size > QWEN3_EOS else {})
     hf_config = AutoConfig.for_model(
-        "qwen3", vocab_size=shape.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.layers,
-        num_attention_heads=shape.n_heads, num_key_value_heads=shape.n_kv_heads,
-        head_dim=shape.head_dim, tie_word_embeddings=shape.tie_word_embeddings,
-        rope_theta=shape.rope_theta, rms_norm_eps=1e-6, max_position_embeddings=40_960,
-        bos_token_id=QWEN3_BOS, eos_token_id=QWEN3_EOS, pad_token_id=QWEN3_BOS)
+        HF_MODEL_TYPES[dims.architecture], vocab_size=dims.vocab_size,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.layers, num_attention_heads=dims.n_heads,
+        num_key_value_heads=dims.n_kv_heads, head_dim=dims.head_dim,
+        tie_word_embeddings=dims.tie_word_embeddings, rope_theta=dims.rope_theta,
+        rms_norm_eps=1e-6, max_position_embeddings=40_960, **special)
     with torch.device("meta"):  # no HF initialization: every weight is overwritten below
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.to_empty(device="cpu")
@@ -161,12 +170,13 @@ def save_random_model(config: ModelSizes, folder: Path) -> None:
 
 
 @contextmanager
-def random_model_folder(config: ModelSizes, benchmark: str) -> Iterator[Path]:
+def random_model_folder(config: ModelSizes, benchmark: str, shape: str = MODEL
+                        ) -> Iterator[Path]:
     """A temporary folder holding :func:`save_random_model`'s model, removed afterwards."""
     with tempfile.TemporaryDirectory(prefix=f"fastllm_bench_{benchmark}_") as tmp:
         folder = Path(tmp)
-        save_random_model(config, folder)
-        print(f"{benchmark}: random {MODEL} with {config.layers} layers saved", flush=True)
+        save_random_model(config, folder, shape)
+        print(f"{benchmark}: random {shape} with {config.layers} layers saved", flush=True)
         yield folder
 
 

@@ -24,6 +24,7 @@ import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare
 from fastllm.bench.workloads import MODEL_SHAPES, AttentionShape, make_attention_inputs, repeat_kv
+from fastllm.ops import reference
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def layer_competitors(shape: AttentionShape, length: int, dtype: torch.dtype,
     w_qkv = torch.randn(qkv_features, shape.hidden_size, dtype=dtype, device=device)
 
     def fresh_mask() -> Tensor:
-        return fastllm.reference.causal_mask(length, length, dtype=dtype, device=device)
+        return reference.causal_mask(length, length, dtype=dtype, device=device)
 
     def cached_mask() -> Tensor:
         return mask_cache.get(length, length, dtype, device)

@@ -23,26 +23,32 @@ Each competitor's call scores every pair, query by query (the recipe's per-query
   example scores all its pairs at once), the full logits at every position, the last
   position's yes/no log-softmax;
 - fastllm, the techniques of ``fastllm.Reranker`` added one at a time (a ladder; every rung
-  keeps the ones above it):
+  keeps the ones above it). A Reranker scores pairs as prompt-only requests of its engine, so
+  the rungs differ in what they ask of it and in the model its runner calls:
 
-  1. none: one pair per forward step (``max_num_batched_tokens=1``), nothing shared (a
-     ``block_size`` above the longest pair, so no KV block is ever full, none is reused), and
-     the full LM head at every position as the recipe computes it (the model wrapped so that
-     each step also computes, and drops, the logits of all its tokens);
+  1. none: one pair at a time (``Reranker.score(query, [document])`` per passage, so every
+     forward step runs one pair), nothing shared (a ``block_size`` above the longest pair, so
+     no KV block is ever full, none is reused), and the full LM head at every position as the
+     recipe computes it (the runner's model wrapped so that each step also computes, and
+     drops, the logits of all its tokens);
   2. + the LM head at each pair's last position only (full vocabulary, then the two rows
      picked);
   3. + the 2-row head: only the "no" and "yes" rows of the LM head;
-  4. + packing: a query's pairs in packed variable-length batches under the token budget
-     (``max_num_batched_tokens=4096``);
+  4. + packing: a query's pairs in one ``Reranker.score`` call, run as packed
+     variable-length batches under the token budget (``max_num_batched_tokens=4096``);
   5. + the shared prefix (``block_size=16``): the tokens a query's pairs share computed once
-     and reused through the paged KV cache's prefix sharing. This is ``fastllm.Reranker`` with
+     and reused through the paged KV cache's prefix caching. This is ``fastllm.Reranker`` with
      its defaults.
 
-Every fastllm call starts from an empty KV pool (the Reranker's pool keeps cached blocks from
-one call to the next: a repeated call would find every pair's KV already computed), so within a
-call only what one real pass over these queries would share is shared. Before timing, each
-model scores one pair once (the first forward pages the weights in); then each competitor's
-calls are timed until ``--repeats`` or ``--budget`` seconds.
+  Rungs 1 to 4 are one Reranker (the big blocks), rung 5 another; both load the same model
+  through the pool and keep their KV pools' default size.
+
+Every fastllm call starts from an empty KV pool (a fresh block manager over the same pool: the
+Reranker's pool keeps cached blocks from one call to the next, and a repeated call would find
+every pair's KV already computed), so within a call only what one real pass over these queries
+would share is shared. Before timing, each model scores one pair once (the first forward pages
+the weights in); then each competitor's calls are timed until ``--repeats`` or ``--budget``
+seconds.
 
 Per rung: pairs/s (pairs over the median call time), speedup against HF, gain over the rung
 above, tokens run through the model per call (HF: padded), and the largest absolute difference
@@ -72,7 +78,8 @@ from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.rerank_recipe import RECIPE_MAX_LENGTH, recipe_ids, recipe_scores
 from fastllm.bench.timer import TimerConfig, compare
 from fastllm.bench.workloads import MODEL_SHAPES, parse_model_bench_args
-from fastllm.model_pool import model_pool
+from fastllm.kv_cache import BlockManager
+from fastllm.models.pool import model_pool
 
 # The random model is bench_generate's; the DL19 run is eval_rerank_dl19's.
 from bench_generate import DEFAULT_MODELS_DIR, MODEL, random_model_folder
@@ -148,9 +155,9 @@ def workload(config: RerankBenchConfig) -> list[tuple[str, list[str]]]:
 
 
 class RungModel:
-    """The model as one rung's Reranker calls it: counts the tokens each forward step runs, and
-    computes the LM head the rung's way (``run_step`` asks for the two rows at the last
-    positions)."""
+    """The model as a rung's Reranker runs it (installed in its engine's model runner): counts
+    the tokens each forward step runs, and computes the LM head the rung's way (``head``; the
+    runner asks for the two rows at the pairs' last positions)."""
 
     def __init__(self, model: torch.nn.Module, head: str) -> None:
         self.model = model
@@ -172,6 +179,23 @@ class RungModel:
     def __getattr__(self, name: str) -> object:  # config, kv_cache_spec, ...
         return getattr(self.model, name)
 
+    @classmethod
+    def install(cls, reranker: fastllm.Reranker) -> RungModel:
+        """Wraps the model ``reranker``'s engine runs (the head is set per call)."""
+        runner = reranker.client.engine.runner
+        runner.model = cls(runner.model, "two")
+        return runner.model
+
+
+def empty_kv_pool(reranker: fastllm.Reranker) -> None:
+    """Gives ``reranker``'s KV pool a fresh block manager: no block, none cached."""
+    cache, scheduler = reranker.client.kv_cache, reranker.client.engine.scheduler
+    old = cache.block_manager
+    if scheduler.block_manager is not old or scheduler.has_unfinished():
+        raise RuntimeError("the reranker's scheduler holds another block manager, or requests")
+    cache.block_manager = BlockManager(old.num_blocks, old.block_size, old.enable_prefix_caching)
+    scheduler.block_manager = cache.block_manager
+
 
 @dataclass
 class CallSample:
@@ -181,17 +205,23 @@ class CallSample:
     tokens: int
 
 
-def fastllm_call(reranker: fastllm.Reranker, work: list[tuple[str, list[str]]],
+def fastllm_call(reranker: fastllm.Reranker, rung: Rung, work: list[tuple[str, list[str]]],
                  samples: list[CallSample]) -> Callable[[], None]:
-    """Scores every query's passages with ``reranker`` from an empty KV pool, appending the
-    call's sample."""
-    counter: RungModel = reranker.model
+    """Scores every query's passages the rung's way with ``reranker`` (its model installed as
+    a :class:`RungModel`) from an empty KV pool, appending the call's sample."""
+    counter = reranker.client.engine.runner.model
+    if not isinstance(counter, RungModel):
+        raise TypeError("install a RungModel in the reranker first")
 
     def call() -> None:
-        reranker._kv_cache = None  # no KV left from the previous call (see the docstring)
-        counter.tokens = 0
-        scores = [score for query, documents in work
-                  for score in reranker.score(query, documents)]
+        empty_kv_pool(reranker)  # no KV left from the previous call (see the docstring)
+        counter.head, counter.tokens = rung.head, 0
+        if rung.packing:
+            scores = [score for query, documents in work
+                      for score in reranker.score(query, documents)]
+        else:  # one pair per call, hence per forward step
+            scores = [reranker.score(query, [document])[0] for query, documents in work
+                      for document in documents]
         samples.append(CallSample(scores, counter.tokens))
 
     return call
@@ -243,24 +273,23 @@ def dtype_rows(config: RerankBenchConfig, folder: Path, dtype_name: str,
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                               attn_implementation="sdpa").to(config.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
-    rerankers: dict[str, fastllm.Reranker] = {}
+    # Rungs 1 to 4: KV blocks too big to fill (nothing shared); rung 5: the Reranker as is.
     big_block = no_share_block_size(tokenizer, work, config)
-    for name, rung in RUNGS.items():
-        reranker = fastllm.Reranker(
-            folder, dtype=dtype_name, device=config.device, max_length=config.max_length,
-            max_num_batched_tokens=config.max_num_batched_tokens if rung.packing else 1,
-            block_size=config.block_size if rung.shared_prefix else big_block)
-        reranker.model = RungModel(reranker.model, rung.head)  # one model, shared by the pool
-        rerankers[name] = reranker
+    rerankers = {shared: fastllm.Reranker(
+        folder, dtype=dtype_name, device=config.device, max_length=config.max_length,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        block_size=config.block_size if shared else big_block) for shared in (False, True)}
+    for reranker in rerankers.values():
+        RungModel.install(reranker)  # one model, shared by the pool, wrapped per reranker
     # Warm-up: one pair per model (the first forward of a fresh model is several times slower).
     query, documents = work[0]
-    rerankers["fastllm"].score(query, documents[:1])
+    rerankers[True].score(query, documents[:1])
     recipe_scores(hf, tokenizer, query, documents[:1], max_length=config.max_length)
 
     samples: dict[str, list[CallSample]] = {"hf": [], **{name: [] for name in RUNGS}}
     calls = {"hf": hf_call(hf, tokenizer, work, config, samples["hf"])}
-    calls |= {name: fastllm_call(reranker, work, samples[name])
-              for name, reranker in rerankers.items()}
+    calls |= {name: fastllm_call(rerankers[rung.shared_prefix], rung, work, samples[name])
+              for name, rung in RUNGS.items()}
     timings = compare(calls, config.timer, device=config.device)
     del hf, rerankers, calls
     model_pool.clear()  # the Rerankers share their model through the pool: let it go

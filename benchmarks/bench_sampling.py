@@ -18,7 +18,7 @@ output tokens per row). Per case, interleaved in one process:
 - sort-based: what hand-written samplers do: sort descending once, cut at k, softmax, cumsum,
   drop the tail past p, ``torch.multinomial``; min-p is softmax, threshold, multinomial; greedy
   is ``argmax``; penalties are plain PyTorch on the same mask and counts as fastllm
-  (``fastllm.reference.apply_penalties``, vLLM's formula).
+  (``fastllm.ops.reference.apply_penalties``, vLLM's formula).
 
 With penalties every competitor copies the logits once inside its timed call (fastllm penalizes
 in place); without, none does. Around the ops it calls, no timed call reads a value back to
@@ -55,6 +55,7 @@ import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare
 from fastllm.bench.workloads import parse_device
+from fastllm.ops import reference
 from fastllm.sampling import SamplingParams, SamplingTensors
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF chain", "sort": "sort-based"}
@@ -249,7 +250,7 @@ def sampling_competitors(setting: Setting, inputs: SamplingInputs
 
     def sort_penalized() -> Tensor:
         t = x.tensors
-        logits = fastllm.reference.apply_penalties(  # returns a penalized copy
+        logits = reference.apply_penalties(  # returns a penalized copy
             x.logits, x.prompt_mask, x.output_counts, t.repetition_penalty,
             t.frequency_penalty, t.presence_penalty)
         return sort_sample(logits, setting)

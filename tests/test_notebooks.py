@@ -43,7 +43,9 @@ def tiny_engine_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--dtypes", "float32", "--layers", "1", "--hidden-size", "64", "--intermediate-size",
         "192", "--num-requests", "4", "--min-prompt-len", "4", "--max-prompt-len", "16",
         "--output-tokens", "3", "--hf-batch-size", "2", "--prefix-len", "16", "--suffix-len",
-        "4", "--prefix-requests", "2", "--prefix-rounds", "1", "--repeats", "1", "--warmup", "0"])
+        "4", "--prefix-requests", "2", "--prefix-rounds", "1", "--repeats", "1", "--warmup", "0",
+        "--mixed-requests", "5", "--mixed-min-prompt-len", "10", "--mixed-max-prompt-len", "40",
+        "--mixed-output-tokens", "3", "--mixed-layers", "1"])
 
 
 @pytest.fixture(scope="module")

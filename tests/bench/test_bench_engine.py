@@ -20,13 +20,18 @@ finally:
     sys.path.remove(str(REPO / "benchmarks"))
 
 REQUESTS, OUTPUT_TOKENS, PREFIX_LEN, SUFFIX_LEN, PREFIX_REQUESTS, ROUNDS = 6, 4, 32, 4, 3, 2
+MIXED_REQUESTS, MIXED_OUTPUT_TOKENS = 5, 3
 # Two batches of 4 and 2 for HF; a token budget of 32 chunks the longer prompts for fastllm.
+# LLM's defaults: 5 prompts of 10 to 40 tokens on a 2-layer model.
 TINY = ["--layers", "1", "--hidden-size", "64", "--intermediate-size", "192",
         "--num-requests", str(REQUESTS), "--min-prompt-len", "4", "--max-prompt-len", "24",
         "--output-tokens", str(OUTPUT_TOKENS), "--hf-batch-size", "4",
         "--max-num-batched-tokens", "32", "--prefix-len", str(PREFIX_LEN),
         "--suffix-len", str(SUFFIX_LEN), "--prefix-requests", str(PREFIX_REQUESTS),
-        "--prefix-rounds", str(ROUNDS), "--repeats", "1", "--warmup", "0"]
+        "--prefix-rounds", str(ROUNDS), "--mixed-requests", str(MIXED_REQUESTS),
+        "--mixed-min-prompt-len", "10", "--mixed-max-prompt-len", "40",
+        "--mixed-output-tokens", str(MIXED_OUTPUT_TOKENS), "--mixed-layers", "2",
+        "--repeats", "1", "--warmup", "0"]
 
 
 def tiny_engine_bench(out: Path, dtypes: tuple[str, ...], device: torch.device
@@ -43,6 +48,9 @@ def test_cpu_defaults_are_make_benchs() -> None:
     assert config == bench_engine.EngineBenchConfig()
     assert (config.dtypes, config.num_requests, config.hf_batch_size, config.device) == (
         ("bfloat16",), 64, 16, "cpu")
+    # The case: 24 prompts of 10-400 tokens, 32 output tokens, a 4-layer Qwen3-0.6B.
+    assert (config.mixed_requests, config.mixed_min_prompt_len, config.mixed_max_prompt_len,
+            config.mixed_output_tokens, config.mixed_layers) == (24, 10, 400, 32, 4)
 
 
 def test_cuda_defaults_are_the_gpu_sizes() -> None:
@@ -120,8 +128,29 @@ def test_bench_engine_writes_rows(tmp_path: Path, device: torch.device) -> None:
             shared * (PREFIX_REQUESTS - 1) / (blocks * PREFIX_REQUESTS))
         assert prefix["prefix_ttft_ratio"] == pytest.approx(prefix["cold_ttft_ms"]
                                                             / prefix["cached_ttft_ms"])
+    # LLM(path) on its defaults: its KV pool holds every request, so nothing is preempted and
+    # every needed token is scheduled once; float32 on both sides gives HF's greedy tokens.
+    [defaults] = [row for row in rows if row["section"] == "defaults"]
+    config = bench_engine.parse_args(TINY)[0]
+    mixed = bench_engine.mixed_prompt_sets(config)
+    assert len(mixed) == 1 and all(10 <= len(p) <= 40 for p in mixed[0])
+    assert (defaults["num_requests"], defaults["layers"], defaults["dtype"]) == (
+        MIXED_REQUESTS, 2, "float32")
+    assert defaults["preemptions"] == 0
+    assert defaults["prompt_tokens"] == sum(len(p) for p in mixed[0])
+    assert defaults["scheduled_tokens"] == defaults["needed_tokens"] == (
+        defaults["prompt_tokens"] + MIXED_REQUESTS * (MIXED_OUTPUT_TOKENS - 1))
+    assert defaults["kv_pool_tokens"] >= MIXED_REQUESTS * (40 + MIXED_OUTPUT_TOKENS)
+    assert defaults["max_model_len"] == 8192  # the default context cap
+    assert defaults["requests_tokens_equal"] == MIXED_REQUESTS
+    for name in bench_engine.COMPETITORS:
+        assert defaults[f"{name}_tok_s"] == pytest.approx(
+            MIXED_REQUESTS * MIXED_OUTPUT_TOKENS / (defaults[f"{name}_call_median_ms"] / 1e3))
+    assert defaults["throughput_speedup_vs_hf"] == pytest.approx(
+        defaults["fastllm_tok_s"] / defaults["hf_tok_s"])
     markdown = (tmp_path / "engine.md").read_text()
     assert "not measured in this run" in markdown  # scaled down from the goal's size
+    assert "Check: no preemption with LLM's default KV pool: 0 (met)." in markdown
     assert "\n| float32 |" in markdown and "\n| bfloat16 | HF |" in markdown
 
 

@@ -1,4 +1,5 @@
-"""Decode steps through fastllm.engine.decode_graphs equal plain ones, on the real stories260K weights.
+"""Decode steps through fastllm.engine.decode_graphs equal plain ones, on the real stories260K
+weights.
 
 On CUDA the steps replay captured CUDA graphs; on the CPU the same padded static-buffer step
 runs eagerly, so the padding (sequences without keys or cache slots) is checked everywhere.

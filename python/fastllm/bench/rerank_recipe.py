@@ -1,5 +1,5 @@
 """The Qwen3-Reranker model card's recipe in plain HF transformers: the peer that
-:class:`fastllm.Reranker` is tested against (``tests/models/test_rerank.py``) and measured
+:class:`fastllm.Reranker` is tested against (``tests/entrypoints/test_rerank.py``) and measured
 against (``benchmarks/bench_rerank.py``).
 
 The card's ``format_instruction`` + ``process_inputs``: each pair's text tokenized without

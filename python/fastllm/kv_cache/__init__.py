@@ -17,6 +17,6 @@ from fastllm.kv_cache.paged_cache import (
     zeros_pool,
 )
 
-__all__ = ["BlockManager", "ChunkKVStore", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan", "PagedKVCache",
-           "StaticKVCache", "default_kv_cache_memory", "plan_pool",
+__all__ = ["BlockManager", "ChunkKVStore", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan",
+           "PagedKVCache", "StaticKVCache", "default_kv_cache_memory", "plan_pool",
            "zeros_pool"]

@@ -259,8 +259,8 @@ class PagedKVCache:
     ``pre_rope=True`` makes the cache position-independent: it holds keys *before* rotary
     embedding, and attention rotates each key by its position in its sequence as it reads it
     (``paged_attention(..., rotary_cos_sin_cache=...)``), so cached K/V can be placed at any
-    offset (:mod:`fastllm.engine.chunk_prefill`). Attention results equal the default (post-RoPE)
-    mode's; reading costs a rotation per key.
+    offset (:mod:`fastllm.engine.chunked_prompt`). Attention results equal the default
+    (post-RoPE) mode's; reading costs a rotation per key.
     """
 
     def __init__(self, spec: KVCacheSpec, pool: KVPoolPlan | int, *,
