@@ -5,62 +5,66 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
-#include "attention/attention.h"
 #include "common/trusted_inputs.h"
-#include "kv_cache/cache_write.h"
 #include "kv_cache/kv_cache_bindings.h"
-#include "linear/linear.h"
 #include "mask_cache/mask_cache.h"
-#include "rotary/rotary.h"
 #include "sampling/philox.h"
-#include "sampling/sampling.h"
+
+namespace {
+
+// Every op's schema, declared once. Two namespaces are defined from them: fastllm, whose ops run
+// each device's kernel, and fastllm_composite, whose ops run the ATen compositions (what MPS
+// runs) on any device (common/composite.h registers both).
+constexpr const char* kSchemas[] = {
+    // Attention over packed variable-length sequences (flash-attention varlen layout), causal
+    // mask bottom-right aligned and computed from indices, GQA by index, optional sliding window.
+    "attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
+    "int window_left=-1) -> Tensor",
+    // The same, written into a preallocated `out` of q's shape (no allocation in a decode loop).
+    "attention_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
+    "int window_left=-1, Tensor(a!) out) -> ()",
+    // Attention of packed queries over K/V read through block tables from paged caches
+    // [num_blocks, block_size, n_kv_heads, head_dim]: decode and chunked prefill, same
+    // semantics. With a cos|sin table the cached keys are pre-RoPE and rotated on read by their
+    // position.
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, *, bool causal=True, "
+    "float? scale=None, int window_left=-1, Tensor? rotary_cos_sin_cache=None, "
+    "bool rotary_is_neox=True) -> Tensor",
+    // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips).
+    "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slot_mapping) -> ()",
+    // x [rows, in] times weight [out, in] transposed, plus bias: F.linear for 2-D inputs. On
+    // the CPU a few rows (decode) stream the weights once at memory bandwidth.
+    "linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    // Rotary position embedding applied in place to q and, if given, k.
+    "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
+    "bool is_neox=True, int? rotary_dim=None) -> ()",
+    // One token per row after temperature / top-k / top-p / min-p, without sorting the
+    // vocabulary; the row's random number comes from Philox keyed by (seeds[row], offsets[row])
+    // alone.
+    "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+    "Tensor seeds, Tensor offsets) -> Tensor",
+    // The same, with the log-probabilities of the drawn token and the top num_logprobs tokens.
+    "sample_with_logprobs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+    "Tensor min_p, Tensor seeds, Tensor offsets, int num_logprobs) -> "
+    "(Tensor, Tensor, Tensor, Tensor)",
+    // Logit bias, repetition (prompt and output), frequency and presence penalties, in place.
+    "apply_penalties(Tensor(a!) logits, Tensor prompt_mask, Tensor output_counts, "
+    "Tensor repetition_penalty, Tensor frequency_penalty, Tensor presence_penalty, "
+    "Tensor? logit_bias=None) -> ()",
+};
+
+}  // namespace
 
 TORCH_LIBRARY(fastllm, m) {
-  // Attention over packed variable-length sequences (flash-attention varlen layout), causal mask
-  // bottom-right aligned and computed from indices, GQA by index, optional sliding window.
-  m.def(
-      "attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
-      "int window_left=-1) -> Tensor");
-  // The same, written into a preallocated `out` of q's shape (no allocation in a decode loop).
-  m.def(
-      "attention_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
-      "int window_left=-1, Tensor(a!) out) -> ()");
-  // Attention of packed queries over K/V read through block tables from paged caches
-  // [num_blocks, block_size, n_kv_heads, head_dim]: decode and chunked prefill, same semantics.
-  // With a cos|sin table the cached keys are pre-RoPE and rotated on read by their position.
-  m.def(
-      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, *, bool causal=True, "
-      "float? scale=None, int window_left=-1, Tensor? rotary_cos_sin_cache=None, "
-      "bool rotary_is_neox=True) -> Tensor");
-  // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips).
-  m.def(
-      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping) -> ()");
-  // x [rows, in] times weight [out, in] transposed, plus bias: F.linear for 2-D inputs. On the
-  // CPU a few rows (decode) stream the weights once at memory bandwidth.
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-  // Rotary position embedding applied in place to q and, if given, k.
-  m.def(
-      "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
-      "bool is_neox=True, int? rotary_dim=None) -> ()");
-  // One token per row after temperature / top-k / top-p / min-p, without sorting the vocabulary;
-  // the row's random number comes from Philox keyed by (seeds[row], offsets[row]) alone.
-  m.def(
-      "sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
-      "Tensor seeds, Tensor offsets) -> Tensor");
-  // The same, with the log-probabilities of the drawn token and the top num_logprobs tokens.
-  m.def(
-      "sample_with_logprobs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
-      "Tensor min_p, Tensor seeds, Tensor offsets, int num_logprobs) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
-  // Logit bias, repetition (prompt and output), frequency and presence penalties, in place.
-  m.def(
-      "apply_penalties(Tensor(a!) logits, Tensor prompt_mask, Tensor output_counts, "
-      "Tensor repetition_penalty, Tensor frequency_penalty, Tensor presence_penalty, "
-      "Tensor? logit_bias=None) -> ()");
+  for (const char* schema : kSchemas) m.def(schema);
+}
+
+TORCH_LIBRARY(fastllm_composite, m) {
+  for (const char* schema : kSchemas) m.def(schema);
 }
 
 namespace py = pybind11;
@@ -130,63 +134,6 @@ that raises ValueError. Safe to use from several threads.)doc")
         return "MaskCache(nbytes=" + std::to_string(self.nbytes()) +
                ", max_bytes=" + std::to_string(self.max_bytes()) + ")";
       });
-
-  // The ATen compositions registered for MPS, callable on any device so tests can check them
-  // against the reference where no MPS device exists.
-  auto composite = m.def_submodule("composite", "ATen-composite implementations of the ops");
-  composite.def(
-      "attention_out",
-      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-         int64_t max_seqlen_k, bool causal, std::optional<double> scale, int64_t window_left,
-         at::Tensor out) {
-        fastllm::attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, causal, scale, window_left, out);
-      },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
-      py::arg("max_seqlen_q"), py::arg("max_seqlen_k"), py::kw_only(), py::arg("causal") = true,
-      py::arg("scale") = py::none(), py::arg("window_left") = -1, py::arg("out"));
-  composite.def("paged_attention", &fastllm::paged_attention_composite, py::arg("q"),
-                py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-                py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("max_seqlen_q"),
-                py::kw_only(), py::arg("causal") = true, py::arg("scale") = py::none(),
-                py::arg("window_left") = -1, py::arg("rotary_cos_sin_cache") = py::none(),
-                py::arg("rotary_is_neox") = true);
-  composite.def(
-      "reshape_and_cache",
-      [](const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
-         const at::Tensor& slot_mapping) {
-        fastllm::reshape_and_cache_composite(key, value, k_cache, v_cache, slot_mapping);
-      },
-      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
-      py::arg("slot_mapping"));
-  composite.def("linear", &fastllm::linear_composite, py::arg("x"), py::arg("weight"),
-                py::arg("bias") = py::none());
-  composite.def(
-      "rotary_embedding",
-      [](const at::Tensor& positions, at::Tensor q, std::optional<at::Tensor> k,
-         const at::Tensor& cos_sin_cache, bool is_neox, std::optional<int64_t> rotary_dim) {
-        fastllm::rotary_embedding_composite(positions, q, k, cos_sin_cache, is_neox, rotary_dim);
-      },
-      py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos_sin_cache"), py::kw_only(),
-      py::arg("is_neox") = true, py::arg("rotary_dim") = py::none());
-  composite.def("sample", &fastllm::sample_composite, py::arg("logits"), py::arg("temperature"),
-                py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("seeds"),
-                py::arg("offsets"));
-  composite.def("sample_with_logprobs", &fastllm::sample_with_logprobs_composite,
-                py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-                py::arg("min_p"), py::arg("seeds"), py::arg("offsets"), py::arg("num_logprobs"));
-  composite.def(
-      "apply_penalties",
-      [](at::Tensor logits, const at::Tensor& prompt_mask, const at::Tensor& output_counts,
-         const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
-         const at::Tensor& presence_penalty, std::optional<at::Tensor> logit_bias) {
-        fastllm::apply_penalties_composite(logits, prompt_mask, output_counts, repetition_penalty,
-                                           frequency_penalty, presence_penalty, logit_bias);
-      },
-      py::arg("logits"), py::arg("prompt_mask"), py::arg("output_counts"),
-      py::arg("repetition_penalty"), py::arg("frequency_penalty"), py::arg("presence_penalty"),
-      py::arg("logit_bias") = py::none());
 
   m.def(
       "philox_uniform",

@@ -1,10 +1,12 @@
-"""Fixtures shared by every test: a reproducible seed per test and the devices to run on; and
-helpers that test modules import (``from conftest import num_threads``): a thread-count
-context, and the attention oracles' row and tolerance checks."""
+"""Fixtures shared by every test: a reproducible seed per test, the devices to run on and the op
+backends to test; and helpers that test modules import (``from conftest import num_threads``):
+a thread-count context, and the attention oracles' row and tolerance checks."""
 
 import contextlib
 import os
+import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,14 +25,80 @@ if torch.backends.mps.is_available():
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    """Seeds torch from the test's id: fresh inputs per test, the same ones on every run."""
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    """Seeds torch from the test's id less its backend: fresh inputs per test, the same ones on
+    every run and every backend."""
+    key = request.node.nodeid
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "backend" in callspec.params:
+        # The backend's id comes first: pytest_generate_tests below runs before the marks'.
+        name = callspec.params["backend"]
+        key = key.replace(f"[{name}-", "[").replace(f"[{name}]", "")
+    torch.manual_seed(zlib.crc32(key.encode()))
 
 
 @pytest.fixture(params=DEVICES)
 def device(request) -> torch.device:
     """Each device present; tests taking it run once per device."""
     return torch.device(request.param)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of the ops: ``ops`` is a ``torch.ops`` namespace with fastllm's
+    schemas (``backend.ops.attention(q, ...)``), ``device`` the device of its tensors."""
+
+    name: str
+    ops: object
+    device: torch.device
+
+
+# "cpu": torch.ops.fastllm's CPU kernels. "composite": torch.ops.fastllm_composite, the ATen
+# compositions MPS runs, here on CPU tensors. "cuda_sim": torch.ops.fastllm_sim, the CUDA host
+# code and kernels on CPU tensors through tests/cuda's simulator; it is slow, so only tests
+# marked `cuda_sim` (a representative subset of each grid) run on it. "cuda" is reported as
+# skipped where there is no GPU; "mps" only where it exists.
+BACKENDS = ["cpu", "composite", "cuda_sim", "cuda"] + (
+    ["mps"] if torch.backends.mps.is_available() else [])
+CPU_TENSOR_BACKENDS = {"cpu", "composite", "cuda_sim"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda_sim: run the test's `backend` cases on the CUDA "
+                                       "simulator too")
+    config.addinivalue_line("markers", "cpu_inputs: the test builds CPU tensors (bad-input "
+                                       "cases); run it on the backends whose ops take them")
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        marked = metafunc.definition.get_closest_marker
+        names = [b for b in BACKENDS if b != "cuda_sim" or marked("cuda_sim")]
+        if marked("cpu_inputs"):
+            names = [b for b in names if b in CPU_TENSOR_BACKENDS]
+        metafunc.parametrize("backend", names, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def cuda_sim_ops():
+    """``torch.ops.fastllm_sim``, built on first use (minutes cold, then cached in build/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda"))
+    import cuda_sim
+
+    if cuda_sim.cuda_include_dir() is None:
+        pytest.skip("CUDA headers not found: the CUDA simulator cannot be built")
+    return cuda_sim.load()
+
+
+@pytest.fixture
+def backend(request) -> Backend:
+    """Each backend (see BACKENDS); tests taking it run once per backend."""
+    name = request.param
+    if name == "cuda_sim":
+        return Backend(name, request.getfixturevalue("cuda_sim_ops"), torch.device("cpu"))
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    namespace = torch.ops.fastllm_composite if name == "composite" else torch.ops.fastllm
+    return Backend(name, namespace, torch.device("cpu" if name == "composite" else name))
 
 
 @contextlib.contextmanager
@@ -82,14 +150,28 @@ def find_model(relative: str) -> Path:
     there a missing model is a broken setup, not an optional extra."""
     path = MODELS_DIR / relative
     if not path.exists():
-        message = f"model file {path} is missing (set FASTLLM_MODELS_DIR)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+        _missing(f"model file {path} is missing (set FASTLLM_MODELS_DIR)")
     return path
+
+
+def _missing(message: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 @pytest.fixture(scope="session")
 def model_path():
     """``model_path(name)`` -> the folder of a small real model (see :func:`find_model`)."""
     return find_model
+
+
+def metadata_for(cache, seq_ids, counts, starts=None):
+    """The attention metadata (on the CPU) of ``counts[b]`` new tokens of each sequence placed
+    in ``cache``'s block manager by hand, laid out as the scheduler lays out a step."""
+    from fastllm.engine.model_runner import attention_metadata
+    from fastllm.engine.scheduler import batch_of_sequences
+
+    batch = batch_of_sequences(cache.block_manager, seq_ids, [[0] * n for n in counts],
+                               starts=starts, logits=False)
+    return attention_metadata(batch, "cpu")

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "attention/attention.h"
+#include "common/composite.h"
 #include "rotary/rotary.h"
 
 namespace fastllm {
@@ -100,8 +101,7 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
   return out;
 }
 
-// Any device without a native kernel (MPS, XPU, ...) falls back to this.
-TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) {
+FASTLLM_COMPOSITE_IMPL(m) {
   m.impl("attention", &attention_op<attention_out_composite>);
   m.impl("attention_out", &attention_out_composite);
   m.impl("paged_attention", &paged_attention_composite);

@@ -14,9 +14,4 @@ void check_cache_write_inputs(const at::Tensor& key, const at::Tensor& value,
 // Every slot of a CPU slot_mapping is < num_blocks * block_size (negative slots are skipped).
 void check_slot_values(const at::Tensor& slot_mapping_cpu, int64_t num_slots);
 
-// ATen composition, registered for devices without a native kernel (MPS).
-void reshape_and_cache_composite(const at::Tensor& key, const at::Tensor& value,
-                                 at::Tensor& k_cache, at::Tensor& v_cache,
-                                 const at::Tensor& slot_mapping);
-
 }  // namespace fastllm

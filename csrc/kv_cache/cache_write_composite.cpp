@@ -2,9 +2,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "common/composite.h"
 #include "kv_cache/cache_write.h"
 
 namespace fastllm {
+namespace {
 
 void reshape_and_cache_composite(const at::Tensor& key, const at::Tensor& value,
                                  at::Tensor& k_cache, at::Tensor& v_cache,
@@ -19,12 +21,7 @@ void reshape_and_cache_composite(const at::Tensor& key, const at::Tensor& value,
   v_cache.index_put_({block, offset}, value.index_select(0, rows));
 }
 
-namespace {
-
-// Any device without a native kernel (MPS, XPU, ...) falls back to this.
-TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) {
-  m.impl("reshape_and_cache", &reshape_and_cache_composite);
-}
+FASTLLM_COMPOSITE_IMPL(m) { m.impl("reshape_and_cache", &reshape_and_cache_composite); }
 
 }  // namespace
 }  // namespace fastllm

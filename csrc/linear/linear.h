@@ -12,8 +12,4 @@ namespace fastllm {
 void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
 
-// ATen composition of the op (at::linear), registered for devices without a native kernel.
-at::Tensor linear_composite(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias);
-
 }  // namespace fastllm

@@ -2,9 +2,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "common/composite.h"
 #include "linear/linear.h"
 
 namespace fastllm {
+namespace {
 
 at::Tensor linear_composite(const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
@@ -12,6 +14,7 @@ at::Tensor linear_composite(const at::Tensor& x, const at::Tensor& weight,
   return at::linear(x, weight, bias);
 }
 
-TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) { m.impl("linear", &linear_composite); }
+FASTLLM_COMPOSITE_IMPL(m) { m.impl("linear", &linear_composite); }
 
+}  // namespace
 }  // namespace fastllm

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "common/composite.h"
 #include "rotary/rotary.h"
 
 namespace fastllm {
@@ -43,7 +44,6 @@ void rotary_embedding_composite(const at::Tensor& positions, at::Tensor& q,
   }
 }
 
-// Any device without a native kernel (MPS, XPU, ...) falls back to this.
-TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) { m.impl("rotary_embedding", &rotary_embedding_composite); }
+FASTLLM_COMPOSITE_IMPL(m) { m.impl("rotary_embedding", &rotary_embedding_composite); }
 
 }  // namespace fastllm

@@ -1,11 +1,15 @@
 // Sampling written with ATen ops: what a device without a native kernel runs (MPS). It sorts
 // each row once (a fallback may); the semantics and the Philox draw are those of the CPU kernel.
+// No float64 tensor (MPS has none): sums are exact int64 sums of fixed-point weights instead.
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "common/composite.h"
 #include "sampling/philox.h"
 #include "sampling/sampling.h"
 
@@ -27,9 +31,11 @@ void check_logit_values(const at::Tensor& x) {
   }
 }
 
+// Fractional bits of the fixed-point weights: a row of `vocab` weights <= 1 sums below 2^62.
+int weight_bits(int64_t vocab) { return 62 - std::bit_width(uint64_t(vocab - 1)); }
+
 struct Filtered {
   at::Tensor x;         // float32 logits [batch, vocab]
-  at::Tensor greedy;    // bool [batch]
   at::Tensor logprobs;  // float32 [batch, vocab]: the distribution each row is drawn from
   at::Tensor tokens;    // int64 [batch]
 };
@@ -46,57 +52,65 @@ Filtered filter_and_draw(const at::Tensor& logits, const at::Tensor& temperature
   const auto t = at::where(greedy, at::ones_like(temperature), temperature).unsqueeze(1);
   // Scaled relative to the maximum (x / t alone can overflow float32): z <= 0, max(z) = 0.
   const auto z = (x - std::get<0>(x.max(1, /*keepdim=*/true))) / t;
-  const auto max = at::zeros({batch, 1}, z.options());
   const auto sorted = z.sort(/*stable=*/true, /*dim=*/1, /*descending=*/true);
   const auto& values = std::get<0>(sorted);
   const auto& order = std::get<1>(sorted);
-  auto keep = at::ones_like(z, z.options().dtype(at::kBool));
 
   // top-k: every value >= the k-th largest.
   const auto k = top_k.to(at::kLong);
   const auto k_on = k.gt(0).logical_and(k.lt(vocab));
   const auto kth = values.gather(1, (k.clamp(1, vocab) - 1).unsqueeze(1));
-  keep = keep.logical_and(z.ge(kth).logical_or(k_on.logical_not().unsqueeze(1)));
+  auto keep = z.ge(kth).logical_or(k_on.logical_not().unsqueeze(1));
+
+  // The weights exp(z) <= 1 in fixed point, rounded up so that every token of nonzero float32
+  // weight keeps a nonzero one: w * 2^bits is an integer already for w >= 2^(23 - bits), so
+  // the int64 sums below are the exact sums of the float32 weights but for the tiniest.
+  const int bits = weight_bits(vocab);
+  const auto weights =
+      z.exp().mul_(std::ldexp(1.0, bits)).ceil_().to(at::kLong).masked_fill_(keep.logical_not(), 0);
 
   // top-p: a token stays while the mass strictly above its tie group is below top_p.
-  const auto probs = z.masked_fill(keep.logical_not(), -kInf).softmax(1);
-  const auto sorted_probs = probs.gather(1, order);
-  const auto above = sorted_probs.to(at::kDouble).cumsum(1) - sorted_probs.to(at::kDouble);
-  const auto first_of_tie = at::searchsorted(sorted_probs.neg().contiguous(),
-                                             sorted_probs.neg().contiguous(), false, false);
-  const auto above_sorted = above.gather(1, first_of_tie);
-  const auto mass_above = at::empty_like(above_sorted).scatter_(1, order, above_sorted);
-  keep = keep.logical_and(mass_above.lt(top_p.to(at::kDouble).unsqueeze(1)));
+  const auto sorted_weights = weights.gather(1, order);  // non-increasing
+  const auto above = sorted_weights.cumsum(1) - sorted_weights;
+  const auto descending = sorted_weights.neg().contiguous();
+  const auto first_of_tie = at::searchsorted(descending, descending, false, false);
+  const auto mass_above = at::empty_like(above).scatter_(1, order, above.gather(1, first_of_tie));
+  const auto top_k_mass = weights.sum(1, /*keepdim=*/true).to(at::kFloat);
+  // Exact integers compared as float32 ratios; top_p = 1 keeps every token whatever they round to.
+  keep = keep.logical_and(mass_above.to(at::kFloat)
+                              .div_(top_k_mass)
+                              .lt(top_p.unsqueeze(1))
+                              .logical_or(top_p.ge(1).unsqueeze(1)));
 
-  // min-p: p >= min_p * p_max, i.e. z >= max + log(min_p).
-  keep = keep.logical_and(z.ge(max + min_p.log().unsqueeze(1)));
+  // min-p: p >= min_p * p_max, i.e. z >= log(min_p).
+  keep = keep.logical_and(z.ge(min_p.log().unsqueeze(1)));
 
-  // Weights of zero probability are not kept (as in the CPU kernel).
-  const auto weights = (z - max).exp().masked_fill(keep.logical_not(), 0.0);
-  keep = weights.gt(0);
-  const auto kept_mass = weights.to(at::kDouble).sum(1, /*keepdim=*/true);
-  auto logprobs = at::where(greedy.unsqueeze(1), x.log_softmax(1),
-                            ((z - max).to(at::kDouble) - kept_mass.log())
-                                .to(at::kFloat)
-                                .masked_fill(keep.logical_not(), -kInf));
+  // Tokens of zero weight are not kept (as in the CPU kernel).
+  const auto kept_weights = weights.masked_fill(keep.logical_not(), 0);
+  keep = kept_weights.gt(0);
+  const auto kept_mass = kept_weights.sum(1);
+  const auto log_kept_mass = kept_mass.to(at::kFloat).mul_(std::ldexp(1.0, -bits)).log_();
+  const auto logprobs =
+      at::where(greedy.unsqueeze(1), x.log_softmax(1),
+                (z - log_kept_mass.unsqueeze(1)).masked_fill_(keep.logical_not(), -kInf));
 
-  // The draw: the row's Philox uniform through the cumulative kept weights, in vocab order.
-  auto uniform = at::empty({batch}, at::kDouble);
+  // The draw: the first token, in vocab order, whose cumulative kept weight exceeds the row's
+  // Philox uniform times the kept mass. That target is computed on the host (as the CPU kernel
+  // does, in double), clamped below the mass so that a kept token is always found.
+  const auto mass_cpu = kept_mass.cpu();
   const auto seeds_cpu = seeds.cpu().contiguous(), offsets_cpu = offsets.cpu().contiguous();
-  for (int64_t r = 0; r < batch; ++r)
-    uniform.mutable_data_ptr<double>()[r] =
-        philox_uniform(uint64_t(seeds_cpu.const_data_ptr<int64_t>()[r]),
-                       uint64_t(offsets_cpu.const_data_ptr<int64_t>()[r]));
-  const auto cdf = weights.to(at::kDouble).cumsum(1);
-  const auto target = uniform.to(x.device()).unsqueeze(1) * kept_mass;
-  const auto last_kept = (keep.to(at::kLong) * at::arange(vocab, x.options().dtype(at::kLong)))
-                             .amax(1, /*keepdim=*/true);
-  const auto drawn = at::searchsorted(cdf, target, false, /*right=*/true).minimum(last_kept);
+  auto target = at::empty({batch, 1}, at::kLong);
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t mass = mass_cpu.const_data_ptr<int64_t>()[r];
+    const double u = philox_uniform(uint64_t(seeds_cpu.const_data_ptr<int64_t>()[r]),
+                                    uint64_t(offsets_cpu.const_data_ptr<int64_t>()[r]));
+    target.mutable_data_ptr<int64_t>()[r] = std::min(int64_t(u * double(mass)), mass - 1);
+  }
+  const auto drawn = at::searchsorted(kept_weights.cumsum(1), target.to(x.device()), false,
+                                      /*right=*/true);
   const auto tokens = at::where(greedy, x.argmax(1), drawn.squeeze(1));
-  return {x, greedy, logprobs, tokens};
+  return {x, logprobs, tokens};
 }
-
-}  // namespace
 
 at::Tensor sample_composite(const at::Tensor& logits, const at::Tensor& temperature,
                             const at::Tensor& top_k, const at::Tensor& top_p,
@@ -143,10 +157,7 @@ void apply_penalties_composite(at::Tensor& logits, const at::Tensor& prompt_mask
   logits.copy_(x);
 }
 
-namespace {
-
-// Any device without a native kernel (MPS, XPU, ...) falls back to these.
-TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) {
+FASTLLM_COMPOSITE_IMPL(m) {
   m.impl("sample", &sample_composite);
   m.impl("sample_with_logprobs", &sample_with_logprobs_composite);
   m.impl("apply_penalties", &apply_penalties_composite);

@@ -6,7 +6,11 @@ code where there is no GPU; on a GPU the device-parametrized tests run the real 
 Every output starts poisoned (NaN, or a sentinel for integers), shared memory starts as NaN
 bytes, and cp.async copies land only when a wait requires them, so unwritten elements, reads of
 unstaged tiles and missing waits show. A few cases run again with each block's threads scheduled
-last to first: a result that depends on the order has a missing barrier."""
+last to first: a result that depends on the order has a missing barrier.
+
+The op test grids (tests/ops, tests/kv_cache, tests/sampling) run their tests marked `cuda_sim` on
+the simulator too (rotary embedding and the penalties entirely); this file keeps the cases they
+do not cover: the CUDA kernels' own paths, launch grids and scheduling."""
 
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ import torch
 
 import cuda_sim
 from conftest import assert_within_twice_plain_error, blind_rows, num_threads
-from fastllm import ops, reference
+from fastllm import ops
+from fastllm.ops import reference
 
 # The paged-attention and sampling test helpers live beside their own tests.
 for folder in ("kv_cache", "sampling"):
@@ -35,9 +40,9 @@ SMS = 132  # the simulated device's SMs (an H100/H200)
 BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.fixture(scope="module")
-def sim():
-    return cuda_sim.load()
+@pytest.fixture
+def sim(cuda_sim_ops):
+    return cuda_sim_ops
 
 
 @pytest.fixture(autouse=True)
@@ -189,7 +194,7 @@ def test_paged_attention_checks_block_tables_unless_trusted(sim):
     assert not out.isnan().any()
 
 
-# --- cache writes and rotary ----------------------------------------------------------------
+# --- cache writes ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [F32, BF16, FP16])
 @pytest.mark.parametrize("heads, head_dim", [(2, 64), (3, 67), (8, 128)])
@@ -218,29 +223,6 @@ def test_reshape_and_cache_rejects_a_slot_past_the_pool_unless_trusted(sim):
     sim.reshape_and_cache(k, k, *caches, bad)  # the bad row is skipped, the others written
     written = ~caches[0].view(-1, 2, 64).isnan().all(-1).all(-1)
     assert written.nonzero().flatten().tolist() == [0, 5]
-
-
-@pytest.mark.parametrize("dtype, is_neox, rotary_dim, with_k, positions_dtype", [
-    (F32, True, 64, True, torch.int64),
-    (BF16, False, 64, True, torch.int32),
-    (FP16, True, 32, False, torch.int64),  # partial rotary dim, no k
-])
-def test_rotary_embedding_equals_cpu(sim, dtype, is_neox, rotary_dim, with_k, positions_dtype):
-    tokens, head_dim = 7, 64
-    positions = torch.randint(0, 100, (tokens,), dtype=positions_dtype)
-    # q as a strided slice of a fused projection, rotated in place.
-    fused = torch.randn(tokens, 6 * head_dim, dtype=dtype)
-    q = fused[:, :4 * head_dim].view(tokens, 4, head_dim)
-    k = torch.randn(tokens, 2, head_dim, dtype=dtype) if with_k else None
-    cos_sin = ops.rope_cos_sin_cache(128, rotary_dim)
-    q_cpu, k_cpu = q.clone(), None if k is None else k.clone()
-    untouched = fused[:, 4 * head_dim:].clone()
-    sim.rotary_embedding(positions, q, k, cos_sin, is_neox=is_neox, rotary_dim=None)
-    ops.rotary_embedding(positions, q_cpu, k_cpu, cos_sin, is_neox=is_neox)
-    torch.testing.assert_close(q, q_cpu)
-    if with_k:
-        torch.testing.assert_close(k, k_cpu)
-    assert torch.equal(fused[:, 4 * head_dim:], untouched)
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -281,21 +263,6 @@ def test_sample_flags_bad_rows(sim):
     sim.set_trusted_inputs(True)  # no host check: the row's token says it
     tokens = sim.sample(logits, *args)
     assert tokens[1] == -1 and (tokens[[0, 2]] >= 0).all()
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_apply_penalties_equals_cpu(sim, dtype):
-    batch, vocab = 3, 1000
-    logits = torch.randn(batch, vocab, dtype=dtype)
-    prompt_mask = torch.rand(batch, vocab) < 0.1
-    counts = torch.randint(0, 3, (batch, vocab), dtype=torch.int32)
-    penalties = (torch.tensor([1.0, 1.3, 0.8]), torch.tensor([0.0, 0.5, -0.2]),
-                 torch.tensor([0.1, 0.0, 1.0]))
-    bias = torch.randn(batch, vocab)
-    expected = logits.clone()
-    ops.apply_penalties(expected, prompt_mask, counts, *penalties, bias)
-    sim.apply_penalties(logits, prompt_mask, counts, *penalties, bias)
-    torch.testing.assert_close(logits, expected, atol=0, rtol=0)
 
 
 # --- scheduling order -----------------------------------------------------------------------

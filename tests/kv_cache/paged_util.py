@@ -1,10 +1,5 @@
-"""Helpers shared by the paged-KV op tests: the implementations under test, random paged pools
-with shuffled block tables and NaN in every slot no sequence owns, and the tolerance rules of
-tests/ops/test_attention.py.
-
-"native" is ``fastllm.ops.*`` (the device's registered kernel); "composite" is the ATen
-composition MPS runs, called directly so it is tested on every device.
-"""
+"""Helpers shared by the paged-KV op tests: random paged pools with shuffled block tables and NaN
+in every slot no sequence owns, and the tolerance rules of tests/ops/test_attention.py."""
 
 from __future__ import annotations
 
@@ -16,36 +11,12 @@ import torch
 from torch import Tensor
 
 from conftest import num_threads
-from fastllm import ops
-from fastllm._C import composite
 
-IMPLS = ["native", "composite"]
 F32_TOL = 2e-5  # float32 kernel vs the float64 reference, atol and rtol
 
 # Block table entries past a sequence's blocks are never read: fill them with ids that would
 # crash (out of range) or poison (a NaN block of the pool) any kernel that did.
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
-
-
-def paged_attention_op(impl):
-    return ops.paged_attention if impl == "native" else composite.paged_attention
-
-
-def reshape_and_cache_op(impl):
-    return ops.reshape_and_cache if impl == "native" else composite.reshape_and_cache
-
-
-def attention_op(impl):
-    """The same implementation's contiguous attention (functional)."""
-    if impl == "native":
-        return ops.attention
-
-    def attention(q, *args, **kwargs):
-        out = torch.empty_like(q)
-        composite.attention_out(q, *args, **kwargs, out=out)
-        return out
-
-    return attention
 
 
 def i32(*values, device="cpu"):

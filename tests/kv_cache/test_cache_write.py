@@ -1,4 +1,4 @@
-"""fastllm.ops.reshape_and_cache and its ATen composite against reference.reshape_and_cache.
+"""The reshape_and_cache op of every backend (conftest.py) against reference.reshape_and_cache.
 
 The caches start as NaN, so a result equal to the reference (NaN where the reference left NaN)
 shows that exactly the mapped slots were written, with exactly the token's rows: a copy is
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from conftest import num_threads
-from fastllm import reference
-from paged_util import IMPLS, reshape_and_cache_op
+from fastllm.ops import reference
 
 EXACT = dict(rtol=0, atol=0, equal_nan=True)
 
@@ -53,46 +52,47 @@ def make_caches(layout, num_blocks, block_size, n_kv_heads, head_dim, dtype, dev
     return k_pool.transpose(1, 2), v_pool.transpose(1, 2), [k_pool, v_pool]
 
 
-def check(impl, key, value, k_cache, v_cache, slot_mapping):
-    """Writes with `impl` and compares the caches with the reference's, exactly.
+def check(backend, key, value, k_cache, v_cache, slot_mapping):
+    """Writes on `backend` and compares the caches with the reference's, exactly.
 
-    Only the native kernel runs with the caller's threads, as it does in use; everything else
-    (the composite, what MPS runs, included) runs on one: on the CPU, small ATen ops would wait
-    on descheduled workers when the machine's cores are shared."""
+    Only the kernels run with the caller's threads, as they do in use; everything else (the
+    composite, what MPS runs, included) runs on one: on the CPU, small ATen ops would wait on
+    descheduled workers when the machine's cores are shared."""
     with num_threads(1):
         expected_k, expected_v = reference.reshape_and_cache(key, value, k_cache, v_cache,
                                                              slot_mapping)
-    with num_threads(1 if impl == "composite" else None):
-        result = reshape_and_cache_op(impl)(key, value, k_cache, v_cache, slot_mapping)
+    with num_threads(1 if backend.name == "composite" else None):
+        result = backend.ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
     assert result is None
     with num_threads(1):
         torch.testing.assert_close(k_cache, expected_k, **EXACT)
         torch.testing.assert_close(v_cache, expected_v, **EXACT)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("tokens, n_padding", [(1, 0), (37, 5), (300, 20)])
-def test_matches_reference(impl, dtype, block_size, tokens, n_padding, device):
+def test_matches_reference(backend, dtype, block_size, tokens, n_padding):
+    device = backend.device
     n_kv_heads, head_dim, num_slots = 2, 32, 320  # 300 tokens: several parallel chunks
     key = torch.randn(tokens, n_kv_heads, head_dim, dtype=dtype, device=device)
     value = torch.randn_like(key)
     k_cache, v_cache, _ = make_caches("contiguous", num_slots // block_size, block_size,
                                       n_kv_heads, head_dim, dtype, device)
     slot_mapping = random_slots(tokens, num_slots, n_padding, device)
-    check(impl, key, value, k_cache, v_cache, slot_mapping)
+    check(backend, key, value, k_cache, v_cache, slot_mapping)
     with num_threads(1):
         for cache in (k_cache, v_cache):  # the mapped slots were written, each entirely
             written = cache.flatten(0, 1).isnan().flatten(1).logical_not().all(1)
             assert written.sum() == tokens - n_padding
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["fused_kv_pool", "head_dim_slice", "head_dim_stride_2",
                                     "heads_major"])
-def test_strided_rows_and_caches(impl, dtype, layout, device):
+def test_strided_rows_and_caches(backend, dtype, layout):
+    device = backend.device
     # key and value are slices of a fused QKV projection; the caches views of bigger storage.
     tokens, n_heads, n_kv_heads, head_dim, block_size = 23, 4, 2, 32, 4
     qkv = torch.randn(tokens, n_heads + 2 * n_kv_heads, head_dim, dtype=dtype, device=device)
@@ -101,8 +101,13 @@ def test_strided_rows_and_caches(impl, dtype, layout, device):
                                             device)
     assert not any(t.is_contiguous() for t in (key, value, k_cache, v_cache))
     slot_mapping = random_slots(tokens, 9 * block_size, 3, device)
+    if layout == "head_dim_stride_2" and backend.name in ("cuda", "cuda_sim"):
+        # The CUDA kernel's layout contract: the caches' head_dim is dense.
+        with pytest.raises(ValueError, match="dense head_dim"):
+            backend.ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
     before = [s.clone() for s in storage]
-    check(impl, key, value, k_cache, v_cache, slot_mapping)
+    check(backend, key, value, k_cache, v_cache, slot_mapping)
 
     # Nothing was written outside the cache views.
     for s, b in zip(storage, before):
@@ -114,15 +119,16 @@ def test_strided_rows_and_caches(impl, dtype, layout, device):
         torch.testing.assert_close(s[~inside], b[~inside], **EXACT)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_overwrites_and_keeps_previous_values(impl, device):
+@pytest.mark.cuda_sim
+def test_overwrites_and_keeps_previous_values(backend):
+    device = backend.device
     # Finite previous contents: written slots get the new rows, every other slot keeps its own.
     key, value = torch.randn(6, 2, 8, device=device), torch.randn(6, 2, 8, device=device)
     k_cache, v_cache = torch.randn(4, 4, 2, 8, device=device), torch.randn(4, 4, 2, 8,
                                                                            device=device)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     slot_mapping = torch.tensor([15, -1, 0, 6, -1, 5], device=device)
-    check(impl, key, value, k_cache, v_cache, slot_mapping)
+    check(backend, key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache[3, 3], key[0]) and torch.equal(v_cache[1, 2], value[3])
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[[15, 0, 6, 5]] = False
@@ -130,14 +136,15 @@ def test_overwrites_and_keeps_previous_values(impl, device):
     assert torch.equal(v_cache.flatten(0, 1)[untouched], v_before.flatten(0, 1)[untouched])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("slot_mapping", [[], [-1, -1, -3]], ids=["no_tokens", "all_padding"])
-def test_nothing_to_write(impl, slot_mapping, device):
+def test_nothing_to_write(backend, slot_mapping):
+    device = backend.device
     key = torch.randn(len(slot_mapping), 2, 8, device=device)
     k_cache, v_cache = torch.randn(3, 4, 2, 8, device=device), torch.randn(3, 4, 2, 8,
                                                                            device=device)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    reshape_and_cache_op(impl)(key, key.clone(), k_cache, v_cache,
+    backend.ops.reshape_and_cache(key, key.clone(), k_cache, v_cache,
                                torch.tensor(slot_mapping, dtype=torch.long, device=device))
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
 
@@ -151,7 +158,8 @@ OPCHECK_CASES = {
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
-def test_opcheck_reshape_and_cache(case, device):
+def test_opcheck_reshape_and_cache(backend, case):
+    device = backend.device
     tokens, n_kv_heads, head_dim, num_blocks, block_size, dtype, padding, layout = \
         OPCHECK_CASES[case]
     key = torch.randn(tokens, n_kv_heads, head_dim, dtype=dtype, device=device)
@@ -159,7 +167,7 @@ def test_opcheck_reshape_and_cache(case, device):
                                       dtype, device)
     k_cache.zero_(), v_cache.zero_()  # opcheck compares caches with ==, which NaN never passes
     slot_mapping = random_slots(tokens, num_blocks * block_size, padding, device)
-    torch.library.opcheck(torch.ops.fastllm.reshape_and_cache.default,
+    torch.library.opcheck(backend.ops.reshape_and_cache.default,
                           (key, torch.randn_like(key), k_cache, v_cache, slot_mapping))
 
 
@@ -223,16 +231,16 @@ WRITE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("case", WRITE_ERRORS)
-def test_reshape_and_cache_bad_input_leaves_caches_unchanged(impl, case):
+def test_reshape_and_cache_bad_input_leaves_caches_unchanged(backend, case):
     changes, error, match = WRITE_ERRORS[case]
     inputs = write_inputs()
-    reshape_and_cache_op(impl)(*inputs.values())  # the valid call passes
+    backend.ops.reshape_and_cache(*inputs.values())  # the valid call passes
     inputs |= changes
     caches = [c for c in (inputs["k_cache"], inputs["v_cache"]) if not c.is_meta]
     before = [c.clone() for c in caches]
     with pytest.raises(error, match=match):
-        reshape_and_cache_op(impl)(*inputs.values())
+        backend.ops.reshape_and_cache(*inputs.values())
     for cache, b in zip(caches, before):
         assert torch.equal(cache, b), "a rejected call wrote into the cache"

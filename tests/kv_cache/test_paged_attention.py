@@ -1,13 +1,13 @@
-"""fastllm.ops.paged_attention and its ATen composite: attention over keys read through block
-tables, against the same implementation's contiguous attention and the float64 reference.
+"""The paged_attention op of every backend (conftest.py): attention over keys read through block
+tables, against the same backend's contiguous attention and the float64 reference.
 
 Every pool is built by ``paged_util.make_case``: shuffled block ids, extra blocks no sequence
 owns, partial last blocks, NaN in every slot no sequence owns and junk (-1, +-2**31, ids of NaN
 blocks) in the table columns past each sequence's blocks. Reading any of it shows up as NaN or
-a crash. ``check`` then asserts: no NaN; bit-equal to the same implementation's
-``attention`` on the gathered contiguous K/V (the paged kernel is that attention with a
-different key layout); queries that see no key are exactly 0; and float64-reference agreement,
-tight in float32, flash-attention's 2x rule in bfloat16/float16.
+a crash. ``check`` then asserts: no NaN; bit-equal to the same backend's ``attention`` on the
+gathered contiguous K/V (the paged kernel is that attention with a different key layout);
+queries that see no key are exactly 0; and float64-reference agreement, tight in float32,
+flash-attention's 2x rule in bfloat16/float16.
 """
 
 import dataclasses
@@ -17,34 +17,34 @@ import pytest
 import torch
 
 from conftest import num_threads
-from fastllm import ops, reference
+from fastllm import ops
+from fastllm.ops import reference
 from conftest import assert_within_twice_plain_error, blind_rows
-from paged_util import (F32_TOL, IMPLS, attention_op, cu_seqlens, i32, make_case,
-                        paged_attention_op, reshape_and_cache_op, slots)
+from paged_util import F32_TOL, cu_seqlens, i32, make_case, slots
 
 
-def check(impl, case, *, exact=True, **kwargs):
-    """Runs `case` through `impl` and checks it every way described in the module docstring;
+def check(backend, case, *, exact=True, **kwargs):
+    """Runs `case` on `backend` and checks it every way described in the module docstring;
     exact=False skips the bit-equality with contiguous attention (for caches whose strides
     send the kernel down another path than contiguous K/V do)."""
     # The composite (what MPS runs) on one thread: on the CPU its many small ATen ops would wait
-    # on descheduled workers when the machine's cores are shared. The native kernel runs with
-    # the caller's threads, as it does in use.
-    with num_threads(1 if impl == "composite" else None):
-        out = paged_attention_op(impl)(*case.args(), **kwargs)
+    # on descheduled workers when the machine's cores are shared. The kernels run with the
+    # caller's threads, as they do in use.
+    with num_threads(1 if backend.name == "composite" else None):
+        out = backend.ops.paged_attention(*case.args(), **kwargs)
         assert out.shape == case.q.shape and out.dtype == case.q.dtype
         assert not out.isnan().any(), "NaN in the output: unowned slots or blocks were read"
         seq_lens = case.seq_lens.tolist()
-        # Bit-equality holds where both ops are one kernel (the CPU's) or one composition; on
+        # Bit-equality holds where both ops are one kernel (the CPU's) or one composition; in
         # CUDA, paged decode and packed prefill are separate kernels (float64 still rules).
-        exact = exact and (impl == "composite" or case.q.device.type == "cpu")
+        exact = exact and backend.name not in ("cuda", "cuda_sim")
         if exact:  # with the op's thread count: the kernel's key splits depend on it
             with num_threads(1):
                 k = reference.gather_paged(case.k_cache, case.block_tables, case.seq_lens)
                 v = reference.gather_paged(case.v_cache, case.block_tables, case.seq_lens)
-            contiguous = attention_op(impl)(case.q, k, v, case.cu_seqlens_q,
-                                            cu_seqlens(seq_lens, k.device), case.max_seqlen_q,
-                                            max(seq_lens, default=0), **kwargs)
+            contiguous = backend.ops.attention(case.q, k, v, case.cu_seqlens_q,
+                                               cu_seqlens(seq_lens, k.device), case.max_seqlen_q,
+                                               max(seq_lens, default=0), **kwargs)
             assert torch.equal(out, contiguous), "paged != attention on the gathered K/V"
 
     with num_threads(1):  # the oracle's ops are small too
@@ -64,33 +64,33 @@ def check(impl, case, *, exact=True, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("group", [1, 2, 4, 7])
-def test_block_sizes_and_gqa(impl, block_size, group, device):
+def test_block_sizes_and_gqa(backend, block_size, group):
+    device = backend.device
     # Per sequence: decode against 9 keys, a 17-token prefill, 0 queries against 3 cached keys,
     # a chunk of 7 against 33 cached + itself, and a 1-token prefill.
-    check(impl, make_case([1, 17, 0, 7, 1], [9, 17, 3, 40, 1], group * 2, 2, 64, block_size,
+    check(backend, make_case([1, 17, 0, 7, 1], [9, 17, 3, 40, 1], group * 2, 2, 64, block_size,
                           device=device))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim", [64, 128, 67])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_head_dims(impl, head_dim, block_size, device):
-    check(impl, make_case([1, 5, 0], [33, 21, 0], 8, 2, head_dim, block_size, device=device))
+def test_head_dims(backend, head_dim, block_size):
+    device = backend.device
+    check(backend, make_case([1, 5, 0], [33, 21, 0], 8, 2, head_dim, block_size, device=device))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_decode(impl, block_size, batch, device):
+def test_decode(backend, block_size, batch):
+    device = backend.device
     # One query per sequence; lengths from 1 (the query's own key only) to a few hundred, with
     # 1 and a multiple of the block size (a full last block) in every batch of several.
     seq_lens = torch.randint(1, 300, (batch,)).tolist()
     if batch > 1:
         seq_lens[:2] = [1, 2 * block_size]
-    check(impl, make_case([1] * batch, seq_lens, 8, 2, 64, block_size, device=device))
+    check(backend, make_case([1] * batch, seq_lens, 8, 2, 64, block_size, device=device))
 
 
 CHUNKED = {  # (lens_q, seq_lens)
@@ -103,50 +103,54 @@ CHUNKED = {  # (lens_q, seq_lens)
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("shape", CHUNKED)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window_left", [-1, 0, 5, 64])
-def test_chunked_prefill_and_masks(impl, shape, causal, window_left, device):
+def test_chunked_prefill_and_masks(backend, shape, causal, window_left):
+    device = backend.device
     lens_q, seq_lens = CHUNKED[shape]
-    out = check(impl, make_case(lens_q, seq_lens, 4, 2, 40, 16, device=device), causal=causal,
+    out = check(backend, make_case(lens_q, seq_lens, 4, 2, 40, 16, device=device), causal=causal,
                 window_left=window_left)
     assert out.shape == (sum(lens_q), 4, 40)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_window_zero_copies_the_diagonal_value_of_the_kv_head(impl, device):
+@pytest.mark.cuda_sim
+def test_window_zero_copies_the_diagonal_value_of_the_kv_head(backend):
+    device = backend.device
     # Independent of the reference: with window_left=0 each query sees exactly its diagonal key,
     # so its output is that key's value row, of kv head h // group, exactly.
     case = make_case([3, 1], [10, 4], 6, 2, 16, 4, device=device)
-    out = paged_attention_op(impl)(*case.args(), window_left=0)
+    out = backend.ops.paged_attention(*case.args(), window_left=0)
     diagonal_keys = torch.tensor([7, 8, 9, 13], device=device)  # packed: sequence 1 from 10
     assert torch.equal(out, case.v[diagonal_keys].repeat_interleave(3, dim=1))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("scale", [0.0, 0.5, -0.3])
-def test_custom_scale(impl, scale, device):
-    check(impl, make_case([5, 1], [20, 30], 4, 2, 64, 16, device=device), scale=scale)
+def test_custom_scale(backend, scale):
+    device = backend.device
+    check(backend, make_case([5, 1], [20, 30], 4, 2, 64, 16, device=device), scale=scale)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens_q, seq_lens, head_dim", [
     ([1, 1, 1], [300, 1, 77], 128),
     ([7, 0, 20], [57, 9, 20], 67),
 ], ids=["decode", "chunked_prefill"])
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
-def test_low_precision(impl, dtype, lens_q, seq_lens, head_dim, causal, window_left, device):
-    check(impl, make_case(lens_q, seq_lens, 4, 2, head_dim, 16, dtype=dtype, device=device),
+def test_low_precision(backend, dtype, lens_q, seq_lens, head_dim, causal, window_left):
+    device = backend.device
+    check(backend, make_case(lens_q, seq_lens, 4, 2, head_dim, 16, dtype=dtype, device=device),
           causal=causal, window_left=window_left)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["fused_kv_pool", "head_dim_slice", "mixed",
                                     "head_dim_stride_2"])
-def test_strided_caches_queries_and_tables(impl, dtype, layout, device):
+def test_strided_caches_queries_and_tables(backend, dtype, layout):
+    device = backend.device
     # The caches as views of a bigger pool, q a slice of a fused QKV output, the block table a
     # column slice of a preallocated [max_batch, max_blocks] table: the op follows the strides.
     lens_q, seq_lens, n_heads, n_kv_heads, head_dim = [1, 7, 0], [40, 7, 5], 8, 2, 64
@@ -178,13 +182,14 @@ def test_strided_caches_queries_and_tables(impl, dtype, layout, device):
     tables.copy_(case.block_tables)
     assert not any(t.is_contiguous() for t in (q, k_cache, v_cache, tables))
 
-    check(impl, dataclasses.replace(case, q=q, k_cache=k_cache, v_cache=v_cache,
+    check(backend, dataclasses.replace(case, q=q, k_cache=k_cache, v_cache=v_cache,
                                     block_tables=tables), exact=layout != "head_dim_stride_2")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_chunked_prefill_through_reshape_and_cache_equals_one_shot(impl, block_size, device):
+def test_chunked_prefill_through_reshape_and_cache_equals_one_shot(backend, block_size):
+    device = backend.device
     # Two sequences prefilled chunk by chunk, then decoded: each step writes its new tokens'
     # K/V with reshape_and_cache (padding tokens with slot -1 mixed in) and attends to the
     # cache. The outputs, concatenated, must be those of one-shot attention over the whole
@@ -215,10 +220,10 @@ def test_chunked_prefill_through_reshape_and_cache_equals_one_shot(impl, block_s
             [s for b in range(2)
              for s in slots(tables[b], range(written[b], written[b] + new[b]), block_size)]
             + [-1] * pad, dtype=torch.long, device=device)
-        reshape_and_cache_op(impl)(key, value, k_cache, v_cache, slot_mapping)
+        backend.ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         q = torch.cat([q_all[b][written[b]:written[b] + new[b]] for b in range(2)])
         written = [written[b] + new[b] for b in range(2)]
-        out = paged_attention_op(impl)(q, k_cache, v_cache, layout.block_tables,
+        out = backend.ops.paged_attention(q, k_cache, v_cache, layout.block_tables,
                                        i32(*written, device=device), cu_seqlens(new, device),
                                        max(new))
         outs[0].append(out[:new[0]])
@@ -232,18 +237,18 @@ def test_chunked_prefill_through_reshape_and_cache_equals_one_shot(impl, block_s
     torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window_left", [-1, 1500])
-def test_long_decode_splits_keys_across_threads(impl, window_left, device):
+def test_long_decode_splits_keys_across_threads(backend, window_left):
+    device = backend.device
     # One sequence, one query, 3000 keys in blocks of 16: few (sequence, kv head) tiles, so the
     # native CPU kernel splits the keys across threads and merges partial softmaxes. The result
     # must not depend on the thread count (4 oversubscribes a small machine: the split still
     # runs). `check` runs the composite on one thread whatever the count.
     case = make_case([1], [3000], 8, 2, 128, 16, device=device)
     outs = {}
-    for threads in [1, None, 4] if impl == "native" else [None]:
+    for threads in [1, None, 4] if backend.name == "cpu" else [None]:
         with num_threads(threads):
-            outs[threads] = check(impl, case, window_left=window_left)
+            outs[threads] = check(backend, case, window_left=window_left)
     for threads, out in outs.items():
         torch.testing.assert_close(out, outs[None], atol=F32_TOL, rtol=F32_TOL,
                                    msg=lambda m: f"{threads} threads vs the default: {m}")
@@ -260,12 +265,13 @@ OPCHECK_CASES = {
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
-def test_opcheck_paged_attention(case, device):
+def test_opcheck_paged_attention(backend, case):
+    device = backend.device
     lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype, kwargs = \
         OPCHECK_CASES[case]
     paged = make_case(lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype=dtype,
                       device=device)
-    torch.library.opcheck(torch.ops.fastllm.paged_attention.default, paged.args(), kwargs)
+    torch.library.opcheck(backend.ops.paged_attention.default, paged.args(), kwargs)
 
 
 def test_compile_fullgraph_cache_write_then_paged_attention(device):
@@ -376,14 +382,14 @@ PAGED_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("case", PAGED_ERRORS)
-def test_paged_attention_bad_input(impl, case):
+def test_paged_attention_bad_input(backend, case):
     changes, error, match = PAGED_ERRORS[case]
     inputs = paged_inputs()
-    paged_attention_op(impl)(*inputs.values())  # the valid call passes
+    backend.ops.paged_attention(*inputs.values())  # the valid call passes
     inputs |= changes
     args = [inputs.pop(name) for name in ["q", "k_cache", "v_cache", "block_tables", "seq_lens",
                                           "cu_seqlens_q", "max_seqlen_q"]]
     with pytest.raises(error, match=match):
-        paged_attention_op(impl)(*args, **inputs)
+        backend.ops.paged_attention(*args, **inputs)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import assert_within_twice_plain_error, num_threads
-from fastllm import ops, reference
-from paged_util import F32_TOL, IMPLS, make_case, paged_attention_op, slots
+from fastllm import ops
+from fastllm.ops import reference
+from paged_util import F32_TOL, make_case, slots
 
 
 def post_rope_caches(case, cos_sin, is_neox):
@@ -39,20 +40,19 @@ SHAPES = {  # (lens_q, seq_lens)
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 64), (67, 32), (32, 18)],
                          ids=["full", "partial", "odd_head_dim", "odd_half"])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_pre_rope_equals_post_rope(impl, shape, head_dim, rotary_dim, is_neox, block_size,
-                                   device):
+def test_pre_rope_equals_post_rope(backend, shape, head_dim, rotary_dim, is_neox, block_size):
+    device = backend.device
     lens_q, seq_lens = SHAPES[shape]
     case = make_case(lens_q, seq_lens, 8, 2, head_dim, block_size, device=device)
     cos_sin = ops.rope_cos_sin_cache(400, rotary_dim, device=device)
     post_k, post_v = post_rope_caches(case, cos_sin, is_neox)
-    op = paged_attention_op(impl)
-    with num_threads(1 if impl == "composite" else None):
+    op = backend.ops.paged_attention
+    with num_threads(1 if backend.name == "composite" else None):
         got = op(*case.args(), rotary_cos_sin_cache=cos_sin, rotary_is_neox=is_neox)
         expected = op(case.q, post_k, post_v, *case.args()[3:])
     assert not got.isnan().any(), "NaN: a key was read from an unowned slot"
@@ -67,15 +67,16 @@ def test_pre_rope_equals_post_rope(impl, shape, head_dim, rotary_dim, is_neox, b
     torch.testing.assert_close(got.double(), oracle, atol=F32_TOL, rtol=F32_TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", ["decode", "chunked_prefill"])
-def test_pre_rope_low_precision(impl, dtype, shape, device):
+def test_pre_rope_low_precision(backend, dtype, shape):
+    device = backend.device
     lens_q, seq_lens = SHAPES[shape]
     case = make_case(lens_q, seq_lens, 4, 2, 128, 16, dtype=dtype, device=device)
     cos_sin = ops.rope_cos_sin_cache(512, 128, base=1e6, device=device)
-    with num_threads(1 if impl == "composite" else None):
-        got = paged_attention_op(impl)(*case.args(), rotary_cos_sin_cache=cos_sin)
+    with num_threads(1 if backend.name == "composite" else None):
+        got = backend.ops.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin)
     with num_threads(1):
         plain = reference.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin)
         doubled = [t.double() if t.is_floating_point() else t for t in case.args()[:6]]
@@ -84,16 +85,16 @@ def test_pre_rope_low_precision(impl, dtype, shape, device):
     assert_within_twice_plain_error(got.double(), plain.double(), oracle)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_pre_rope_with_window_and_long_split_decode(impl, device):
+def test_pre_rope_with_window_and_long_split_decode(backend):
+    device = backend.device
     # 3000 keys, one query: the native kernel splits the keys over threads; each split must
     # rotate its keys by their own positions. A window skips the early keys altogether.
     case = make_case([1, 1], [3000, 2000], 8, 2, 128, 16, device=device)
     cos_sin = ops.rope_cos_sin_cache(4096, 128, device=device)
     post_k, post_v = post_rope_caches(case, cos_sin, True)
-    op = paged_attention_op(impl)
+    op = backend.ops.paged_attention
     for window_left in [-1, 700]:
-        with num_threads(1 if impl == "composite" else None):
+        with num_threads(1 if backend.name == "composite" else None):
             got = op(*case.args(), window_left=window_left, rotary_cos_sin_cache=cos_sin)
             expected = op(case.q, post_k, post_v, *case.args()[3:], window_left=window_left)
         torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
@@ -127,7 +128,7 @@ def test_cached_chunk_moves_with_its_block_table(device):
         torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("bad, error, match", [
     (lambda t: t[:29], ValueError, r"seq_lens\[1\]=30 reaches past rotary_cos_sin_cache"),
     (lambda t: t.half(), TypeError, "rotary_cos_sin_cache must be torch.float32"),
@@ -135,7 +136,7 @@ def test_cached_chunk_moves_with_its_block_table(device):
     (lambda t: t[:, :7], ValueError, r"shape\[1\] \(rotary_dim\) must be even"),
     (lambda t: t[0], ValueError, "rotary_cos_sin_cache must be"),
 ], ids=["too_few_positions", "half_table", "wider_than_head", "odd_rotary_dim", "rank_1"])
-def test_bad_rotary_table(impl, bad, error, match):
+def test_bad_rotary_table(backend, bad, error, match):
     q = torch.randn(4, 4, 16)
     k_cache, v_cache = torch.randn(8, 16, 2, 16), torch.randn(8, 16, 2, 16)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
@@ -143,13 +144,14 @@ def test_bad_rotary_table(impl, bad, error, match):
     cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
     table = ops.rope_cos_sin_cache(64, 16)
     with pytest.raises(error, match=match):
-        paged_attention_op(impl)(q, k_cache, v_cache, tables, seq_lens, cu_q, 3,
+        backend.ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu_q, 3,
                                  rotary_cos_sin_cache=bad(table))
 
 
 @pytest.mark.parametrize("dtype, is_neox", [(torch.float32, True), (torch.bfloat16, False)])
-def test_opcheck_pre_rope(dtype, is_neox, device):
+def test_opcheck_pre_rope(backend, dtype, is_neox):
+    device = backend.device
     case = make_case([2, 1, 0], [9, 17, 3], 4, 2, 16, 4, dtype=dtype, device=device)
-    torch.library.opcheck(torch.ops.fastllm.paged_attention.default, case.args(),
+    torch.library.opcheck(backend.ops.paged_attention.default, case.args(),
                           dict(rotary_cos_sin_cache=ops.rope_cos_sin_cache(32, 16, device=device),
                                rotary_is_neox=is_neox, window_left=4))

@@ -1,12 +1,9 @@
-"""fastllm.ops.attention and its ATen composite against reference.attention.
+"""The attention ops of every backend (conftest.py) against reference.attention.
 
 Every case goes through ``check``: the op writes into a NaN-poisoned ``out`` (every element must
-be written), the native functional path must equal its ``out=`` path bit for bit, queries that
-see no key must be exactly 0, and the result is judged against a float64 run of the reference:
-tight in float32, flash-attention's 2x rule in bfloat16/float16.
-
-"native" is ``fastllm.ops.attention`` (the device's registered kernel); "composite" is the ATen
-composition MPS runs, called directly so it is tested on every device.
+be written), the functional op must equal its ``out=`` op bit for bit, queries that see no key
+must be exactly 0, and the result is judged against a float64 run of the reference: tight in
+float32, flash-attention's 2x rule in bfloat16/float16.
 """
 
 import itertools
@@ -16,10 +13,8 @@ import pytest
 import torch
 
 from conftest import assert_within_twice_plain_error, blind_rows, num_threads
-from fastllm import ops, reference
-from fastllm._C import composite
+from fastllm.ops import reference
 
-IMPLS = ["native", "composite"]
 F32_TOL = 2e-5  # float32 kernel vs the float64 reference, atol and rtol
 
 
@@ -37,24 +32,19 @@ def cu_seqlens(lengths, device="cpu"):
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
-def run(impl, q, k, v, cu_q, cu_k, max_q, max_k, *, out, **kwargs):
-    """Runs `impl` writing into `out`; returns `out`."""
-    if impl == "native":
-        result = ops.attention(q, k, v, cu_q, cu_k, max_q, max_k, out=out, **kwargs)
-        assert result is out
-    else:
-        composite.attention_out(q, k, v, cu_q, cu_k, max_q, max_k, out=out, **kwargs)
+def run(backend, q, k, v, cu_q, cu_k, max_q, max_k, *, out, **kwargs):
+    """Runs the backend's attention writing into `out`; returns `out`."""
+    backend.ops.attention_out(q, k, v, cu_q, cu_k, max_q, max_k, out=out, **kwargs)
     return out
 
 
-def check(impl, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
-    """Runs one case through `impl` and checks it every way described in the module docstring."""
+def check(backend, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+    """Runs one case on `backend` and checks it every way described in the module docstring."""
     args = (q, k, v, cu_q, cu_k, max_q, max_k)
     poisoned = torch.full(q.shape, math.nan, dtype=q.dtype, device=q.device)
-    out = run(impl, *args, out=poisoned, **kwargs)
+    out = run(backend, *args, out=poisoned, **kwargs)
     assert not out.isnan().any(), "some output elements were never written"
-    if impl == "native":
-        assert torch.equal(ops.attention(*args, **kwargs), out), "functional != out= result"
+    assert torch.equal(backend.ops.attention(*args, **kwargs), out), "functional != out= result"
 
     # The oracle's ops are small; on one thread they do not wait on a descheduled worker when
     # the machine's cores are shared. The op under test ran above with the default threads.
@@ -74,13 +64,12 @@ def check(impl, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256, 67])
 @pytest.mark.parametrize("group", [1, 2, 4, 7])
-def test_head_dims_and_gqa(impl, head_dim, group, device):
+def test_head_dims_and_gqa(backend, head_dim, group):
     # Per sequence: 1 query against 9 keys (decode), 17 and 40 (prefill), 0 queries, 3 keys.
-    check(impl, *make_inputs([1, 17, 0, 40], [9, 17, 3, 40], group * 2, 2, head_dim,
-                             device=device))
+    check(backend, *make_inputs([1, 17, 0, 40], [9, 17, 3, 40], group * 2, 2, head_dim,
+                                device=backend.device))
 
 
 MASK_SHAPES = {  # (lens_q, lens_k)
@@ -92,59 +81,56 @@ MASK_SHAPES = {  # (lens_q, lens_k)
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", MASK_SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window_left", [-1, 0, 5, 64])
-def test_causal_and_window_masks(impl, shape, causal, window_left, device):
+def test_causal_and_window_masks(backend, shape, causal, window_left):
     lens_q, lens_k = MASK_SHAPES[shape]
-    check(impl, *make_inputs(lens_q, lens_k, 4, 2, 40, device=device), causal=causal,
+    check(backend, *make_inputs(lens_q, lens_k, 4, 2, 40, device=backend.device), causal=causal,
           window_left=window_left)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_window_zero_copies_the_diagonal_value_of_the_kv_head(impl, device):
+@pytest.mark.cuda_sim
+def test_window_zero_copies_the_diagonal_value_of_the_kv_head(backend):
     # Independent of the reference: with window_left=0 each query sees exactly its diagonal key,
     # so its output is that key's value row, of kv head h // group, exactly.
-    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs([5, 3], [9, 3], 6, 2, 16, device=device)
-    out = run(impl, q, k, v, cu_q, cu_k, max_q, max_k, window_left=0,
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs([5, 3], [9, 3], 6, 2, 16,
+                                                    device=backend.device)
+    out = run(backend, q, k, v, cu_q, cu_k, max_q, max_k, window_left=0,
               out=torch.full_like(q, math.nan))
-    diagonal_keys = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11], device=device)
+    diagonal_keys = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11], device=backend.device)
     expected = v[diagonal_keys].repeat_interleave(3, dim=1)  # head h reads kv head h // 3
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_queries_above_the_diagonal_are_zero(impl, device):
+def test_queries_above_the_diagonal_are_zero(backend):
     # 3 queries, 1 key: bottom-right alignment lets only the last query see it.
-    q, k, v, cu_q, cu_k, _, _ = make_inputs([3], [1], 2, 1, 8, device=device)
-    out = run(impl, q, k, v, cu_q, cu_k, 3, 1, out=torch.full_like(q, math.nan))
+    q, k, v, cu_q, cu_k, _, _ = make_inputs([3], [1], 2, 1, 8, device=backend.device)
+    out = run(backend, q, k, v, cu_q, cu_k, 3, 1, out=torch.full_like(q, math.nan))
     assert torch.equal(out[:2], torch.zeros_like(out[:2]))
     assert torch.equal(out[2], v[0].expand(2, 8))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 64)])
-def test_mixed_lengths_up_to_513(impl, causal, window_left, device):
-    check(impl, *make_inputs([513, 0, 17, 1], [513, 1, 17, 513], 4, 2, 128, device=device),
-          causal=causal, window_left=window_left)
+def test_mixed_lengths_up_to_513(backend, causal, window_left):
+    check(backend, *make_inputs([513, 0, 17, 1], [513, 1, 17, 513], 4, 2, 128,
+                                device=backend.device), causal=causal, window_left=window_left)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("scale", [0.0, 0.05, 0.5, -0.3])
-def test_custom_scale(impl, scale, device):
-    check(impl, *make_inputs([17, 30], [20, 30], 4, 2, 64, device=device), scale=scale)
+def test_custom_scale(backend, scale):
+    check(backend, *make_inputs([17, 30], [20, 30], 4, 2, 64, device=backend.device), scale=scale)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["fused_qkv", "strided_head_dim", "heads_major"])
-def test_strided_inputs(impl, dtype, layout, device):
+def test_strided_inputs(backend, dtype, layout):
     lens = [17, 1, 0, 40]
     n_heads, n_kv_heads, head_dim, tokens = 8, 2, 64, sum(lens)
 
     def randn(*shape):
-        return torch.randn(*shape, dtype=dtype, device=device)
+        return torch.randn(*shape, dtype=dtype, device=backend.device)
 
     if layout == "fused_qkv":  # slices of one QKV projection output
         qkv = randn(tokens, n_heads + 2 * n_kv_heads, head_dim)
@@ -158,8 +144,8 @@ def test_strided_inputs(impl, dtype, layout, device):
         k = randn(n_kv_heads, tokens, head_dim).transpose(0, 1)
         v = randn(n_kv_heads, tokens, head_dim).transpose(0, 1)
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    cu = cu_seqlens(lens, device)
-    check(impl, q, k, v, cu, cu, max(lens), max(lens))
+    cu = cu_seqlens(lens, backend.device)
+    check(backend, q, k, v, cu, cu, max(lens), max(lens))
 
 
 # (buffer shape, view of the buffer) given the output's shape (tokens, heads, head_dim)
@@ -171,17 +157,17 @@ OUT_VIEWS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("view", OUT_VIEWS)
-def test_out_into_strided_view(impl, view, device):
+def test_out_into_strided_view(backend, view):
     q, k, v, cu_q, cu_k, max_q, max_k = make_inputs([17, 1, 0, 40], [20, 1, 3, 40], 4, 2, 48,
-                                                    device=device)
+                                                    device=backend.device)
     buffer_shape, take_view = OUT_VIEWS[view]
-    buffer = torch.full(buffer_shape(*q.shape), math.nan, device=device)
+    buffer = torch.full(buffer_shape(*q.shape), math.nan, device=backend.device)
     out = take_view(buffer, *q.shape)
-    run(impl, q, k, v, cu_q, cu_k, max_q, max_k, out=out)
+    run(backend, q, k, v, cu_q, cu_k, max_q, max_k, out=out)
 
-    inside = torch.zeros(buffer.shape, dtype=torch.bool, device=device)
+    inside = torch.zeros(buffer.shape, dtype=torch.bool, device=backend.device)
     take_view(inside, *q.shape).fill_(True)
     assert buffer[~inside].isnan().all(), "wrote outside the out view"
     assert not out.isnan().any()
@@ -198,38 +184,36 @@ EMPTY = {  # (lens_q, lens_k)
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("case", EMPTY)
 @pytest.mark.parametrize("causal", [True, False])
-def test_empty(impl, case, causal, device):
+def test_empty(backend, case, causal):
     lens_q, lens_k = EMPTY[case]
-    out = check(impl, *make_inputs(lens_q, lens_k, 4, 2, 32, device=device), causal=causal)
+    out = check(backend, *make_inputs(lens_q, lens_k, 4, 2, 32, device=backend.device),
+                causal=causal)
     assert out.shape == (sum(lens_q), 4, 32)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("threads", [1, None], ids=["1_thread", "default_threads"])
 @pytest.mark.parametrize("lens_q, lens_k", [([1], [3000]), ([1, 1, 1], [3000, 0, 2500]),
                                             ([40], [3000])],
                          ids=["decode_batch1", "decode_batch3", "chunk40"])
 @pytest.mark.parametrize("window_left", [-1, 1500])
-def test_long_keys_few_tiles(impl, threads, lens_q, lens_k, window_left, device):
+def test_long_keys_few_tiles(backend, threads, lens_q, lens_k, window_left):
     # Few (sequence, kv head) tiles with thousands of keys: the CPU kernel splits the keys across
     # threads and merges partial softmaxes, in a way that depends on the thread count.
     with num_threads(threads):
-        check(impl, *make_inputs(lens_q, lens_k, 4, 1, 64, device=device),
+        check(backend, *make_inputs(lens_q, lens_k, 4, 1, 64, device=backend.device),
               window_left=window_left)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 100)])
-def test_prefill_spanning_several_tiles(impl, causal, window_left, device):
+def test_prefill_spanning_several_tiles(backend, causal, window_left):
     # 600 positions x 2 heads: several query tiles, each against several key tiles.
-    check(impl, *make_inputs([600], [600], 2, 1, 64, device=device), causal=causal,
+    check(backend, *make_inputs([600], [600], 2, 1, 64, device=backend.device), causal=causal,
           window_left=window_left)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens_q, lens_k, head_dim", [
     ([0, 1, 17, 100], [0, 1, 17, 100], 64),
@@ -237,6 +221,6 @@ def test_prefill_spanning_several_tiles(impl, causal, window_left, device):
     ([1, 1], [3000, 700], 128),
 ], ids=["prefill", "chunked_and_above_diagonal", "decode"])
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
-def test_low_precision(impl, dtype, lens_q, lens_k, head_dim, causal, window_left, device):
-    check(impl, *make_inputs(lens_q, lens_k, 4, 2, head_dim, dtype=dtype, device=device),
-          causal=causal, window_left=window_left)
+def test_low_precision(backend, dtype, lens_q, lens_k, head_dim, causal, window_left):
+    check(backend, *make_inputs(lens_q, lens_k, 4, 2, head_dim, dtype=dtype,
+                                device=backend.device), causal=causal, window_left=window_left)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from fastllm import ops
-from fastllm._C import composite
 
 
 def i32(*values):
@@ -99,37 +98,36 @@ OUT_ERRORS = {
 }
 
 
-def call_attention(impl, inputs, out=None):
+def call_attention(op, inputs, **out):
+    """Calls ``op`` (``attention``, or ``attention_out`` given ``out=``) on ``inputs``."""
     q, k, v = inputs.pop("q"), inputs.pop("k"), inputs.pop("v")
     cu_q, cu_k = inputs.pop("cu_seqlens_q"), inputs.pop("cu_seqlens_k")
     max_q, max_k = inputs.pop("max_seqlen_q"), inputs.pop("max_seqlen_k")
-    args = (q, k, v, cu_q, cu_k, max_q, max_k)
-    if impl == "native":
-        ops.attention(*args, **inputs)
-    elif impl == "native_out":
-        ops.attention(*args, **inputs, out=out)
-    else:
-        composite.attention_out(*args, **inputs, out=out)
+    op(q, k, v, cu_q, cu_k, max_q, max_k, **inputs, **out)
 
 
-@pytest.mark.parametrize("impl", ["native", "native_out", "composite"])
+@pytest.mark.cpu_inputs
+@pytest.mark.parametrize("functional", [False, True], ids=["out", "functional"])
 @pytest.mark.parametrize("case", ATTENTION_ERRORS)
-def test_attention_bad_input(impl, case):
+def test_attention_bad_input(backend, functional, case):
     changes, error, match = ATTENTION_ERRORS[case]
     inputs = attention_inputs() | changes
     q = inputs["q"]
     out = torch.full(q.shape, math.nan, dtype=q.dtype)
     with pytest.raises(error, match=match):
-        call_attention(impl, inputs, out)
+        if functional:
+            call_attention(backend.ops.attention, inputs)
+        else:
+            call_attention(backend.ops.attention_out, inputs, out=out)
     assert out.isnan().all(), "a rejected call wrote into out"
 
 
-@pytest.mark.parametrize("impl", ["native_out", "composite"])
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("case", OUT_ERRORS)
-def test_attention_bad_out(impl, case):
+def test_attention_bad_out(backend, case):
     out, error, match = OUT_ERRORS[case]
     with pytest.raises(error, match=match):
-        call_attention(impl, attention_inputs(), out)
+        call_attention(backend.ops.attention_out, attention_inputs(), out=out)
 
 
 ZERO_HEADS = textwrap.dedent("""
@@ -138,24 +136,20 @@ ZERO_HEADS = textwrap.dedent("""
     q, k = torch.randn(3, {n_heads}, 8), torch.randn(3, {n_kv_heads}, 8)
     cu = torch.tensor([0, 3], dtype=torch.int32)
     try:
-        if "{impl}" == "composite":
-            out = torch.empty_like(q)
-            fastllm._C.composite.attention_out(q, k, k.clone(), cu, cu, 3, 3, out=out)
-        else:
-            fastllm.ops.attention(q, k, k.clone(), cu, cu, 3, 3)
+        torch.ops.{namespace}.attention(q, k, k.clone(), cu, cu, 3, 3)
         print("no error")
     except ValueError as e:
         print("ValueError", e)
 """)
 
 
-@pytest.mark.parametrize("impl", ["native", "composite"])
+@pytest.mark.parametrize("namespace", ["fastllm", "fastllm_composite"])
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(0, 1), (0, 0), (2, 0)])
-def test_attention_zero_heads_is_a_value_error(impl, n_heads, n_kv_heads):
+def test_attention_zero_heads_is_a_value_error(namespace, n_heads, n_kv_heads):
     # 0 % 1 == 0 would let q without heads through the GQA check (and the native kernel once
     # divided by the group size 0): it must be a ValueError. A child process runs the call so
     # that a crash is reported, not suffered.
-    code = ZERO_HEADS.format(impl=impl, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    code = ZERO_HEADS.format(namespace=namespace, n_heads=n_heads, n_kv_heads=n_kv_heads)
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120)
     assert child.returncode == 0, f"process died with code {child.returncode}: {child.stderr}"
@@ -209,17 +203,17 @@ ROTARY_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("impl", ["native", "composite"])
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("case", ROTARY_ERRORS)
-def test_rotary_bad_input_leaves_q_and_k_unchanged(impl, case):
+def test_rotary_bad_input_leaves_q_and_k_unchanged(backend, case):
     changes, error, match = ROTARY_ERRORS[case]
     inputs = rotary_inputs() | changes
     q, k = inputs.pop("q"), inputs.pop("k")
     q_before = q.clone()
     k_before = None if k is None or k.is_meta else k.clone()
-    rotary = ops.rotary_embedding if impl == "native" else composite.rotary_embedding
     with pytest.raises(error, match=match):
-        rotary(inputs.pop("positions"), q, k, inputs.pop("cos_sin_cache"), **inputs)
+        backend.ops.rotary_embedding(inputs.pop("positions"), q, k, inputs.pop("cos_sin_cache"),
+                                     **inputs)
     assert torch.equal(q, q_before)
     if k_before is not None:
         assert torch.equal(k, k_before)

@@ -1,4 +1,4 @@
-"""fastllm.ops.linear and its ATen composite against a float64 product.
+"""The linear op of every backend (conftest.py) against a float64 product.
 
 Row counts cover both CPU paths (the weight-streaming kernel for few rows, ATen's GEMM past its
 threshold: 64 rows in float32, 8 in bfloat16, 4 in float16) and their edges; feature counts
@@ -11,15 +11,14 @@ import pytest
 import torch
 from conftest import assert_within_twice_plain_error
 
-from fastllm import ops, reference
-from fastllm._C import composite
+from fastllm import ops
+from fastllm.ops import reference
 
-IMPLS = {"native": ops.linear, "composite": composite.linear}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def check(impl, x, weight, bias):
-    got = IMPLS[impl](x, weight, bias)
+def check(linear, x, weight, bias):
+    got = linear(x, weight, bias)
     assert got.shape == (x.shape[0], weight.shape[0]) and got.dtype == x.dtype
     expected = torch.nn.functional.linear(
         x.cpu().double(), weight.cpu().double(), None if bias is None else bias.cpu().double())
@@ -27,17 +26,16 @@ def check(impl, x, weight, bias):
     assert_within_twice_plain_error(got.cpu().double(), plain, expected)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 65])
 @pytest.mark.parametrize("in_features, out_features", [(64, 24), (1, 9), (7, 3), (33, 17),
                                                        (1029, 70)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-def test_matches_float64(impl, dtype, rows, in_features, out_features, with_bias, device):
-    x = torch.randn(rows, in_features, dtype=dtype, device=device)
-    weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
-    bias = torch.randn(out_features, dtype=dtype, device=device) if with_bias else None
-    check(impl, x, weight, bias)
+def test_matches_float64(backend, dtype, rows, in_features, out_features, with_bias):
+    x = torch.randn(rows, in_features, dtype=dtype, device=backend.device)
+    weight = torch.randn(out_features, in_features, dtype=dtype, device=backend.device)
+    bias = torch.randn(out_features, dtype=dtype, device=backend.device) if with_bias else None
+    check(backend.ops.linear, x, weight, bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -46,7 +44,7 @@ def test_strided_inputs(dtype, device):
     fused = torch.randn(96, 80, dtype=dtype, device=device)
     weight = fused[10:50, 8:72]  # rows contiguous, stride 80
     x = torch.randn(64, 3, dtype=dtype, device=device).t()  # [3, 64], column-major
-    check("native", x, weight, None)
+    check(ops.linear, x, weight, None)
 
 
 def test_no_output_features(device):
@@ -57,9 +55,8 @@ def test_no_output_features(device):
                        torch.zeros(3, 5, device=device))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_bad_inputs_raise(impl, device):
-    linear = IMPLS[impl]
+def test_bad_inputs_raise(backend):
+    linear, device = backend.ops.linear, backend.device
     x = torch.randn(2, 8, device=device)
     w = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match=r"x must be \[rows, in_features\], got shape \[2, 2, 4\]"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastllm
-from fastllm import reference
+from fastllm.ops import reference
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 

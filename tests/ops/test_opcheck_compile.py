@@ -1,6 +1,6 @@
-"""The op registrations: torch.library.opcheck on every op (schema and mutation annotations, fake
-kernels against the real ones, autograd registration, AOT dispatch), and a
-torch.compile(fullgraph=True) graph of rotary -> attention equal to eager."""
+"""The op registrations: torch.library.opcheck on every op of every backend's namespace (schema
+and mutation annotations, fake kernels against the real ones, autograd registration, AOT
+dispatch), and a torch.compile(fullgraph=True) graph of rotary -> attention equal to eager."""
 
 import itertools
 import math
@@ -37,16 +37,18 @@ def attention_args(case, device):
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES)
-def test_opcheck_attention(case, device):
+def test_opcheck_attention(backend, case):
+    device = backend.device
     args, kwargs = attention_args(case, device)
-    torch.library.opcheck(torch.ops.fastllm.attention.default, args, kwargs)
+    torch.library.opcheck(backend.ops.attention.default, args, kwargs)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES)
-def test_opcheck_attention_out(case, device):
+def test_opcheck_attention_out(backend, case):
+    device = backend.device
     args, kwargs = attention_args(case, device)
     kwargs["out"] = torch.full_like(args[0], math.nan)
-    torch.library.opcheck(torch.ops.fastllm.attention_out.default, args, kwargs)
+    torch.library.opcheck(backend.ops.attention_out.default, args, kwargs)
 
 
 # id: (tokens, n_heads, n_kv_heads or None, head_dim, rotary_dim, dtype, positions dtype, is_neox)
@@ -58,14 +60,15 @@ ROTARY_CASES = {
 
 
 @pytest.mark.parametrize("case", ROTARY_CASES)
-def test_opcheck_rotary_embedding(case, device):
+def test_opcheck_rotary_embedding(backend, case):
+    device = backend.device
     tokens, n_heads, n_kv_heads, head_dim, rot, dtype, pos_dtype, is_neox = ROTARY_CASES[case]
     positions = torch.randint(0, 64, (tokens,), dtype=pos_dtype, device=device)
     q = torch.randn(tokens, n_heads, head_dim, dtype=dtype, device=device)
     k = None if n_kv_heads is None else torch.randn(tokens, n_kv_heads, head_dim, dtype=dtype,
                                                     device=device)
     cache = ops.rope_cos_sin_cache(64, rot, device=device)
-    torch.library.opcheck(torch.ops.fastllm.rotary_embedding.default, (positions, q, k, cache),
+    torch.library.opcheck(backend.ops.rotary_embedding.default, (positions, q, k, cache),
                           dict(is_neox=is_neox, rotary_dim=rot))
 
 
@@ -73,11 +76,12 @@ def test_opcheck_rotary_embedding(case, device):
                                                     (70, torch.float32, False),
                                                     (3, torch.bfloat16, True),
                                                     (2, torch.float16, False)])
-def test_opcheck_linear(rows, dtype, with_bias, device):
+def test_opcheck_linear(backend, rows, dtype, with_bias):
+    device = backend.device
     x = torch.randn(rows, 40, dtype=dtype, device=device)
     weight = torch.randn(24, 40, dtype=dtype, device=device)
     bias = torch.randn(24, dtype=dtype, device=device) if with_bias else None
-    torch.library.opcheck(torch.ops.fastllm.linear.default, (x, weight, bias))
+    torch.library.opcheck(backend.ops.linear.default, (x, weight, bias))
 
 
 def test_compile_fullgraph_rotary_then_attention(device):

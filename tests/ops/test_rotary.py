@@ -1,4 +1,4 @@
-"""fastllm.ops.rotary_embedding and its ATen composite against reference.rotary_embedding.
+"""The rotary_embedding op of every backend (conftest.py) against reference.rotary_embedding.
 
 The op rotates q and k in place; ``check`` compares them with a float64 run of the reference on
 copies of the inputs (same cos/sin table), tight in float32 and by flash-attention's 2x rule in
@@ -8,19 +8,22 @@ bfloat16/float16, and requires the channels past rotary_dim to be left bit-ident
 import pytest
 import torch
 
-from fastllm import ops, reference
-from fastllm._C import composite
+from fastllm import ops
+from fastllm.ops import reference
 
-IMPLS = {"native": ops.rotary_embedding, "composite": composite.rotary_embedding}
+# Cheap on the CUDA simulator: every test runs there too.
+pytestmark = pytest.mark.cuda_sim
+
 F32_TOL = 1e-6
 LOW_PRECISION_SLACK = 1e-5
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def check(impl, positions, q, k, cache, **kwargs):
-    """Rotates q and k (views allowed) in place with `impl`; checks them against the reference."""
+def check(backend, positions, q, k, cache, **kwargs):
+    """Rotates q and k (views allowed) in place on `backend`; checks them against the
+    reference."""
     q_in, k_in = q.clone(), None if k is None else k.clone()
-    assert IMPLS[impl](positions, q, k, cache, **kwargs) is None
+    assert backend.ops.rotary_embedding(positions, q, k, cache, **kwargs) is None
     rot = cache.shape[1]
     expected = reference.rotary_embedding(
         positions.cpu(), q_in.cpu().double(), None if k is None else k_in.cpu().double(),
@@ -48,31 +51,31 @@ def random_positions(tokens, max_position, device):
     return positions
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("rot, head_dim", [(64, 64), (128, 128), (32, 64), (16, 80), (2, 67)])
-def test_matches_reference(impl, dtype, is_neox, rot, head_dim, device):
+def test_matches_reference(backend, dtype, is_neox, rot, head_dim):
+    device = backend.device
     tokens, max_position = 37, 4096
     cache = ops.rope_cos_sin_cache(max_position, rot, 10000.0, device=device)
     q = torch.randn(tokens, 4, head_dim, dtype=dtype, device=device)
     k = torch.randn(tokens, 2, head_dim, dtype=dtype, device=device)
-    check(impl, random_positions(tokens, max_position, device), q, k, cache, is_neox=is_neox)
+    check(backend, random_positions(tokens, max_position, device), q, k, cache, is_neox=is_neox)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
-def test_k_none(impl, is_neox, device):
+def test_k_none(backend, is_neox):
+    device = backend.device
     cache = ops.rope_cos_sin_cache(512, 32, 10000.0, device=device)
     q = torch.randn(20, 3, 48, device=device)
-    check(impl, random_positions(20, 512, device), q, None, cache, is_neox=is_neox)
+    check(backend, random_positions(20, 512, device), q, None, cache, is_neox=is_neox)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("layout", ["fused_qkv", "strided_head_dim"])
-def test_strided_views_rotate_in_place(impl, dtype, is_neox, layout, device):
+def test_strided_views_rotate_in_place(backend, dtype, is_neox, layout):
+    device = backend.device
     tokens, n_heads, n_kv_heads, head_dim, rot = 19, 4, 2, 64, 48
     if layout == "fused_qkv":  # q and k slices of one QKV projection; v must not be touched
         fused = torch.randn(tokens, n_heads + 2 * n_kv_heads, head_dim, dtype=dtype, device=device)
@@ -83,16 +86,16 @@ def test_strided_views_rotate_in_place(impl, dtype, is_neox, layout, device):
         untouched = torch.cat([fused[:, :n_heads, 1::2], fused[:, n_heads:, ::2]], dim=1)
     untouched_before = untouched.clone()
     cache = ops.rope_cos_sin_cache(256, rot, 10000.0, device=device)
-    check(impl, random_positions(tokens, 256, device), q, k, cache, is_neox=is_neox)
+    check(backend, random_positions(tokens, 256, device), q, k, cache, is_neox=is_neox)
     if layout == "strided_head_dim":
         untouched = torch.cat([fused[:, :n_heads, 1::2], fused[:, n_heads:, ::2]], dim=1)
     assert torch.equal(untouched, untouched_before)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positions_dtype", [torch.int64, torch.int32], ids=str)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
-def test_positions_unsorted_repeated_and_strided(impl, positions_dtype, is_neox, device):
+def test_positions_unsorted_repeated_and_strided(backend, positions_dtype, is_neox):
+    device = backend.device
     values = [7, 3, 3, 100, 0, 7, 4095, 3]
     positions = torch.tensor(values, dtype=positions_dtype, device=device)
     q = torch.randn(len(values), 2, 32, device=device)
@@ -100,7 +103,7 @@ def test_positions_unsorted_repeated_and_strided(impl, positions_dtype, is_neox,
     q[2], k[2], q[5], k[5] = q[1], k[1], q[0], k[0]  # same (position, input) twice
     q_in, k_in = q.clone(), k.clone()
     cache = ops.rope_cos_sin_cache(4096, 32, 10000.0, device=device)
-    check(impl, positions, q, k, cache, is_neox=is_neox)
+    check(backend, positions, q, k, cache, is_neox=is_neox)
     assert torch.equal(q[2], q[1]) and torch.equal(k[2], k[1])
     assert torch.equal(q[5], q[0]) and torch.equal(k[5], k[0])
     assert torch.equal(q[4], q_in[4]) and torch.equal(k[4], k_in[4]), "position 0 is the identity"
@@ -108,22 +111,22 @@ def test_positions_unsorted_repeated_and_strided(impl, positions_dtype, is_neox,
     # The same positions read through a stride, out-of-range garbage in between.
     interleaved = torch.stack([positions, torch.full_like(positions, -1)], dim=1).flatten()
     q2, k2 = q_in.clone(), k_in.clone()
-    IMPLS[impl](interleaved[::2], q2, k2, cache, is_neox=is_neox)
+    backend.ops.rotary_embedding(interleaved[::2], q2, k2, cache, is_neox=is_neox)
     assert torch.equal(q2, q) and torch.equal(k2, k)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("with_k", [True, False])
-def test_zero_tokens(impl, with_k, device):
+def test_zero_tokens(backend, with_k):
+    device = backend.device
     cache = ops.rope_cos_sin_cache(64, 16, 10000.0, device=device)
     q = torch.randn(0, 4, 32, device=device)
     k = torch.randn(0, 2, 32, device=device) if with_k else None
-    check(impl, torch.zeros(0, dtype=torch.int64, device=device), q, k, cache)
+    check(backend, torch.zeros(0, dtype=torch.int64, device=device), q, k, cache)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("cache_layout", ["bfloat16", "float16", "column_major"])
-def test_cache_dtype_and_layout(impl, cache_layout, device):
+def test_cache_dtype_and_layout(backend, cache_layout):
+    device = backend.device
     # A float32 q/k with a cos/sin table stored differently: the op reads the table as given.
     cache = ops.rope_cos_sin_cache(300, 32, 10000.0, device=device)
     if cache_layout == "column_major":
@@ -133,24 +136,24 @@ def test_cache_dtype_and_layout(impl, cache_layout, device):
         cache = cache.to(getattr(torch, cache_layout))
     q = torch.randn(23, 4, 64, device=device)
     k = torch.randn(23, 2, 64, device=device)
-    check(impl, random_positions(23, 300, device), q, k, cache)
+    check(backend, random_positions(23, 300, device), q, k, cache)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_explicit_rotary_dim_equals_default(impl, device):
+def test_explicit_rotary_dim_equals_default(backend):
+    device = backend.device
     cache = ops.rope_cos_sin_cache(64, 16, 10000.0, device=device)
     positions = random_positions(9, 64, device)
     q = torch.randn(9, 2, 40, device=device)
     q_before, q_explicit = q.clone(), q.clone()
-    IMPLS[impl](positions, q, None, cache)
-    IMPLS[impl](positions, q_explicit, None, cache, rotary_dim=16)
+    backend.ops.rotary_embedding(positions, q, None, cache)
+    backend.ops.rotary_embedding(positions, q_explicit, None, cache, rotary_dim=16)
     assert torch.equal(q, q_explicit)
     assert not torch.equal(q, q_before)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bad_position, positions_dtype", [(64, torch.int64), (-1, torch.int32)])
-def test_out_of_range_position_changes_nothing(impl, bad_position, positions_dtype, device):
+def test_out_of_range_position_changes_nothing(backend, bad_position, positions_dtype):
+    device = backend.device
     # The bad position is the last token's, so an op that checked while rotating would already
     # have rotated the others. (More bad inputs in test_errors.py.)
     fused = torch.randn(12, 4 + 2 * 2, 32, device=device)
@@ -160,9 +163,9 @@ def test_out_of_range_position_changes_nothing(impl, bad_position, positions_dty
     positions[-1] = bad_position
     cache = ops.rope_cos_sin_cache(64, 32, 10000.0, device=device)
     with pytest.raises(ValueError, match=rf"{bad_position}.*outside the cos_sin_cache"):
-        IMPLS[impl](positions, q, k, cache)
+        backend.ops.rotary_embedding(positions, q, k, cache)
     with pytest.raises(ValueError, match="rotary_dim=16 does not match"):
-        IMPLS[impl](positions.clamp(0, 63), q, k, cache, rotary_dim=16)
+        backend.ops.rotary_embedding(positions.clamp(0, 63), q, k, cache, rotary_dim=16)
     assert torch.equal(fused, before)
 
 

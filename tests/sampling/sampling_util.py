@@ -1,9 +1,5 @@
-"""Helpers shared by the sampler tests: the implementations under test, per-row parameter
-tensors, random logits kept away from the filters' thresholds, and a chi-square test.
-
-"native" is ``fastllm.ops.*`` (the device's registered kernel); "composite" is the ATen
-composition MPS runs, called directly so it is tested on every device.
-"""
+"""Helpers shared by the sampler tests: per-row parameter tensors, random logits kept away from
+the filters' thresholds, and a chi-square test."""
 
 from __future__ import annotations
 
@@ -11,25 +7,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-import fastllm
-from fastllm import ops
-
-IMPLS = ["native", "composite"]
-
-
-def sample_op(impl):
-    return ops.sample if impl == "native" else fastllm._C.composite.sample
-
-
-def sample_with_logprobs_op(impl):
-    if impl == "native":
-        return ops.sample_with_logprobs
-    return fastllm._C.composite.sample_with_logprobs
-
-
-def apply_penalties_op(impl):
-    return ops.apply_penalties if impl == "native" else fastllm._C.composite.apply_penalties
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import fastllm
-from fastllm import reference
+from fastllm.ops import reference
 from conftest import num_threads
-from sampling_util import (IMPLS, Row, random_logits, repeated_args, row_args,
-                           sample_op)
+from sampling_util import Row, random_logits, repeated_args, row_args
 
 SEEDS = [0, 1, 12345, 2**32 + 5, 2**62 + 7, 2**63 - 1]
 OFFSETS = [0, 1, 7, 2**32, 2**40 + 3]
@@ -35,19 +34,18 @@ def random_batch(batch, vocab):
     return logits, [random_row() for _ in range(batch)]
 
 
-def draw(impl, logits, rows, device):
-    return sample_op(impl)(logits.to(device), *row_args(rows, device)).cpu()
+def draw(backend, logits, rows):
+    return backend.ops.sample(logits.to(backend.device), *row_args(rows, backend.device)).cpu()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("vocab", [300, 70_000])
-def test_token_independent_of_batch_order_and_threads(impl, vocab, device):
+def test_token_independent_of_batch_order_and_threads(backend, vocab):
     batch = 32 if vocab < 1000 else 6  # few rows of a large vocabulary: split within rows
     logits, rows = random_batch(batch, vocab)
-    tokens = draw(impl, logits, rows, device)
+    tokens = draw(backend, logits, rows)
 
     perm = torch.randperm(batch)
-    shuffled = draw(impl, logits[perm], [rows[i] for i in perm], device)
+    shuffled = draw(backend, logits[perm], [rows[i] for i in perm])
     assert torch.equal(shuffled, tokens[perm]), "row order changed tokens"
 
     # Embedded among other random rows, at random positions of a larger batch.
@@ -55,25 +53,25 @@ def test_token_independent_of_batch_order_and_threads(impl, vocab, device):
     big_logits = torch.cat([logits, other_logits])
     big_rows = rows + other_rows
     order = torch.randperm(len(big_rows))
-    big = draw(impl, big_logits[order], [big_rows[i] for i in order], device)
+    big = draw(backend, big_logits[order], [big_rows[i] for i in order])
     position = order.argsort()
     assert torch.equal(big[position[:batch]], tokens), "other rows changed tokens"
 
-    alone = torch.cat([draw(impl, logits[r:r + 1], rows[r:r + 1], device) for r in range(batch)])
+    alone = torch.cat([draw(backend, logits[r:r + 1], rows[r:r + 1]) for r in range(batch)])
     assert torch.equal(alone, tokens), "a row sampled alone drew another token"
 
     with num_threads(1):
-        one_thread = draw(impl, logits, rows, device)
-        one_thread_alone = draw(impl, logits[:1], rows[:1], device)
+        one_thread = draw(backend, logits, rows)
+        one_thread_alone = draw(backend, logits[:1], rows[:1])
     assert torch.equal(one_thread, tokens), "the thread count changed tokens"
     assert torch.equal(one_thread_alone, tokens[:1])
-    assert torch.equal(draw(impl, logits, rows, device), tokens), "not repeatable"
+    assert torch.equal(draw(backend, logits, rows), tokens), "not repeatable"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_strided_inputs(impl, device):
+def test_strided_inputs(backend):
+    device = backend.device
     logits, rows = random_batch(16, 100)
-    tokens = draw(impl, logits, rows, device)
+    tokens = draw(backend, logits, rows)
     args = row_args(rows, device)
     wide = torch.full((16, 130), math.nan, device=device)
     wide[:, 20:120] = logits.to(device)
@@ -83,36 +81,36 @@ def test_strided_inputs(impl, device):
     strided_args = tuple(torch.stack([a, a], dim=1)[:, 1] for a in args)  # stride 2
     for view in [wide[:, 20:120], every_other[1::2], column_major]:
         assert not view.is_contiguous()
-        assert torch.equal(sample_op(impl)(view, *args).cpu(), tokens)
-    assert torch.equal(sample_op(impl)(logits.to(device), *strided_args).cpu(), tokens)
+        assert torch.equal(backend.ops.sample(view, *args).cpu(), tokens)
+    assert torch.equal(backend.ops.sample(logits.to(device), *strided_args).cpu(), tokens)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_offsets_and_seeds_vary_the_draw(impl, device):
+def test_offsets_and_seeds_vary_the_draw(backend):
+    device = backend.device
     n, vocab = 4096, 64
     flat = torch.zeros(n, vocab, device=device)
-    by_offset = sample_op(impl)(flat, *repeated_args(Row(seed=42), n, device)).cpu()
+    by_offset = backend.ops.sample(flat, *repeated_args(Row(seed=42), n, device)).cpu()
     assert len(by_offset.unique()) == vocab, "offsets 0..4095 of one seed missed tokens"
     assert (by_offset[1:] != by_offset[:-1]).float().mean() > 0.9
 
     temperature, top_k, top_p, min_p, _, offsets = repeated_args(Row(seed=42), n, device)
     seeds = torch.arange(n, device=device) * 7919 + 3
-    by_seed = sample_op(impl)(flat, temperature, top_k, top_p, min_p, seeds,
+    by_seed = backend.ops.sample(flat, temperature, top_k, top_p, min_p, seeds,
                               torch.zeros_like(offsets)).cpu()
     assert len(by_seed.unique()) == vocab, "seeds at offset 0 missed tokens"
     assert (by_seed != by_offset).float().mean() > 0.9, "the seed hardly matters"
 
-    other_seed = sample_op(impl)(flat, *repeated_args(Row(seed=43), n, device)).cpu()
+    other_seed = backend.ops.sample(flat, *repeated_args(Row(seed=43), n, device)).cpu()
     assert (other_seed != by_offset).float().mean() > 0.9
 
-    same = sample_op(impl)(flat, temperature, top_k, top_p, min_p,
+    same = backend.ops.sample(flat, temperature, top_k, top_p, min_p,
                            torch.full_like(seeds, 42), torch.full_like(offsets, 5)).cpu()
     assert (same == by_offset[5]).all(), "one (seed, offset) drew different tokens"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_greedy_is_first_argmax(impl, dtype, device):
+def test_greedy_is_first_argmax(backend, dtype):
     vocab = 257
     logits = torch.randn(12, vocab).to(dtype)
     logits[0] = 0.0  # all tied: token 0
@@ -128,7 +126,7 @@ def test_greedy_is_first_argmax(impl, dtype, device):
     # Filters and random numbers do not matter to a greedy row.
     rows = [Row(0.0, top_k=[0, 1, 3][r % 3], top_p=[1.0, 0.1][r % 2], min_p=[0.0, 0.5][r % 2],
                 seed=SEEDS[r % len(SEEDS)], offset=r) for r in range(12)]
-    tokens = draw(impl, logits, rows, device)
+    tokens = draw(backend, logits, rows)
     expected = logits.double().argmax(dim=-1)
     assert torch.equal(tokens, expected), f"{tokens.tolist()} != {expected.tolist()}"
     assert tokens[:6].tolist() == [0, 5, 256, 77, expected[4].item(), 0]
@@ -151,13 +149,12 @@ REFERENCE_CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", REFERENCE_CASES)
-def test_equals_reference_token_for_token(impl, case, device):
+def test_equals_reference_token_for_token(backend, case):
     batch, vocab, dtype = REFERENCE_CASES[case]
     logits, rows = random_batch(batch, vocab)
     logits = logits.to(dtype)
-    tokens = draw(impl, logits, rows, device)
+    tokens = draw(backend, logits, rows)
     with num_threads(1):
         expected = reference.sample(logits.double(), *row_args(rows))
     mismatched = (tokens != expected).nonzero().flatten().tolist()
@@ -177,21 +174,21 @@ EXTREME_ROWS = {  # finite logits whose quotient by a temperature < 1 overflows 
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", EXTREME_ROWS)
-def test_extreme_finite_logits(impl, case, device):
+def test_extreme_finite_logits(backend, case):
+    device = backend.device
     # Any finite logit is valid input: the filters must work on differences from the maximum,
     # not on logits / temperature, which overflows here.
     n = 200
     logits = torch.tensor([EXTREME_ROWS[case]]).repeat(n, 1)
     for temperature in [0.5, 1.0, 1e-20]:
         args = repeated_args(Row(temperature, seed=3), n)
-        tokens = sample_op(impl)(logits.to(device), *(a.to(device) for a in args)).cpu()
+        tokens = backend.ops.sample(logits.to(device), *(a.to(device) for a in args)).cpu()
         assert torch.equal(tokens, reference.sample(logits.double(), *args)), temperature
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_inverts_the_philox_uniform_in_vocabulary_order(impl, device):
+def test_inverts_the_philox_uniform_in_vocabulary_order(backend):
+    device = backend.device
     # Independent of reference.sample: token = first i with cdf[i] > u, over the kept tokens in
     # vocabulary order, with u = philox_uniform(seed, offset).
     n = 2000
@@ -200,7 +197,7 @@ def test_inverts_the_philox_uniform_in_vocabulary_order(impl, device):
     top_2 = torch.tensor([0, 0, 0, 3, 4]) / 7  # the two most likely, renormalized
     for row, kept_probs in [(Row(seed=2**40 + 1), probs),
                             (Row(top_k=2, seed=3, offset=2**33), top_2)]:
-        tokens = sample_op(impl)(logits.to(device).repeat(n, 1), *repeated_args(row, n, device))
+        tokens = backend.ops.sample(logits.to(device).repeat(n, 1), *repeated_args(row, n, device))
         u = torch.tensor([reference.philox_uniform(row.seed, row.offset + i) for i in range(n)],
                          dtype=torch.float64)
         cdf = kept_probs.double().cumsum(0)

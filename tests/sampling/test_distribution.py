@@ -8,13 +8,14 @@ filters remove must never appear, and the counts must pass a chi-square goodness
 """
 
 import math
+import zlib
 
 import pytest
 import torch
 
-from fastllm import reference
-from sampling_util import (IMPLS, Row, chi_square_pvalue, conditioned_logits, random_logits,
-                           repeated_args, sample_op)
+from fastllm.ops import reference
+from sampling_util import (Row, chi_square_pvalue, conditioned_logits, random_logits,
+                           repeated_args)
 
 P_MIN = 1e-3
 N_DRAWS = 6000
@@ -49,18 +50,18 @@ def make_row(case, vocab, seed=None):
     """The case's Row; its seed differs per case and vocabulary unless given."""
     temperature, top_k, top_p, min_p = FILTERS[case]
     if seed is None:
-        seed = 1000 * vocab + list(FILTERS).index(case)
+        seed = zlib.crc32(f"{case}/{vocab}".encode())
     top_k = {"V": vocab, "V+7": vocab + 7}.get(top_k, top_k)
     return Row(temperature, top_k, top_p, min_p, seed=seed, offset=0)
 
 
-def draw_and_check(impl, logits_row, row, n, device):
-    """Draws n tokens of ``logits_row`` under ``row`` and checks them against the float64
-    filtered distribution; returns the distribution."""
+def draw_and_check(backend, logits_row, row, n):
+    """Draws n tokens of ``logits_row`` under ``row`` on ``backend`` and checks them against the
+    float64 filtered distribution; returns the distribution."""
     vocab = logits_row.numel()
     probs = reference.filtered_probs(logits_row.double().cpu(), *row.filters())
-    batch = logits_row.to(device).repeat(n, 1)
-    tokens = sample_op(impl)(batch, *repeated_args(row, n, device))
+    batch = logits_row.to(backend.device).repeat(n, 1)
+    tokens = backend.ops.sample(batch, *repeated_args(row, n, backend.device))
     assert tokens.dtype == torch.int64 and tokens.shape == (n,)
     tokens = tokens.cpu()
     assert ((tokens >= 0) & (tokens < vocab)).all(), f"token ids out of range: {tokens.unique()}"
@@ -76,44 +77,40 @@ def draw_and_check(impl, logits_row, row, n, device):
     return probs
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("vocab", VOCABS)
 @pytest.mark.parametrize("case", FILTERS)
-def test_draws_follow_the_filtered_distribution(impl, vocab, case, device):
+def test_draws_follow_the_filtered_distribution(backend, vocab, case):
     row = make_row(case, vocab)
     logits = conditioned_logits(lambda: random_logits(vocab), row)
-    probs = draw_and_check(impl, logits, row, N_DRAWS, device)
+    probs = draw_and_check(backend, logits, row, N_DRAWS)
     if row.temperature == 0:  # one-hot on the first maximum
         assert probs.argmax().item() == logits.argmax().item()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["t1", "t0.7_k5_p0.9_m0.05", "t0.5_p0.3_m0.2", "top_k1"])
-def test_low_precision_logits(impl, dtype, case, device):
+def test_low_precision_logits(backend, dtype, case):
     # The distribution is that of the low-precision values themselves (exact in float64).
     row = make_row(case, 48, seed=77)
     logits = conditioned_logits(lambda: random_logits(48).to(dtype), row)
-    draw_and_check(impl, logits, row, N_DRAWS, device)
+    draw_and_check(backend, logits, row, N_DRAWS)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("filters", [(1.0, 0, 1.0, 0.0), (0.8, 50, 0.9, 0.02), (1.3, 0, 0.5, 0.0)],
                          ids=["unfiltered", "t0.8_k50_p0.9_m0.02", "t1.3_p0.5"])
-def test_vocab_1000(impl, filters, device):
+def test_vocab_1000(backend, filters):
     # Many tokens expect fewer than 5 draws: the chi-square test merges them.
     row = Row(*filters, seed=5)
     logits = conditioned_logits(lambda: random_logits(1000, scale=2.5, n_ties=20), row)
-    draw_and_check(impl, logits, row, 8000, device)
+    draw_and_check(backend, logits, row, 8000)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_two_finite_tokens(impl, device):
+def test_two_finite_tokens(backend):
     # Everything but two tokens at -inf, one of them far less likely.
     logits = torch.full((32,), -math.inf)
     logits[3], logits[30] = 0.0, -3.0
     for filters in [(1.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.06), (3.0, 1, 1.0, 0.0)]:
-        probs = draw_and_check(impl, logits, Row(*filters, seed=9), 4000, device)
+        probs = draw_and_check(backend, logits, Row(*filters, seed=9), 4000)
         assert (probs > 0).sum() == (2 if filters == (1.0, 0, 1.0, 0.0) else 1)
 
 

@@ -19,9 +19,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from fastllm import reference
-from sampling_util import (IMPLS, Row, apply_penalties_op, conditioned_logits, random_logits,
-                           repeated_args, sample_op)
+from fastllm.ops import reference
+from sampling_util import Row, conditioned_logits, random_logits, repeated_args
 
 NO_IDS = torch.zeros(1, 1, dtype=torch.int64)  # the warpers ignore input_ids
 
@@ -105,15 +104,15 @@ def test_filtered_distribution_equals_hf_chain(chain):
         torch.testing.assert_close(ours, theirs.softmax(-1), rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("chain", ["t1_k20_p0.9_m0.05", "t1.7_k20_p0.5_m0.05", "t0.6_k5_m0.05",
                                    "p0.3", "m0.3", "t1.7_k1"])
-def test_op_samples_exactly_the_hf_set(impl, chain, device):
+def test_op_samples_exactly_the_hf_set(backend, chain):
+    device = backend.device
     n = 3000
     row = Row(*CHAINS[chain], seed=31)
     logits = hf_friendly_logits(50, row)
     hf_probs = hf_scores(logits, *row.filters()).softmax(-1)
-    tokens = sample_op(impl)(logits.to(device).repeat(n, 1), *repeated_args(row, n, device))
+    tokens = backend.ops.sample(logits.to(device).repeat(n, 1), *repeated_args(row, n, device))
     drawn = set(tokens.cpu().tolist())
     assert drawn <= kept(hf_probs), f"drew {drawn - kept(hf_probs)}, outside HF's set"
     likely = kept(hf_probs >= 20 / n)  # each misses all n draws with probability < e^-20
@@ -129,10 +128,10 @@ def tie_at_top_p_boundary(positions):
     return logits
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("positions", [(0, 1, 2, 3, 4), (9, 14, 2, 6, 0), (3, 15, 1, 8, 12)],
                          ids=["in_order", "shuffled", "shuffled_top_before_ties"])
-def test_tie_at_top_p_boundary_stays_together(impl, positions, device):
+def test_tie_at_top_p_boundary_stays_together(backend, positions):
+    device = backend.device
     # The intended difference from HF: the three tokens tied at the top-p boundary have the same
     # mass above them (0.447 < 0.6), so fastllm keeps all three; HF keeps the ones its sort
     # put first until the mass reaches top_p, a subset.
@@ -145,7 +144,7 @@ def test_tie_at_top_p_boundary_stays_together(impl, positions, device):
     assert top in theirs and theirs < ours, f"HF kept {theirs}, fastllm {ours}"
 
     n = 3000
-    tokens = sample_op(impl)(logits.to(device).repeat(n, 1), *repeated_args(row, n, device))
+    tokens = backend.ops.sample(logits.to(device).repeat(n, 1), *repeated_args(row, n, device))
     counts = torch.bincount(tokens.cpu(), minlength=16)
     assert set(counts.nonzero().flatten().tolist()) == ours
     # Each tied token has probability 0.164 / 0.940 = 0.175 of the draws.
@@ -180,15 +179,16 @@ def penalty_inputs(batch, vocab, prompt_len=12, output_len=9):
     return logits, prompt_mask, output_counts, input_ids
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_repetition_penalty_equals_hf(impl, dtype, device):
+def test_repetition_penalty_equals_hf(backend, dtype):
+    device = backend.device
     penalties = [0.5, 1.0, 1.3, 2.0]
     logits, prompt_mask, output_counts, input_ids = penalty_inputs(len(penalties), 40)
     logits = logits.to(dtype)
     zeros = torch.zeros(len(penalties), device=device)
     got = logits.to(device, copy=True)  # modified in place
-    apply_penalties_op(impl)(got, prompt_mask.to(device), output_counts.to(device),
+    backend.ops.apply_penalties(got, prompt_mask.to(device), output_counts.to(device),
                              torch.tensor(penalties, device=device), zeros, zeros.clone(), None)
     assert got.dtype == dtype
     for r, penalty in enumerate(penalties):
@@ -218,10 +218,11 @@ def hand_penalties(logits, prompt_mask, output_counts, rep, freq, pres, bias):
     return out
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
-def test_frequency_presence_and_bias(impl, dtype, with_bias, device):
+def test_frequency_presence_and_bias(backend, dtype, with_bias):
+    device = backend.device
     batch, vocab = 5, 33
     logits, prompt_mask, output_counts, _ = penalty_inputs(batch, vocab)
     logits[1, 7] = -math.inf
@@ -235,7 +236,7 @@ def test_frequency_presence_and_bias(impl, dtype, with_bias, device):
     logits = logits.to(dtype)
 
     got = logits.to(device, copy=True)
-    apply_penalties_op(impl)(got, prompt_mask.to(device), output_counts.to(device),
+    backend.ops.apply_penalties(got, prompt_mask.to(device), output_counts.to(device),
                              rep.to(device), freq.to(device), pres.to(device),
                              None if bias is None else bias.to(device))
     got = got.cpu()
@@ -257,9 +258,10 @@ def test_frequency_presence_and_bias(impl, dtype, with_bias, device):
         assert (err <= 2 * plain_err.max() + slack).all(), f"max error {err.max():.3g}"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("layout", ["column_slice", "column_major"])
-def test_penalties_in_place_on_strided_logits(impl, layout, device):
+def test_penalties_in_place_on_strided_logits(backend, layout):
+    device = backend.device
     logits, prompt_mask, output_counts, _ = penalty_inputs(4, 20)
     args = (prompt_mask.to(device), output_counts.to(device), torch.full((4,), 1.3, device=device),
             torch.full((4,), 0.5, device=device), torch.full((4,), 0.2, device=device),
@@ -272,7 +274,7 @@ def test_penalties_in_place_on_strided_logits(impl, layout, device):
     else:
         view = logits.to(device).t().contiguous().t()
     assert not view.is_contiguous()
-    apply_penalties_op(impl)(view, *args)
+    backend.ops.apply_penalties(view, *args)
     torch.testing.assert_close(view.cpu(), expected)
     if layout == "column_slice":
         assert (buffer[:, :5] == 7).all() and (buffer[:, 25:] == 7).all(), "wrote outside"

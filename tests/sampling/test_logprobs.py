@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from fastllm import reference
-from sampling_util import (IMPLS, Row, conditioned_logits, random_logits, row_args, sample_op,
-                           sample_with_logprobs_op)
+from fastllm.ops import reference
+from sampling_util import Row, conditioned_logits, random_logits, row_args
 
 ATOL = 1e-5  # float32 outputs against the float64 reference
 
@@ -40,17 +39,17 @@ def check_outputs(result, batch, num_logprobs):
     return tuple(t.cpu() for t in result)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_logprobs", [1, 8, 40])
-def test_equals_reference(impl, dtype, num_logprobs, device):
+def test_equals_reference(backend, dtype, num_logprobs):
+    device = backend.device
     batch, vocab = 36, 40
     logits, rows = mixed_rows(batch, vocab)
     logits = logits.to(dtype)  # the 1/16 grid is exact in bfloat16 for |x| < 16
     args = (logits.to(device), *row_args(rows, device))
-    got = check_outputs(sample_with_logprobs_op(impl)(*args, num_logprobs), batch, num_logprobs)
+    got = check_outputs(backend.ops.sample_with_logprobs(*args, num_logprobs), batch, num_logprobs)
     tokens, token_logprobs, top_ids, top_logprobs = got
-    assert torch.equal(tokens, sample_op(impl)(*args).cpu()), "tokens differ from sample's"
+    assert torch.equal(tokens, backend.ops.sample(*args).cpu()), "tokens differ from sample's"
 
     expected = reference.sample_with_logprobs(logits.double(), *row_args(rows), num_logprobs)
     assert torch.equal(tokens, expected[0])
@@ -66,9 +65,10 @@ def test_equals_reference(impl, dtype, num_logprobs, device):
             assert top_logprobs[r, listed[0]] == token_logprobs[r]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("n", [6, 0])
-def test_greedy_rows_report_log_softmax(impl, n, device):
+def test_greedy_rows_report_log_softmax(backend, n):
+    device = backend.device
     batch, vocab = 4, 50
     logits = torch.randn(batch, vocab) * 3
     logits[1, 10:20] = -math.inf
@@ -76,7 +76,7 @@ def test_greedy_rows_report_log_softmax(impl, n, device):
     rows = [Row(0.0, top_k=[0, 1, 5, 0][r], top_p=[1.0, 0.5, 1.0, 0.2][r], seed=r) for r in
             range(batch)]
     tokens, token_logprobs, top_ids, top_logprobs = check_outputs(
-        sample_with_logprobs_op(impl)(logits.to(device), *row_args(rows, device), n), batch, n)
+        backend.ops.sample_with_logprobs(logits.to(device), *row_args(rows, device), n), batch, n)
     log_softmax = logits.double().log_softmax(-1)
     assert torch.equal(tokens, logits.argmax(-1))
     assert tokens[2] == 4
@@ -91,15 +91,16 @@ def test_greedy_rows_report_log_softmax(impl, n, device):
                                rtol=0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_slots_past_the_kept_tokens(impl, device):
+@pytest.mark.cuda_sim
+def test_slots_past_the_kept_tokens(backend):
+    device = backend.device
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.0, 1.0, 0.0, -math.inf, 1.5],
                            [0.5, 3.0, -1.0, 2.0, 1.0, 0.0, -math.inf, 1.5],
                            [-math.inf, -math.inf, 1.0, -math.inf, -math.inf, -math.inf, 0.0,
                             -math.inf]])
     rows = [Row(1.0, 2, seed=3), Row(0.0, seed=3), Row(1.0, seed=4)]
     tokens, token_logprobs, top_ids, top_logprobs = check_outputs(
-        sample_with_logprobs_op(impl)(logits.to(device), *row_args(rows, device), 10), 3, 10)
+        backend.ops.sample_with_logprobs(logits.to(device), *row_args(rows, device), 10), 3, 10)
     # top_k=2 keeps tokens 1 and 3: probabilities e^3 / (e^3 + e^2) and e^2 / (e^3 + e^2).
     assert top_ids[0].tolist() == [1, 3] + [-1] * 8
     assert tokens[0].item() in (1, 3)
@@ -114,25 +115,26 @@ def test_slots_past_the_kept_tokens(impl, device):
     assert (top_logprobs[2, 2:] == -math.inf).all()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_num_logprobs_zero(impl, device):
+def test_num_logprobs_zero(backend):
+    device = backend.device
     logits, rows = mixed_rows(5, 20)
     args = (logits.to(device), *row_args(rows, device))
     tokens, token_logprobs, top_ids, top_logprobs = check_outputs(
-        sample_with_logprobs_op(impl)(*args, 0), 5, 0)
-    assert torch.equal(tokens, sample_op(impl)(*args).cpu())
+        backend.ops.sample_with_logprobs(*args, 0), 5, 0)
+    assert torch.equal(tokens, backend.ops.sample(*args).cpu())
     expected = reference.sample_with_logprobs(logits.double(), *row_args(rows), 0)[1]
     torch.testing.assert_close(token_logprobs.double(), expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_unfiltered_top_logprobs_are_a_sorted_distribution(impl, device):
+@pytest.mark.cuda_sim
+def test_unfiltered_top_logprobs_are_a_sorted_distribution(backend):
+    device = backend.device
     vocab = 30
     logits = torch.randint(-3, 3, (3, vocab)).float()  # 6 values: large tie groups
     rows = [Row(seed=1), Row(0.5, seed=2), Row(2.0, seed=3)]
     for n in [5, vocab]:
         tokens, token_logprobs, top_ids, top_logprobs = check_outputs(
-            sample_with_logprobs_op(impl)(logits.to(device), *row_args(rows, device), n), 3, n)
+            backend.ops.sample_with_logprobs(logits.to(device), *row_args(rows, device), n), 3, n)
         for r in range(3):
             total = top_logprobs[r].double().exp().sum().item()
             assert total <= 1 + 1e-5

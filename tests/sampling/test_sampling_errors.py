@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from sampling_util import IMPLS, apply_penalties_op, sample_op, sample_with_logprobs_op
+
 
 BATCH, VOCAB = 4, 10
 
@@ -101,49 +101,50 @@ SAMPLE_ERRORS = {
 }
 
 
-def call(op, impl, inputs, num_logprobs=3):
+def call(op, backend, inputs, num_logprobs=3):
     args = [inputs[name] for name in ("logits", "temperature", "top_k", "top_p", "min_p",
                                       "seeds", "offsets")]
     if op == "sample":
-        return sample_op(impl)(*args)
-    return sample_with_logprobs_op(impl)(*args, num_logprobs)
+        return backend.ops.sample(*args)
+    return backend.ops.sample_with_logprobs(*args, num_logprobs)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("op", ["sample", "sample_with_logprobs"])
 @pytest.mark.parametrize("case", SAMPLE_ERRORS)
-def test_sample_bad_input(impl, op, case):
+def test_sample_bad_input(backend, op, case):
     change, error, match = SAMPLE_ERRORS[case]
     inputs = sample_inputs()
-    call(op, impl, inputs)  # valid before the change
+    call(op, backend, inputs)  # valid before the change
     inputs |= change(inputs)
     with pytest.raises(error, match=match):
-        call(op, impl, inputs)
+        call(op, backend, inputs)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("num_logprobs", [-1, -7])
-def test_negative_num_logprobs(impl, num_logprobs):
+def test_negative_num_logprobs(backend, num_logprobs):
     with pytest.raises(ValueError, match=rf"num_logprobs must be >= 0, got {num_logprobs}"):
-        call("sample_with_logprobs", impl, sample_inputs(), num_logprobs)
+        call("sample_with_logprobs", backend, sample_inputs(), num_logprobs)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_empty_batch(impl, dtype, device):
+def test_empty_batch(backend, dtype):
+    device = backend.device
     inputs = {name: t[:0].to(device) for name, t in sample_inputs().items()}
     inputs["logits"] = inputs["logits"].to(dtype)
-    tokens = call("sample", impl, inputs)
+    tokens = call("sample", backend, inputs)
     assert tokens.dtype == torch.int64 and tokens.shape == (0,)
     assert tokens.device.type == device.type
-    tokens, token_logprobs, top_ids, top_logprobs = call("sample_with_logprobs", impl, inputs, 4)
+    tokens, token_logprobs, top_ids, top_logprobs = call("sample_with_logprobs", backend, inputs, 4)
     assert tokens.dtype == torch.int64 and tokens.shape == (0,)
     assert token_logprobs.dtype == torch.float32 and token_logprobs.shape == (0,)
     assert top_ids.dtype == torch.int64 and top_ids.shape == (0, 4)
     assert top_logprobs.dtype == torch.float32 and top_logprobs.shape == (0, 4)
     penalty_args = {name: t[:0].to(device) for name, t in penalty_inputs().items()}
     penalty_args["logits"] = penalty_args["logits"].to(dtype)
-    apply_penalties_op(impl)(*penalty_args.values())
+    backend.ops.apply_penalties(*penalty_args.values())
 
 
 def penalty_inputs():
@@ -209,16 +210,16 @@ PENALTY_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.cpu_inputs
 @pytest.mark.parametrize("case", PENALTY_ERRORS)
-def test_apply_penalties_bad_input_leaves_logits_unchanged(impl, case):
+def test_apply_penalties_bad_input_leaves_logits_unchanged(backend, case):
     change, error, match = PENALTY_ERRORS[case]
     inputs = penalty_inputs()
     valid = {name: t.clone() for name, t in inputs.items()}
-    apply_penalties_op(impl)(*valid.values())  # valid before the change
+    backend.ops.apply_penalties(*valid.values())  # valid before the change
     assert not torch.equal(valid["logits"], inputs["logits"])
     inputs |= change(inputs)
     logits_before = inputs["logits"].clone()
     with pytest.raises(error, match=match):
-        apply_penalties_op(impl)(*inputs.values())
+        backend.ops.apply_penalties(*inputs.values())
     assert torch.equal(inputs["logits"], logits_before), "a rejected call changed the logits"

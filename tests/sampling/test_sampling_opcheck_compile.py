@@ -1,6 +1,6 @@
-"""The sampling ops' registrations: torch.library.opcheck (schema and mutation annotations, fake
-kernels against the real ones, autograd registration, AOT dispatch), and a
-torch.compile(fullgraph=True) graph of apply_penalties -> sample equal to eager."""
+"""The sampling ops' registrations: torch.library.opcheck on every backend's namespace (schema and
+mutation annotations, fake kernels against the real ones, autograd registration, AOT dispatch),
+and a torch.compile(fullgraph=True) graph of apply_penalties -> sample equal to eager."""
 
 import pytest
 import torch
@@ -31,22 +31,25 @@ def penalty_args(dtype, vocab, device, with_bias):
 
 @pytest.mark.parametrize("dtype, vocab", [(torch.float32, 37), (torch.bfloat16, 300),
                                           (torch.float16, 8)])
-def test_opcheck_sample(dtype, vocab, device):
-    torch.library.opcheck(torch.ops.fastllm.sample.default, sample_args(dtype, vocab, device))
+def test_opcheck_sample(backend, dtype, vocab):
+    device = backend.device
+    torch.library.opcheck(backend.ops.sample.default, sample_args(dtype, vocab, device))
 
 
 @pytest.mark.parametrize("dtype, vocab, num_logprobs", [(torch.float32, 37, 4),
                                                         (torch.bfloat16, 300, 1),
                                                         (torch.float32, 8, 0)])
-def test_opcheck_sample_with_logprobs(dtype, vocab, num_logprobs, device):
-    torch.library.opcheck(torch.ops.fastllm.sample_with_logprobs.default,
+def test_opcheck_sample_with_logprobs(backend, dtype, vocab, num_logprobs):
+    device = backend.device
+    torch.library.opcheck(backend.ops.sample_with_logprobs.default,
                           (*sample_args(dtype, vocab, device), num_logprobs))
 
 
 @pytest.mark.parametrize("dtype, with_bias", [(torch.float32, True), (torch.float32, False),
                                               (torch.bfloat16, True)])
-def test_opcheck_apply_penalties(dtype, with_bias, device):
-    torch.library.opcheck(torch.ops.fastllm.apply_penalties.default,
+def test_opcheck_apply_penalties(backend, dtype, with_bias):
+    device = backend.device
+    torch.library.opcheck(backend.ops.apply_penalties.default,
                           penalty_args(dtype, 37, device, with_bias))
 
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from fastllm import SampleOutput, SamplingParams, SamplingTensors, reference, sample_next_tokens
+from fastllm import SampleOutput, SamplingParams, SamplingTensors, sample_next_tokens
+from fastllm.ops import reference
 
 # id: (keyword arguments, pattern the ValueError must match: the field and the value)
 BAD_PARAMS = {

@@ -1,7 +1,8 @@
 """The fastllm ops: typed, documented wrappers of ``torch.ops.fastllm.*``.
 
 Every op is declared once in C++ (``csrc/ops.cpp``) and implemented per device (a native CPU
-kernel; an ATen composite for MPS). Input checks live in C++, in one place shared by every
+kernel; an ATen composite for MPS, which ``torch.ops.fastllm_composite.*`` runs on any device).
+Input checks live in C++, in one place shared by every
 device, so the wrappers, direct ``torch.ops.fastllm`` callers and ``torch.compile`` graphs all get
 the same ``ValueError``/``TypeError`` naming the offending value. Each op has a fake kernel here
 for ``torch.compile(fullgraph=True)`` and a plain-PyTorch twin in :mod:`fastllm.ops.reference`.
@@ -318,6 +319,18 @@ def apply_penalties(
 # Fake kernels: output metadata for torch.compile. Metadata checks stay in C++ (one place for all
 # devices); the one check repeated here is the device check, because mixing in a meta tensor
 # routes the call to these functions instead of a real kernel.
+def _register_fake(name: str):
+    """Registers the decorated function as the fake kernel of ``name`` in both namespaces of the
+    schemas (``csrc/ops.cpp``): fastllm and fastllm_composite."""
+
+    def register(fake):
+        for namespace in ("fastllm", "fastllm_composite"):
+            torch.library.register_fake(f"{namespace}::{name}")(fake)
+        return fake
+
+    return register
+
+
 def _check_one_device(**tensors: Tensor | None) -> None:
     named = [(name, t) for name, t in tensors.items() if t is not None]
     first_name, first = named[0]
@@ -327,38 +340,38 @@ def _check_one_device(**tensors: Tensor | None) -> None:
                              "all inputs must be on one device")
 
 
-@torch.library.register_fake("fastllm::attention")
+@_register_fake("attention")
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                     causal=True, scale=None, window_left=-1):
     _check_one_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return q.new_empty(q.shape)
 
 
-@torch.library.register_fake("fastllm::attention_out")
+@_register_fake("attention_out")
 def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal=True, scale=None, window_left=-1, out):
     _check_one_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
 
 
-@torch.library.register_fake("fastllm::linear")
+@_register_fake("linear")
 def _linear_fake(x, weight, bias=None):
     _check_one_device(x=x, weight=weight, bias=bias)
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.register_fake("fastllm::rotary_embedding")
+@_register_fake("rotary_embedding")
 def _rotary_embedding_fake(positions, q, k, cos_sin_cache, *, is_neox=True, rotary_dim=None):
     _check_one_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
 
 
-@torch.library.register_fake("fastllm::sample")
+@_register_fake("sample")
 def _sample_fake(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     _check_one_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, seeds=seeds, offsets=offsets)
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
-@torch.library.register_fake("fastllm::sample_with_logprobs")
+@_register_fake("sample_with_logprobs")
 def _sample_with_logprobs_fake(logits, temperature, top_k, top_p, min_p, seeds, offsets,
                                num_logprobs):
     tokens = _sample_fake(logits, temperature, top_k, top_p, min_p, seeds, offsets)
@@ -368,7 +381,7 @@ def _sample_with_logprobs_fake(logits, temperature, top_k, top_p, min_p, seeds, 
             logits.new_empty((batch, num_logprobs), dtype=torch.float32))
 
 
-@torch.library.register_fake("fastllm::apply_penalties")
+@_register_fake("apply_penalties")
 def _apply_penalties_fake(logits, prompt_mask, output_counts, repetition_penalty,
                           frequency_penalty, presence_penalty, logit_bias=None):
     _check_one_device(logits=logits, prompt_mask=prompt_mask, output_counts=output_counts,
@@ -376,7 +389,7 @@ def _apply_penalties_fake(logits, prompt_mask, output_counts, repetition_penalty
                       presence_penalty=presence_penalty, logit_bias=logit_bias)
 
 
-@torch.library.register_fake("fastllm::paged_attention")
+@_register_fake("paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, *, causal=True, scale=None, window_left=-1,
                           rotary_cos_sin_cache=None, rotary_is_neox=True):
@@ -386,7 +399,7 @@ def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     return q.new_empty(q.shape)
 
 
-@torch.library.register_fake("fastllm::reshape_and_cache")
+@_register_fake("reshape_and_cache")
 def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping):
     _check_one_device(k_cache=k_cache, key=key, value=value, v_cache=v_cache,
                       slot_mapping=slot_mapping)
