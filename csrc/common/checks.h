@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 
 namespace fastllm {
@@ -38,6 +39,17 @@ inline void check_float_storage(const at::Tensor& t, const char* name) {
   const auto dt = t.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, name,
                    " must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(dt));
+}
+
+// An optional linear-layer bias [out_features] of x's dtype and device.
+inline void check_linear_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
+                              int64_t out_features) {
+  if (!bias.has_value()) return;
+  check_rank(*bias, 1, "bias", "[out_features]");
+  check_same_dtype(*bias, "bias", x, "x");
+  check_same_device(*bias, "bias", x, "x");
+  TORCH_CHECK_VALUE(bias->size(0) == out_features, "bias has ", bias->size(0),
+                    " elements but weight has ", out_features, " output features");
 }
 
 // Paged K/V pools: [num_blocks, block_size, n_kv_heads, head_dim] each, float storage, one shape,

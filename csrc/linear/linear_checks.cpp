@@ -16,13 +16,7 @@ void check_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK_VALUE(weight.stride(1) == 1 || weight.size(1) <= 1,
                     "weight rows must be contiguous (stride 1 along in_features), got strides ",
                     weight.strides());
-  if (bias.has_value()) {
-    check_rank(*bias, 1, "bias", "[out_features]");
-    check_same_dtype(*bias, "bias", x, "x");
-    check_same_device(*bias, "bias", x, "x");
-    TORCH_CHECK_VALUE(bias->size(0) == weight.size(0), "bias has ", bias->size(0),
-                      " elements but weight has ", weight.size(0), " output features");
-  }
+  check_linear_bias(bias, x, weight.size(0));
 }
 
 }  // namespace fastllm

@@ -18,8 +18,9 @@ from gguf import GGMLQuantizationType as QT
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from fastllm.kv_cache import PagedKVCache
+from fastllm import ops
 from fastllm.engine.scheduler import run_step
+from fastllm.kv_cache import PagedKVCache
 from fastllm.models import DecoderLM, hf_weight_map, load_model
 from fastllm.models.gguf import gguf_tensor_name, load_gguf
 from tiny_hf import randomize_
@@ -272,7 +273,11 @@ def test_round_trip(hf_models, tmp_path, case, qtype):
     twin.load_state_dict(encoded, strict=False)  # a tied lm_head follows embed_tokens
     twin_state, state = twin.state_dict(), model.state_dict()
     for name, parts in hf_weight_map(model.config).items():
-        assert torch.equal(state[name], torch.cat([twin_state[n] for n, _ in parts])), name
+        weight = state[name]
+        if weight.dtype == torch.uint8:  # kept in its blocks
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            weight = ops.dequantize(weight, module.weight_type)
+        assert torch.equal(weight, torch.cat([twin_state[n] for n, _ in parts])), name
 
     tokens = prompt(model.config.vocab_size, n=17)
     got = prefill_logits(model, tokens)
@@ -380,10 +385,10 @@ def llama_f32(tmp_path_factory) -> tuple[transformers.PretrainedConfig, dict]:
     ({"blk.1.ffn_up.weight": None}, {}, r"lacks blk\.1\.ffn_up\.weight"),
     ({"blk.0.attn_q_norm.weight": (np.ones(16, np.float32), QT.F32)}, {},
      r"unexpected tensor blk\.0\.attn_q_norm\.weight"),
-    # Q4_1: a type gguf.quants dequantizes, but fastllm does not take
-    ({"blk.0.ffn_down.weight": (gguf.quants.quantize(np.zeros((64, 96), np.float32), QT.Q4_1),
-                                QT.Q4_1)}, {},
-     r"blk\.0\.ffn_down\.weight is Q4_1, which fastllm does not dequantize"),
+    # MXFP4: a type gguf.quants dequantizes, but fastllm does not take
+    ({"blk.0.ffn_down.weight": (gguf.quants.quantize(np.zeros((64, 96), np.float32), QT.MXFP4),
+                                QT.MXFP4)}, {},
+     r"blk\.0\.ffn_down\.weight is MXFP4, which fastllm does not dequantize"),
     ({"blk.0.attn_k.weight": (np.zeros((16, 64), np.float32), QT.F32)}, {},
      r"blk\.0\.attn_k\.weight has shape \(16, 64\) \(ggml \[64, 16\]\), expected \(32, 64\)"),
     ({}, {"rope.dimension_count": 8}, "partial rotary embedding is not supported"),

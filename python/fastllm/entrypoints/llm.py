@@ -149,6 +149,6 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
     def __repr__(self) -> str:
-        return (f"LLM({self.model.config.architecture}, dtype={self.model.embed_tokens.weight.dtype}"
+        return (f"LLM({self.model.config.architecture}, dtype={self.model.dtype}"
                 f", device={self.device}, max_model_len={self.max_model_len}, "
                 f"kv_cache={self.kv_cache.num_blocks} blocks)")

@@ -6,13 +6,16 @@ builds the model on the meta device and materializes it once. Both loaders use i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from fastllm import ops
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
+from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 
 __all__ = ["HFTensor", "build_model", "hf_weight_map"]
 
@@ -59,22 +62,57 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
     return names
 
 
-def build_model(config: ModelConfig, read: Callable[[str, tuple[int, ...]], Tensor], *,
+def build_model(config: ModelConfig,
+                read: Callable[[str, tuple[int, ...]], Tensor | QuantizedWeight], *,
                 dtype: torch.dtype, device: torch.device | str) -> DecoderLM:
     """Builds a :class:`DecoderLM` on the meta device and materializes it once.
 
     ``read(hf_name, shape)`` returns the checkpoint's tensor ``hf_name``, already checked to
-    have ``shape``; the parts of each fused parameter are concatenated in
-    :func:`hf_weight_map`'s order, then cast to ``dtype`` and placed on ``device``.
+    have ``shape``, as floats or as a :class:`QuantizedWeight`; the parts of each fused parameter
+    are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all blocks of
+    one format stays quantized (its layer becomes a :class:`QuantizedLinear` or
+    :class:`QuantizedEmbedding`); the others are cast to ``dtype``. Everything is placed on
+    ``device``.
     """
     state: dict[str, Tensor] = {}
+    quantized: dict[str, int] = {}  # parameter name -> ggml type of its blocks
     for name, parts in hf_weight_map(config).items():
         tensors = [read(hf_name, shape) for hf_name, shape in parts]
+        types = {t.weight_type for t in tensors if isinstance(t, QuantizedWeight)}
+        if len(types) == 1 and all(isinstance(t, QuantizedWeight) for t in tensors) \
+                and _QUANTIZABLE.search(name):
+            state[name] = torch.cat([t.data for t in tensors]).to(device)
+            quantized[name] = types.pop()
+            continue
+        tensors = [ops.dequantize(t.data, t.weight_type, torch.float32)
+                   if isinstance(t, QuantizedWeight) else t for t in tensors]
         fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         state[name] = fused.to(device=device, dtype=dtype)
 
     with torch.device("meta"):
         model = DecoderLM(config)
+        for name, weight_type in quantized.items():
+            _quantize_module(model, name, state[name], weight_type, dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope_cache()
     return model.eval()
+
+
+# The weights that may stay quantized: every projection, the embedding and the LM head.
+_QUANTIZABLE = re.compile(r"(_proj|embed_tokens|lm_head)\.weight$")
+
+
+def _quantize_module(model: DecoderLM, name: str, weight: Tensor, weight_type: int,
+                     dtype: torch.dtype) -> None:
+    """Swaps the float module owning ``name`` for its quantized kind (on the meta device; the
+    state dict's tensors are assigned after)."""
+    path, _ = name.rsplit(".", 1)
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    module = getattr(parent, attr)
+    placeholder = torch.empty(weight.shape, dtype=torch.uint8)
+    if isinstance(module, nn.Embedding):
+        setattr(parent, attr, QuantizedEmbedding(placeholder, weight_type, dtype))
+    else:
+        bias = None if module.bias is None else torch.empty_like(module.bias)
+        setattr(parent, attr, QuantizedLinear(placeholder, weight_type, bias))

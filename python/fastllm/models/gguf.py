@@ -29,9 +29,11 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from torch import Tensor
 
+from fastllm import ops
+from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
-from fastllm.models.build import build_model, hf_weight_map
+from fastllm.models.quantized import QuantizedWeight
 from fastllm.models.rope import rope_inv_freq
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",
@@ -41,9 +43,11 @@ __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
 
-# The tensor types dequantized at load (all through gguf.quants.dequantize).
+# The tensor types fastllm reads: Q4_0, Q4_1 and Q8_0 weights stay quantized, the others are
+# dequantized at load (through gguf.quants.dequantize).
 GGUF_TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in
-                          ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"))
+                          ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                           "Q4_K", "Q5_K", "Q6_K"))
 
 # HF module name -> llama.cpp's (gguf.constants.TENSOR_NAMES); ".weight" / ".bias" kept.
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
@@ -148,8 +152,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> DecoderLM:
     """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
 
-    Every tensor is dequantized (types :data:`GGUF_TENSOR_TYPES`) to float32, then cast to
-    ``dtype`` and placed on ``device``. A missing, unexpected or wrongly shaped tensor, or one
+    Weights in Q4_0, Q4_1 or Q8_0 stay in their blocks (run by the quantized ops); every other
+    tensor (types :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then cast to ``dtype``.
+    Everything is placed on ``device``. A missing, unexpected or wrongly shaped tensor, or one
     of another type, is a ``ValueError`` naming it.
     """
     path = Path(path)
@@ -174,7 +179,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
                          f"({len(unexpected)} unexpected for a {config.architecture})")
     permuted = config.architecture == "LlamaForCausalLM"
 
-    def read(hf_name: str, shape: tuple[int, ...]) -> Tensor:
+    def read(hf_name: str, shape: tuple[int, ...]) -> Tensor | QuantizedWeight:
         name = gguf_tensor_name(hf_name)
         tensor = tensors[name]
         ggml_shape = [int(n) for n in tensor.shape]
@@ -182,11 +187,16 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         if torch_shape != shape:
             raise ValueError(f"{name} has shape {torch_shape} (ggml {ggml_shape}), expected "
                              f"{shape} from the metadata")
-        values = _dequantize(tensor)
+        kept = int(tensor.tensor_type) in ops.BLOCK_FORMATS and len(shape) == 2
+        # np.array copies: the reader's arrays are read-only views of the memory-mapped file.
+        values = np.array(tensor.data) if kept else _dequantize(tensor)  # blocks: [rows, bytes]
         module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
         if permuted and module in ("q_proj", "k_proj"):
             values = _unpermute_rope_rows(
                 values, config.n_heads if module == "q_proj" else config.n_kv_heads)
+        if kept:
+            return QuantizedWeight(torch.from_numpy(values).reshape(shape[0], -1),
+                                   int(tensor.tensor_type))
         return torch.from_numpy(values)
 
     return build_model(config, read, dtype=dtype, device=device)

@@ -17,6 +17,7 @@ from fastllm import ops
 from fastllm.kv_cache import KVCacheSpec, PagedKVCache
 from fastllm.models.attention_metadata import AttentionMetadata
 from fastllm.models.config import ModelConfig
+from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear
 from fastllm.models.rope import build_cos_sin_cache
 
 __all__ = ["DecoderLM"]
@@ -159,10 +160,15 @@ class DecoderLM(nn.Module):
         else:
             self.cos_sin_cache = build_cos_sin_cache(self.config, device=device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights', which are never quantized)."""
+        return self.norm.weight.dtype
+
     def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
         """The KV cache this model needs, in its parameters' dtype."""
         return KVCacheSpec(num_layers=self.config.num_layers, n_kv_heads=self.config.n_kv_heads,
-                           head_dim=self.config.head_dim, dtype=self.embed_tokens.weight.dtype,
+                           head_dim=self.config.head_dim, dtype=self.dtype,
                            block_size=block_size)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
@@ -190,7 +196,10 @@ class DecoderLM(nn.Module):
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or
         ``[n, len(token_ids)]``: only those tokens' rows of the head (a scorer that reads two
         logits need not compute 151,936)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        weight = head.weight
         if token_ids is not None:
             weight = weight[token_ids]  # [len(token_ids), hidden], a small copy
+        if isinstance(head, (QuantizedEmbedding, QuantizedLinear)):
+            return ops.quantized_linear(hidden, weight, head.weight_type)
         return ops.linear(hidden, weight)

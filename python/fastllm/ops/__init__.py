@@ -19,9 +19,13 @@ from torch import Tensor
 
 from fastllm import _C
 
-__all__ = ["apply_penalties", "attention", "linear", "paged_attention", "reshape_and_cache",
-           "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs",
-           "trusted_inputs"]
+__all__ = ["BLOCK_FORMATS", "apply_penalties", "attention", "dequantize", "linear",
+           "paged_attention", "quantized_linear", "reshape_and_cache", "rope_cos_sin_cache",
+           "rotary_embedding", "sample", "sample_with_logprobs", "trusted_inputs"]
+
+# The ggml block formats the quantized ops take (csrc/quantized/block_formats.h): type id ->
+# (name, bytes per block of 32 values).
+BLOCK_FORMATS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 
 
 @contextlib.contextmanager
@@ -166,6 +170,32 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     each weight row from memory once, near the memory bandwidth; more rows use ATen's GEMM.
     """
     return torch.ops.fastllm.linear.default(x, weight, bias)
+
+
+def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
+                     bias: Tensor | None = None) -> Tensor:
+    """``x @ W.T + bias`` with ``W`` block-quantized.
+
+    Args:
+        x: ``[rows, in_features]``, float32, bfloat16 or float16.
+        weight: uint8 ``[out_features, row bytes]``: ggml's blocks of ``weight_type``, row by row
+            (:data:`BLOCK_FORMATS`: Q4_0, Q4_1, Q8_0; ``in_features`` values per row), on x's
+            device.
+        weight_type: the ggml type id (``gguf.GGMLQuantizationType``).
+        bias: ``[out_features]`` in x's dtype, or None.
+
+    Returns ``[rows, out_features]`` in x's dtype. On the CPU a few rows (a decode step, up to
+    16) quantize the activations to int8 blocks of 32 and take integer dot products with the
+    weight's blocks (AVX-512 VNNI, or AVX2), streaming the weight once in its own size; more
+    rows dequantize tiles of the weight and use ATen's GEMM.
+    """
+    return torch.ops.fastllm.quantized_linear.default(x, weight, weight_type, bias)
+
+
+def dequantize(weight: Tensor, weight_type: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The rows of a block-quantized weight (as :func:`quantized_linear` takes it) as
+    ``[rows, in_features]`` floats of ``dtype``."""
+    return torch.ops.fastllm.dequantize.default(weight, weight_type, dtype)
 
 
 def rotary_embedding(
@@ -357,6 +387,21 @@ def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _linear_fake(x, weight, bias=None):
     _check_one_device(x=x, weight=weight, bias=bias)
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@_register_fake("quantized_linear")
+def _quantized_linear_fake(x, weight, weight_type, bias=None):
+    _check_one_device(x=x, weight=weight, bias=bias)
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@_register_fake("dequantize")
+def _dequantize_fake(weight, weight_type, dtype):
+    if weight_type not in BLOCK_FORMATS:
+        raise ValueError(f"weight_type must be a ggml type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), "
+                         f"got {weight_type}")
+    _, block = BLOCK_FORMATS[weight_type]
+    return weight.new_empty(weight.shape[0], weight.shape[1] // block * 32, dtype=dtype)
 
 
 @_register_fake("rotary_embedding")

@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from fastllm.ops import BLOCK_FORMATS
+
 
 def causal_mask(len_q: int, len_k: int, *, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> Tensor:
@@ -230,3 +232,29 @@ def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor,
     x -= frequency_penalty.to(x.dtype)[:, None] * output_counts.to(x.dtype)
     x -= presence_penalty.to(x.dtype)[:, None] * (output_counts > 0).to(x.dtype)
     return x
+
+
+def dequantize(weight: Tensor, weight_type: int) -> Tensor:
+    """Twin of :func:`fastllm.ops.dequantize`: the rows of a block-quantized weight
+    ``[out, row bytes]`` as float64 ``[out, in]``."""
+    _, block = BLOCK_FORMATS[weight_type]
+    start = 4 if weight_type == 3 else 2  # the values follow d (and Q4_1's m)
+    rows = weight.shape[0]
+    blocks = weight.reshape(rows, -1, block).cpu()  # [R, B, bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).double()  # [R, B, 1]
+    if weight_type == 8:
+        values = blocks[..., start:].contiguous().view(torch.int8).double() * d
+    else:
+        q = blocks[..., start:start + 16].long()
+        nibbles = torch.cat([q & 0x0F, q >> 4], dim=-1).double()  # values 0..15, then 16..31
+        offset = blocks[..., 2:4].contiguous().view(torch.float16).double() if weight_type == 3 \
+            else -8 * d
+        values = nibbles * d + offset
+    return values.reshape(rows, -1)
+
+
+def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
+                     bias: Tensor | None = None) -> Tensor:
+    """Twin of :func:`fastllm.ops.quantized_linear`, in float64 with exact activations."""
+    y = x.double().cpu() @ dequantize(weight, weight_type).T
+    return y if bias is None else y + bias.double().cpu()

@@ -22,13 +22,15 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGIT_SPLIT = r"\p{N}"  # every digit alone, before the GPT-2 split (llama.cpp's SMOLLM family)
 _GGUF_PRE_SPLITS = {
-    "default": (_GPT2_SPLIT, False), "gpt2": (_GPT2_SPLIT, False),
-    "llama3": (_LLAMA3_SPLIT, True), "llama-v3": (_LLAMA3_SPLIT, True),
-    "llama-bpe": (_LLAMA3_SPLIT, True), "falcon3": (_LLAMA3_SPLIT, True),
-    "smaug-bpe": (_LLAMA3_SPLIT, True), "dbrx": (_LLAMA3_SPLIT, True),
-    "qwen2": (_QWEN2_SPLIT, False), "deepseek-r1-qwen": (_QWEN2_SPLIT, False),
-}  # pre -> (split regex, ignore_merges as llama.cpp sets it)
+    "default": ((_GPT2_SPLIT,), False), "gpt2": ((_GPT2_SPLIT,), False),
+    "smollm": ((_DIGIT_SPLIT, _GPT2_SPLIT), False),
+    "llama3": ((_LLAMA3_SPLIT,), True), "llama-v3": ((_LLAMA3_SPLIT,), True),
+    "llama-bpe": ((_LLAMA3_SPLIT,), True), "falcon3": ((_LLAMA3_SPLIT,), True),
+    "smaug-bpe": ((_LLAMA3_SPLIT,), True), "dbrx": ((_LLAMA3_SPLIT,), True),
+    "qwen2": ((_QWEN2_SPLIT,), False), "deepseek-r1-qwen": ((_QWEN2_SPLIT,), False),
+}  # pre -> (split regexes, applied in turn; ignore_merges as llama.cpp sets it)
 
 
 class _GGUFSentencePieceBackend(_SentencePieceLike):
@@ -111,14 +113,14 @@ def _gguf_backend(meta: dict[str, Any]) -> _Backend:
         if pre not in _GGUF_PRE_SPLITS:
             raise ValueError(f"GGUF byte-level vocabulary with tokenizer.ggml.pre={pre!r} is not "
                              f"supported; supported: {sorted(_GGUF_PRE_SPLITS)}")
-        split, ignore_merges = _GGUF_PRE_SPLITS[pre]
+        splits, ignore_merges = _GGUF_PRE_SPLITS[pre]
         merges = [tuple(m.split(" ", 1)) for m in meta.get("ggml.merges", [])]
         bpe = models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges,
                          ignore_merges=ignore_merges)
         tk = tokenizers.Tokenizer(bpe)
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tk.decoder = decoders.ByteLevel()
         _add_gguf_added_tokens(tk, pieces, types)
         backend = _TokenizersBackend(tk)

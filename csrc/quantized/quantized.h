@@ -1,0 +1,30 @@
+// Shared by the block-quantized matmul implementations of every device.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+#include "quantized/block_formats.h"
+
+namespace fastllm {
+
+// Checks a block-quantized weight [out_features, row bytes] (uint8, rows contiguous) of ggml type
+// `weight_type`; returns its format and sets in_features from the row length.
+BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type,
+                                   int64_t& in_features);
+
+// Also checks x [rows, in_features] (float storage, on the weight's device) and the optional
+// bias [out_features] of x's dtype.
+BlockFormat check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
+                                          int64_t weight_type,
+                                          const std::optional<at::Tensor>& bias);
+
+// The ATen composition, for every device without a kernel of its own (and the CPU's many-row
+// path's shape): dequantize, then a float matmul.
+at::Tensor dequantize_composite(const at::Tensor& weight, int64_t weight_type,
+                                at::ScalarType dtype);
+at::Tensor quantized_linear_composite(const at::Tensor& x, const at::Tensor& weight,
+                                      int64_t weight_type, const std::optional<at::Tensor>& bias);
+
+}  // namespace fastllm

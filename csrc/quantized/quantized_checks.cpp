@@ -1,0 +1,37 @@
+#include "common/checks.h"
+#include "quantized/quantized.h"
+
+namespace fastllm {
+
+BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type,
+                                   int64_t& in_features) {
+  TORCH_CHECK_VALUE(is_block_format(weight_type), "weight_type must be a ggml type id of Q4_0 "
+                    "(2), Q4_1 (3) or Q8_0 (8), got ", weight_type);
+  const auto format = static_cast<BlockFormat>(weight_type);
+  check_rank(weight, 2, "weight", "[out_features, row bytes]");
+  check_dtype(weight, at::kByte, "weight");
+  const int64_t bytes = block_bytes(format);
+  TORCH_CHECK_VALUE(weight.size(1) % bytes == 0, "a ", block_format_name(format),
+                    " weight row is whole blocks of ", bytes, " bytes, got rows of ",
+                    weight.size(1), " bytes");
+  TORCH_CHECK_VALUE(weight.stride(1) == 1 || weight.size(1) <= 1,
+                    "weight rows must be contiguous, got strides ", weight.strides());
+  in_features = weight.size(1) / bytes * kBlockValues;
+  return format;
+}
+
+BlockFormat check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
+                                          int64_t weight_type,
+                                          const std::optional<at::Tensor>& bias) {
+  int64_t in_features = 0;
+  const BlockFormat format = check_quantized_weight(weight, weight_type, in_features);
+  check_rank(x, 2, "x", "[rows, in_features]");
+  check_float_storage(x, "x");
+  check_same_device(weight, "weight", x, "x");
+  TORCH_CHECK_VALUE(x.size(1) == in_features, "x has ", x.size(1), " features but the ",
+                    block_format_name(format), " weight's rows hold ", in_features);
+  check_linear_bias(bias, x, weight.size(0));
+  return format;
+}
+
+}  // namespace fastllm
