@@ -117,7 +117,6 @@ def test_mixed_lengths_up_to_513(backend, causal, window_left):
                                 device=backend.device), causal=causal, window_left=window_left)
 
 
-@pytest.mark.cuda_sim
 @pytest.mark.parametrize("scale", [0.0, 0.05, 0.5, -0.3])
 def test_custom_scale(backend, scale):
     check(backend, *make_inputs([17, 30], [20, 30], 4, 2, 64, device=backend.device), scale=scale)
