@@ -61,6 +61,13 @@ constexpr const char* kSchemas[] = {
     "quantized_linear(Tensor x, Tensor weight, int weight_type, Tensor? bias=None) -> Tensor",
     // Rows of such a weight as floats [rows, in] of `dtype`.
     "dequantize(Tensor weight, int weight_type, ScalarType dtype) -> Tensor",
+    // RMSNorm of x [..., hidden] times weight, HF's arithmetic (normalized in float32, rounded
+    // to x's dtype, then scaled).
+    "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    // The pre-norm block's residual step in place: residual += x, then x = rms_norm(residual).
+    "add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
+    // SwiGLU's gate over a fused gate|up projection [rows, 2 * d]: silu(gate) * up, [rows, d].
+    "silu_and_mul(Tensor x) -> Tensor",
 };
 
 }  // namespace

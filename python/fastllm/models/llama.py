@@ -10,7 +10,6 @@ plain matmuls, with q/k/v fused into one and gate/up into another.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastllm import ops
@@ -32,17 +31,20 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalized in float32, cast back, then scaled by the weight."""
+    """HF's RMSNorm (normalized in float32, cast back, then scaled by the weight) as one op.
+    Given the residual stream too, it first adds ``x`` into it, in place (the pre-norm block's
+    residual step, fused), and returns ``(normalized, residual)``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class Attention(nn.Module):
@@ -108,12 +110,14 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # gate|up [T, 2 * inter]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each residual add
+    fused into the norm after it: a layer takes the previous sublayer's output and the residual
+    stream (None before the first layer) and returns both, and the model's final norm does
+    the last add."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -122,11 +126,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
-                v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache,
-                               cos_sin_cache, pre_rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, positions: Tensor,
+                meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
+                pre_rope: bool) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta, k_cache, v_cache, cos_sin_cache, pre_rope)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderLM(nn.Module):
@@ -186,11 +195,11 @@ class DecoderLM(nn.Module):
             ``[T, hidden]`` final-norm hidden states; pass the rows that need logits (usually
             each sequence's last) to :meth:`compute_logits`.
         """
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv_cache.k_cache[i], kv_cache.v_cache[i],
-                      self.cos_sin_cache, kv_cache.pre_rope)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, meta, kv_cache.k_cache[i],
+                                kv_cache.v_cache[i], self.cos_sin_cache, kv_cache.pre_rope)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or
