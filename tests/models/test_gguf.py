@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import metadata_for
+from conftest import prefill_logits
 import transformers
 from gguf import GGMLQuantizationType as QT
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,14 +175,6 @@ def hf_models() -> dict[str, torch.nn.Module]:
                                                         dtype=torch.float32).eval()
         randomize_(models[name], seed, scale=WEIGHT_SCALE)
     return models
-
-
-def prefill_logits(model: DecoderLM, tokens: list[int]) -> torch.Tensor:
-    """``[len(tokens), vocab]`` logits of one sequence's prefill."""
-    cache = PagedKVCache(model.kv_cache_spec(4), 64)
-    cache.block_manager.allocate(0, tokens)
-    meta = metadata_for(cache, [0], [len(tokens)])
-    return model.compute_logits(model(torch.tensor(tokens), meta.positions, meta, cache))
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:

@@ -47,7 +47,7 @@ class EngineClient:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int | None = None, enforce_eager: bool = False,
-                 chunk_store_memory: int | None = None) -> None:
+                 chunk_store_memory: int | None = None, quantization: str | None = None) -> None:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_prefill_chunk=max_prefill_chunk,
@@ -56,7 +56,7 @@ class EngineClient:
                                                or chunk_store_memory < 0):
             raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "
                              f"{chunk_store_memory!r}")
-        self.model = load(model, dtype, device)
+        self.model = load(model, dtype, device, quantization)
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
         config = self.model.config

@@ -10,12 +10,14 @@ import re
 from collections.abc import Callable
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor, nn
 
 from fastllm import ops
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
-from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from fastllm.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight,
+                                      Quantization, check_quantization, quantize_weight)
 
 __all__ = ["HFTensor", "build_model", "hf_weight_map"]
 
@@ -64,7 +66,8 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
 
 def build_model(config: ModelConfig,
                 read: Callable[[str, tuple[int, ...]], Tensor | QuantizedWeight], *,
-                dtype: torch.dtype, device: torch.device | str) -> DecoderLM:
+                dtype: torch.dtype, device: torch.device | str,
+                quantization: str | None = None) -> DecoderLM:
     """Builds a :class:`DecoderLM` on the meta device and materializes it once.
 
     ``read(hf_name, shape)`` returns the checkpoint's tensor ``hf_name``, already checked to
@@ -73,7 +76,15 @@ def build_model(config: ModelConfig,
     one format stays quantized (its layer becomes a :class:`QuantizedLinear` or
     :class:`QuantizedEmbedding`); the others are cast to ``dtype``. Everything is placed on
     ``device``.
+
+    ``quantization`` ("int8", "int4"; see :data:`~fastllm.models.quantized.QUANTIZATIONS`)
+    quantizes the float weights of every projection, the embedding and the LM head at load,
+    weight-only in blocks of 32 per row: int8 writes Q8_0 everywhere; int4 writes Q4_1, but Q8_0
+    for the LM head (the embedding when tied), as llama.cpp's 4-bit files keep it at higher
+    precision. A weight whose rows are not a multiple of 32 values long stays float, as do the
+    norms and biases.
     """
+    scheme = check_quantization(quantization)
     state: dict[str, Tensor] = {}
     quantized: dict[str, int] = {}  # parameter name -> ggml type of its blocks
     for name, parts in hf_weight_map(config).items():
@@ -87,6 +98,14 @@ def build_model(config: ModelConfig,
         tensors = [ops.dequantize(t.data, t.weight_type, torch.float32)
                    if isinstance(t, QuantizedWeight) else t for t in tensors]
         fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        weight_type = None if scheme is None else _quantized_type(name, scheme, config)
+        if weight_type is not None and fused.shape[-1] % _block_values(weight_type) == 0:
+            try:
+                weight = quantize_weight(fused, weight_type)
+            except ValueError as error:
+                raise ValueError(f"cannot quantize {name} ({quantization}): {error}") from error
+            state[name], quantized[name] = weight.data.to(device), weight.weight_type
+            continue
         state[name] = fused.to(device=device, dtype=dtype)
 
     with torch.device("meta"):
@@ -98,8 +117,21 @@ def build_model(config: ModelConfig,
     return model.eval()
 
 
-# The weights that may stay quantized: every projection, the embedding and the LM head.
+# The weights that may be (or stay) quantized: every projection, the embedding and the LM head.
 _QUANTIZABLE = re.compile(r"(_proj|embed_tokens|lm_head)\.weight$")
+
+
+def _quantized_type(name: str, scheme: Quantization, config: ModelConfig) -> int | None:
+    """The ggml type ``scheme`` writes parameter ``name`` in; None: it stays float."""
+    if not _QUANTIZABLE.search(name):
+        return None
+    is_head = name == "lm_head.weight" or (name == "embed_tokens.weight"
+                                           and config.tie_word_embeddings)
+    return scheme.head if is_head else scheme.projections
+
+
+def _block_values(weight_type: int) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType(weight_type)][0]
 
 
 def _quantize_module(model: DecoderLM, name: str, weight: Tensor, weight_type: int,

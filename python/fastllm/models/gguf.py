@@ -33,7 +33,7 @@ from fastllm import ops
 from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
-from fastllm.models.quantized import QuantizedWeight
+from fastllm.models.quantized import QuantizedWeight, check_quantization
 from fastllm.models.rope import rope_inv_freq
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",
@@ -48,6 +48,9 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 GGUF_TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in
                           ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                            "Q4_K", "Q5_K", "Q6_K"))
+
+# The types quantization= may quantize further: plain floats.
+_FLOAT_TYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16"))
 
 # HF module name -> llama.cpp's (gguf.constants.TENSOR_NAMES); ".weight" / ".bias" kept.
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
@@ -149,13 +152,17 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> DecoderLM:
+              device: torch.device | str = "cpu", quantization: str | None = None) -> DecoderLM:
     """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
 
     Weights in Q4_0, Q4_1 or Q8_0 stay in their blocks (run by the quantized ops); every other
     tensor (types :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then cast to ``dtype``.
     Everything is placed on ``device``. A missing, unexpected or wrongly shaped tensor, or one
     of another type, is a ``ValueError`` naming it.
+
+    ``quantization`` ("int8", "int4") quantizes a float file (F32 / F16 / BF16 tensors only) at
+    load, as for safetensors; a file already quantized is a ``ValueError``, since quantizing its
+    weights again would only add error.
     """
     path = Path(path)
     if not path.is_file():
@@ -165,6 +172,12 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     reader = GGUFReader(path)
+    if check_quantization(quantization) is not None:
+        packed = [t for t in reader.tensors if t.tensor_type not in _FLOAT_TYPES]
+        if packed:
+            raise ValueError(f"{path} is already quantized ({packed[0].name} is "
+                             f"{packed[0].tensor_type.name}); load it without quantization="
+                             f"{quantization!r}, or quantize a float checkpoint")
     config = config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
     names = {gguf_tensor_name(hf_name): hf_name
@@ -199,7 +212,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
                                    int(tensor.tensor_type))
         return torch.from_numpy(values)
 
-    return build_model(config, read, dtype=dtype, device=device)
+    return build_model(config, read, dtype=dtype, device=device, quantization=quantization)
 
 
 def _field(reader: GGUFReader, key: str) -> Any:

@@ -21,6 +21,7 @@ from fastllm.models.build import HFTensor, build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.gguf import load_gguf
 from fastllm.models.llama import DecoderLM
+from fastllm.models.quantized import check_quantization
 
 __all__ = ["load_model"]
 
@@ -29,18 +30,21 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> DecoderLM:
+               device: torch.device | str = "cpu", quantization: str | None = None) -> DecoderLM:
     """Loads the HF model folder ``path`` (``config.json`` plus ``*.safetensors``), or the
     llama.cpp GGUF file ``path`` (``*.gguf``, see :func:`fastllm.models.gguf.load_gguf`).
 
     Sharded checkpoints are read through ``model.safetensors.index.json`` when present. Weights
-    are cast to ``dtype`` and placed on ``device``. A missing, unexpected or wrongly shaped
+    are cast to ``dtype`` and placed on ``device``; with ``quantization`` ("int8" or "int4") the
+    projections, embedding and LM head are quantized to ggml blocks instead (see
+    :func:`fastllm.models.build.build_model`). A missing, unexpected or wrongly shaped
     tensor is a ``ValueError`` naming the first one; with tied embeddings an ``lm_head.weight``
     in the checkpoint is ignored, as HF does.
     """
+    check_quantization(quantization)
     folder = Path(path)
     if folder.suffix == ".gguf":
-        return load_gguf(folder, dtype=dtype, device=device)
+        return load_gguf(folder, dtype=dtype, device=device, quantization=quantization)
     if folder.suffix in _PICKLE_SUFFIXES:
         raise ValueError(_pickle_refusal(folder))
     if not folder.is_dir():
@@ -62,7 +66,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                                  f"{shape} from config.json")
             return tensor
 
-        return build_model(config, read, dtype=dtype, device=device)
+        return build_model(config, read, dtype=dtype, device=device,
+                           quantization=quantization)
 
 
 def _checkpoint_index(folder: Path) -> dict[str, Path]:
