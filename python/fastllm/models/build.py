@@ -75,7 +75,9 @@ def build_model(config: ModelConfig,
     are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all blocks of
     one format stays quantized (its layer becomes a :class:`QuantizedLinear` or
     :class:`QuantizedEmbedding`); the others are cast to ``dtype``. Everything is placed on
-    ``device``.
+    ``device``. On the CPU, float32 models keep 16-bit projection, embedding and LM-head
+    weights (a float16 GGUF, a bfloat16 checkpoint) in 16 bits: the linear op converts them
+    exactly as it reads them, so the sums are the upcast weights' from half the bytes.
 
     ``quantization`` ("int8", "int4"; see :data:`~fastllm.models.quantized.QUANTIZATIONS`)
     quantizes the float weights of every projection, the embedding and the LM head at load,
@@ -106,7 +108,8 @@ def build_model(config: ModelConfig,
                 raise ValueError(f"cannot quantize {name} ({quantization}): {error}") from error
             state[name], quantized[name] = weight.data.to(device), weight.weight_type
             continue
-        state[name] = fused.to(device=device, dtype=dtype)
+        state[name] = fused.to(device=device, dtype=_storage_dtype(name, fused.dtype, dtype,
+                                                                  torch.device(device)))
 
     with torch.device("meta"):
         model = DecoderLM(config)
@@ -119,6 +122,15 @@ def build_model(config: ModelConfig,
 
 # The weights that may be (or stay) quantized: every projection, the embedding and the LM head.
 _QUANTIZABLE = re.compile(r"(_proj|embed_tokens|lm_head)\.weight$")
+
+
+def _storage_dtype(name: str, stored: torch.dtype, dtype: torch.dtype,
+                   device: torch.device) -> torch.dtype:
+    """The dtype parameter ``name`` is kept in: 16-bit weights of a float32 model on the CPU
+    stay 16-bit (ops.linear reads them so); everything else is cast to ``dtype``."""
+    keep = (device.type == "cpu" and dtype == torch.float32
+            and stored in (torch.float16, torch.bfloat16) and _QUANTIZABLE.search(name))
+    return stored if keep else dtype
 
 
 def _quantized_type(name: str, scheme: Quantization, config: ModelConfig) -> int | None:

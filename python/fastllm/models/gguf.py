@@ -52,6 +52,9 @@ GGUF_TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in
 # The types quantization= may quantize further: plain floats.
 _FLOAT_TYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16"))
 
+# 16-bit tensor types, read exactly into these dtypes (build_model may keep them so).
+_SIXTEEN_BIT = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
+
 # HF module name -> llama.cpp's (gguf.constants.TENSOR_NAMES); ".weight" / ".bias" kept.
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
                  "lm_head": "output"}
@@ -210,6 +213,8 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         if kept:
             return QuantizedWeight(torch.from_numpy(values).reshape(shape[0], -1),
                                    int(tensor.tensor_type))
+        if tensor.tensor_type in _SIXTEEN_BIT:  # kept in 16 bits where build_model can
+            return torch.from_numpy(values).to(_SIXTEEN_BIT[tensor.tensor_type])
         return torch.from_numpy(values)
 
     return build_model(config, read, dtype=dtype, device=device, quantization=quantization)

@@ -195,7 +195,8 @@ class DecoderLM(nn.Module):
             ``[T, hidden]`` final-norm hidden states; pass the rows that need logits (usually
             each sequence's last) to :meth:`compute_logits`.
         """
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        # [T, hidden]; an embedding stored in 16 bits (models/build.py) looks up in its dtype.
+        x, residual = self.embed_tokens(input_ids).to(self.dtype), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, meta, kv_cache.k_cache[i],
                                 kv_cache.v_cache[i], self.cos_sin_cache, kv_cache.pre_rope)

@@ -163,7 +163,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Args:
         x: ``[rows, in_features]``.
         weight: ``[out_features, in_features]`` with contiguous rows (an ``nn.Linear`` weight),
-            x's dtype and device.
+            on x's device, in x's dtype; or, under float32 ``x``, in bfloat16 or float16
+            (weights stored in 16 bits, converted exactly as they are read).
         bias: ``[out_features]`` or None.
 
     Returns ``[rows, out_features]`` in x's dtype, summed in float32. On the CPU, few rows (a
