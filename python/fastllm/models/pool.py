@@ -60,7 +60,11 @@ class ModelPool:
     def load(self, model_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
              device: str | torch.device = "cpu") -> DecoderLM:
         """The model at ``model_path`` (HF folder or ``.gguf`` file) in ``dtype`` on ``device``,
-        loaded on first use and shared afterwards. Treat it as read-only."""
+        loaded on first use and shared afterwards. Treat it as read-only.
+
+        A model enters the pool only once fully loaded: a load that fails (a bad file is a
+        ValueError naming it) leaves nothing behind, and the stale entry of a checkpoint whose
+        files changed is dropped before its new files are read, whether they load or not."""
         path = Path(model_path).expanduser().resolve()
         if not path.exists():
             raise FileNotFoundError(f"no model at {model_path}")
@@ -69,11 +73,12 @@ class ModelPool:
         with self._lock:
             model = self._models.get(key)
             if model is None:
-                model = load_model(path, dtype=torch_dtype, device=torch_device)
-                model.eval()
-                # A changed checkpoint replaces its stale entries.
+                # A changed checkpoint's old entries are stale, and their memory is better free
+                # while the new files load.
                 for stale in [k for k in self._models if k[:3] == key[:3]]:
                     del self._models[stale]
+                model = load_model(path, dtype=torch_dtype, device=torch_device)
+                model.eval()
                 self._models[key] = model
             self._models.move_to_end(key)
             while len(self._models) > self.max_models:
