@@ -115,3 +115,33 @@ def test_bad_arguments_raise(model_path, tmp_path):
     with pytest.raises(ValueError, match="got 'fp8'"):
         ModelPool(1).load(model_path("stories260K_hf"), "fp8")
     assert resolve_dtype("torch.bfloat16") is torch.bfloat16
+
+
+def test_a_failed_load_leaves_nothing_in_the_pool(model_path, tmp_path, loads):
+    """A bad file is a ValueError and pools nothing; the entry of a checkpoint whose files
+    changed goes, whether its new files load or not."""
+    folder = shutil.copytree(model_path("stories260K_hf"), tmp_path / "model")
+    other = shutil.copytree(folder, tmp_path / "other")
+    pool = ModelPool(max_models=4)
+    kept = pool.load(other)
+    pool.load(folder)
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:len(good) // 2])  # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        pool.load(folder)
+    assert len(pool) == 1 and (other, "float32", "cpu") in pool and pool.load(other) is kept
+    assert (folder, "float32", "cpu") not in pool
+    weights.write_bytes(good)
+    assert pool.load(folder).config.vocab_size == kept.config.vocab_size
+    assert len(pool) == 2 and len(loads) == 4
+
+
+def test_a_truncated_gguf_is_not_pooled(model_path, tmp_path, loads):
+    path = tmp_path / "model.gguf"
+    good = (model_path("gguf") / "llama-2-tiny-random.gguf").read_bytes()
+    path.write_bytes(good[:-1000])  # cuts the last tensor's data
+    pool = ModelPool(max_models=2)
+    with pytest.raises(ValueError, match=r"model\.gguf: tensor [\w.]+ .* past the end of the file"):
+        pool.load(path)
+    assert len(pool) == 0 and len(loads) == 1

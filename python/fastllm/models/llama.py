@@ -9,6 +9,8 @@ plain matmuls, with q/k/v fused into one and gate/up into another.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor, nn
 
@@ -19,7 +21,15 @@ from fastllm.models.config import ModelConfig
 from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear
 from fastllm.models.rope import build_cos_sin_cache
 
-__all__ = ["DecoderLM"]
+__all__ = ["DEFAULT_ROPE_POSITIONS", "DecoderLM"]
+
+# Rows of the RoPE table a model is loaded with, when its context is longer: the engine's
+# default context (entrypoints/client.py), so a default LLM never rebuilds the table; an engine
+# with a longer one grows it (DecoderLM.reserve_positions). A table of the full context could
+# take gigabytes (max_position_embeddings is 10**9 in a bad config, 10**7 in some real ones).
+DEFAULT_ROPE_POSITIONS = 8192
+# One growth of a shared model's table at a time.
+_ROPE_TABLE_LOCK = threading.Lock()
 
 
 class Linear(nn.Linear):
@@ -156,18 +166,36 @@ class DecoderLM(nn.Module):
                         Linear(config.hidden_size, config.vocab_size, bias=False))
         # Derived from the config, never loaded: non-persistent, rebuilt by init_rope_cache.
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        # Tables reserve_positions replaced, kept alive: CUDA graphs captured before read them.
+        self._replaced_rope_tables: list[Tensor] = []
         self.init_rope_cache()
         self.requires_grad_(False)
 
-    def init_rope_cache(self) -> None:
-        """(Re)builds the RoPE table on the parameters' device, once per model (and again after
-        materializing a model built on the meta device)."""
+    def init_rope_cache(self, max_positions: int | None = None) -> None:
+        """(Re)builds the RoPE table on the parameters' device for positions below
+        ``max_positions`` (default: the model's context, at most :data:`DEFAULT_ROPE_POSITIONS`),
+        once per model, and again after materializing a model built on the meta device."""
+        if max_positions is None:
+            max_positions = min(self.config.max_position_embeddings, DEFAULT_ROPE_POSITIONS)
         device = self.embed_tokens.weight.device
         if device.type == "meta":
-            shape = (self.config.max_position_embeddings, self.config.head_dim)
-            self.cos_sin_cache = torch.empty(shape, device=device)
+            self.cos_sin_cache = torch.empty((max_positions, self.config.head_dim), device=device)
         else:
-            self.cos_sin_cache = build_cos_sin_cache(self.config, device=device)
+            self.cos_sin_cache = build_cos_sin_cache(self.config, max_positions, device=device)
+
+    def reserve_positions(self, max_model_len: int) -> None:
+        """Makes the RoPE table cover positions below ``max_model_len`` (at most
+        ``max_position_embeddings``): an engine calls this with its context before it runs.
+
+        The table only grows: a pooled model is shared by engines of different contexts. The
+        rows of a longer table equal those of the shorter one, so a running engine reads the
+        same values from either.
+        """
+        with _ROPE_TABLE_LOCK:
+            if max_model_len > self.cos_sin_cache.shape[0]:
+                replaced = self.cos_sin_cache
+                self.init_rope_cache(max_model_len)
+                self._replaced_rope_tables.append(replaced)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -63,7 +63,11 @@ class ModelPool:
         """The model at ``model_path`` (HF folder or ``.gguf`` file) in ``dtype`` on ``device``,
         its weights quantized at load when ``quantization`` is "int8" or "int4" (see
         :func:`fastllm.models.load_model`), loaded on first use and shared afterwards. Treat it
-        as read-only."""
+        as read-only.
+
+        A model enters the pool only once fully loaded: a load that fails (a bad file is a
+        ValueError naming it) leaves nothing behind, and the stale entry of a checkpoint whose
+        files changed is dropped before its new files are read, whether they load or not."""
         check_quantization(quantization)
         path = Path(model_path).expanduser().resolve()
         if not path.exists():
@@ -73,12 +77,13 @@ class ModelPool:
         with self._lock:
             model = self._models.get(key)
             if model is None:
+                # A changed checkpoint's old entries are stale, and their memory is better free
+                # while the new files load.
+                for stale in [k for k in self._models if k[:4] == key[:4]]:
+                    del self._models[stale]
                 model = load_model(path, dtype=torch_dtype, device=torch_device,
                                    quantization=quantization)
                 model.eval()
-                # A changed checkpoint replaces its stale entries.
-                for stale in [k for k in self._models if k[:4] == key[:4]]:
-                    del self._models[stale]
                 self._models[key] = model
             self._models.move_to_end(key)
             while len(self._models) > self.max_models:
