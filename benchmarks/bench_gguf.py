@@ -265,6 +265,45 @@ def fastllm_bytes_per_token(model: torch.nn.Module) -> int:
     return sum(tensors.values()) - (0 if model.config.tie_word_embeddings else embedding)
 
 
+# Where a fastllm decode step's time goes: op name prefixes -> part.
+STEP_PARTS = {"weights": ("fastllm::linear", "fastllm::quantized_linear"),
+              "attention": ("fastllm::paged_attention", "fastllm::attention",
+                            "fastllm::reshape_and_cache", "fastllm::rotary_embedding"),
+              "norms and activation": ("fastllm::rms_norm", "fastllm::add_rms_norm",
+                                       "fastllm::silu_and_mul", "fastllm::dequantize"),
+              "sampling": ("fastllm::sample", "fastllm::apply_penalties")}
+
+
+def _op_times_us(llm: fastllm.LLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
+    """Self CPU time (µs) of the top-level ops of one greedy generation, summed by part (and
+    "other ops")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = fastllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+    parts = dict.fromkeys([*STEP_PARTS, "other ops"], 0.0)
+    for event in prof.events():
+        if event.cpu_parent is not None:  # counted in its top-level op's total
+            continue
+        part = next((p for p, names in STEP_PARTS.items() if event.name in names), "other ops")
+        parts[part] += event.cpu_time_total
+    return parts
+
+
+def decode_step_profile(llm: fastllm.LLM, prompt: list[int], decode_tokens: int,
+                        step_ms: float) -> dict[str, float]:
+    """Milliseconds of one decode step per part: the ops' time (a profiled generation of
+    ``1 + decode_tokens`` tokens minus one of the prompt alone, per token), and "Python and
+    framework", the rest of the unprofiled step time ``step_ms``. The profiler's own cost per
+    op lands in the ops' parts."""
+    prefill = _op_times_us(llm, prompt, 1)
+    full = _op_times_us(llm, prompt, 1 + decode_tokens)
+    parts = {part: (full[part] - prefill[part]) / decode_tokens / 1e3 for part in full}
+    parts["Python and framework"] = step_ms - sum(parts.values())
+    return parts
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """Runs the block with ``n`` intra-op threads, then restores the count."""
@@ -322,6 +361,10 @@ def file_row(name: str, config: GGUFBenchConfig, text: str) -> dict[str, object]
         calls = {"fastllm": fastllm_call(llm, prompt, new_tokens, samples["fastllm"]),
                  "llama_cpp": llama_cpp_call(peer, prompt, new_tokens, samples["llama_cpp"])}
         timings = compare(calls, config.timer)
+        step_ms = summarize([s.decode_s for s in samples["fastllm"][-timings["fastllm"].repeats:]]
+                            ).median_s * 1e3 / config.decode_tokens
+        row["fastllm_step_ms"] = {part: ms for part, ms in decode_step_profile(
+            llm, prompt, config.decode_tokens, step_ms).items()}
     peer.close()
     del llm, peer, calls
     model_pool.clear()  # fastllm.LLM shares loaded models through the pool: let this one go
@@ -403,10 +446,20 @@ def tables(config: GGUFBenchConfig, rows: list[dict[str, object]]) -> dict[str, 
                  "own: its weights as loaded (types it does not keep in blocks are "
                  f"dequantized to {config.dtype}). Copy: bytes read + written by a "
                  f"{config.copy_mib} MiB copy.")
+    parts = [*STEP_PARTS, "other ops", "Python and framework"]
+    steps = [{"file": row["file"], "step_ms": sum(row["fastllm_step_ms"].values()),
+              **{part: row["fastllm_step_ms"][part] for part in parts}} for row in rows]
+    step = {"file": "file", "step_ms": "fastllm step (ms)"} | {part: f"{part} (ms)"
+                                                                for part in parts}
+    where = ("A fastllm decode step by part: the ops' self time from the profiler (a generation "
+             "of 1 + n tokens minus the prompt's, per token; the profiler's cost per op counts "
+             "here), and the rest of the unprofiled step: Python, the engine and dispatch.")
     return {"Batch-1 generation from GGUF files, fastllm against llama.cpp":
             goal_summary(config, rows) + "\n\n" + about + "\n\n" + markdown_table(rows, speed),
             "Weight traffic per decoded token": bandwidth + "\n\n"
-            + markdown_table(megabytes, traffic)}
+            + markdown_table(megabytes, traffic),
+            "Where a fastllm decode step's time goes": where + "\n\n"
+            + markdown_table(steps, step)}
 
 
 def parse_args(argv: list[str] | None) -> tuple[GGUFBenchConfig, Path]:

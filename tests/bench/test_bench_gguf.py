@@ -94,6 +94,11 @@ def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
                                                 / row["fastllm_ttft_median_ms"])
     assert 0 <= row["tokens_agree"] <= 8
     assert row["copy_gbps"] > 0 and row["copy_1t_gbps"] > 0
+    # The decode step by part adds up to the measured step; the weights take time.
+    parts = row["fastllm_step_ms"]
+    assert list(parts) == [*bench_gguf.STEP_PARTS, "other ops", "Python and framework"]
+    assert sum(parts.values()) == pytest.approx(row["fastllm_decode_median_ms"] / 8)
+    assert parts["weights"] > 0
     markdown = (tmp_path / "gguf.md").read_text()
     assert "not measured in this run" in markdown and "\n| smollm2:Q4_1 |" in markdown
     # The stored sample that tests/test_notebooks.py plots is still what a run writes.
