@@ -225,9 +225,9 @@ class DecoderLM(nn.Module):
         """
         # [T, hidden]; an embedding stored in 16 bits (models/build.py) looks up in its dtype.
         x, residual = self.embed_tokens(input_ids).to(self.dtype), None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, meta, kv_cache.k_cache[i],
-                                kv_cache.v_cache[i], self.cos_sin_cache, kv_cache.pre_rope)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache.layers):
+            x, residual = layer(x, residual, positions, meta, k_cache, v_cache,
+                                self.cos_sin_cache, kv_cache.pre_rope)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
