@@ -23,6 +23,15 @@ void check_cache_write_inputs(const at::Tensor& key, const at::Tensor& value,
                     " do not match the cache's ", k_cache.sizes().slice(2));
   TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ",
                     slot_mapping.size(0), " slots but key has ", key.size(0), " tokens");
+  // Written in place: a slot reached through two indices, or a cache that is the other cache or
+  // an input, would take the wrong rows.
+  check_no_internal_overlap(k_cache, "k_cache");
+  check_no_internal_overlap(v_cache, "v_cache");
+  check_no_shared_memory(k_cache, "k_cache", v_cache, "v_cache");
+  for (const auto& [cache, cache_name] :
+       {std::pair(&k_cache, "k_cache"), std::pair(&v_cache, "v_cache")})
+    for (const auto& [input, input_name] : {std::pair(&key, "key"), std::pair(&value, "value")})
+      check_no_shared_memory(*cache, cache_name, *input, input_name);
 }
 
 void check_slot_values(const at::Tensor& slot_mapping_cpu, int64_t num_slots) {

@@ -25,7 +25,11 @@ int64_t check_rotary_inputs(const at::Tensor& positions, const at::Tensor& q,
   TORCH_CHECK_VALUE(!rotary_dim.has_value() || *rotary_dim == rot, "rotary_dim=",
                     rotary_dim.value_or(-1), " does not match cos_sin_cache.shape[1]=", rot);
   TORCH_CHECK_VALUE(rot <= q.size(2), "rotary_dim ", rot, " exceeds head_dim ", q.size(2));
+  // Rotated in place: an element reached twice would be rotated twice.
+  check_no_internal_overlap(q, "q");
   if (k.has_value()) {
+    check_no_internal_overlap(*k, "k");
+    check_no_shared_memory(q, "q", *k, "k");
     check_rank(*k, 3, "k", "[tokens, n_kv_heads, head_dim]");
     check_same_dtype(*k, "k", q, "q");
     check_same_device(*k, "k", q, "q");

@@ -69,6 +69,8 @@ void check_penalties_inputs(const at::Tensor& logits, const at::Tensor& prompt_m
   check_row_tensor(frequency_penalty, "frequency_penalty", at::kFloat, logits);
   check_row_tensor(presence_penalty, "presence_penalty", at::kFloat, logits);
   if (logit_bias.has_value()) check_matrix(*logit_bias, "logit_bias", at::kFloat, logits);
+  // Updated in place: an element reached through several indices would be penalized each time.
+  check_no_internal_overlap(logits, "logits");
 }
 
 void check_penalty_values(const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,

@@ -178,6 +178,9 @@ def write_inputs():
                 slot_mapping=torch.tensor([0, 5, -1, 63, 17]))
 
 
+_ONE_CACHE = torch.zeros(4, 16, 2, 8)  # passed as both caches, or as a cache and an input
+_POOL = torch.zeros(7, 16, 2, 8)  # k_cache = blocks 0-3, v_cache = blocks 3-6: block 3 in both
+
 # id: (changes to the valid call, exception, pattern its message must match)
 WRITE_ERRORS = {
     # Slots 0 and 5 come before the bad one: a kernel that wrote as it checked would change them.
@@ -228,6 +231,20 @@ WRITE_ERRORS = {
                         "v_cache is on meta but k_cache is on cpu"),
     "slot_mapping_on_meta": (dict(slot_mapping=torch.tensor([0, 5, -1, 6, 17], device="meta")),
                              ValueError, "slot_mapping is on meta but k_cache is on cpu"),
+    # Written in place: the V rows would overwrite the K rows, or a slot be reached twice.
+    "v_cache_is_k_cache": (dict(k_cache=_ONE_CACHE, v_cache=_ONE_CACHE), ValueError,
+                           "k_cache and v_cache must not share memory"),
+    "v_cache_overlaps_k_cache": (dict(k_cache=_POOL[:4], v_cache=_POOL[3:]), ValueError,
+                                 "k_cache and v_cache must not share memory"),
+    "k_cache_expanded": (dict(k_cache=torch.zeros(1, 16, 2, 8).expand(4, 16, 2, 8)), ValueError,
+                         r"k_cache must not have overlapping elements \(e.g. an expanded "
+                         r"tensor\)"),
+    "v_cache_expanded": (dict(v_cache=torch.zeros(4, 1, 2, 8).expand(4, 16, 2, 8)), ValueError,
+                         "v_cache must not have overlapping elements"),
+    "key_inside_k_cache": (dict(k_cache=_ONE_CACHE, key=_ONE_CACHE[1, :5]), ValueError,
+                           "k_cache and key must not share memory"),
+    "value_inside_v_cache": (dict(v_cache=_ONE_CACHE, value=_ONE_CACHE[0, 3:8]), ValueError,
+                             "v_cache and value must not share memory"),
 }
 
 

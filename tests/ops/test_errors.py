@@ -157,6 +157,10 @@ def test_attention_zero_heads_is_a_value_error(namespace, n_heads, n_kv_heads):
         f"ValueError q and k need at least one head, got n_heads={n_heads}"), child.stdout
 
 
+_QK = torch.randn(6, 4, 16)  # q, with k a view of its first heads
+_HEADS = torch.randn(6, 6, 16)  # q = heads 0-3, k = heads 3-4: head 3 in both
+
+
 def rotary_inputs():
     """A valid call: 6 tokens, 4 query heads, 2 kv heads, head_dim 16, rotary_dim 8."""
     return dict(positions=torch.arange(6), q=torch.randn(6, 4, 16), k=torch.randn(6, 2, 16),
@@ -200,6 +204,17 @@ ROTARY_ERRORS = {
                           "positions is on meta"),
     "cache_on_meta": (dict(cos_sin_cache=torch.randn(32, 8, device="meta")), ValueError,
                       "cos_sin_cache is on meta"),
+    # Rotated in place: an element reached twice would be rotated twice.
+    "k_is_q": (dict(q=_QK, k=_QK[:, :2]), ValueError, "q and k must not share memory"),
+    "k_overlaps_q": (dict(q=_HEADS[:, :4], k=_HEADS[:, 3:5]), ValueError,
+                     "q and k must not share memory"),
+    "q_expanded": (dict(q=torch.randn(6, 1, 16).expand(6, 4, 16)), ValueError,
+                   r"q must not have overlapping elements \(e.g. an expanded tensor\), got "
+                   r"shape \[6, 4, 16\] and strides \[16, 0, 1\]"),
+    "k_expanded": (dict(k=torch.randn(1, 2, 16).expand(6, 2, 16)), ValueError,
+                   "k must not have overlapping elements"),
+    "q_heads_overlapping": (dict(q=torch.randn(6 * 4 * 16).as_strided((6, 4, 16), (64, 8, 1))),
+                            ValueError, "q must not have overlapping elements"),
 }
 
 
@@ -217,6 +232,23 @@ def test_rotary_bad_input_leaves_q_and_k_unchanged(backend, case):
     assert torch.equal(q, q_before)
     if k_before is not None:
         assert torch.equal(k, k_before)
+
+
+@pytest.mark.cpu_inputs
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("q_heads, k_heads", [((0, 4), (4, 6)), ((2, 6), (0, 2)),
+                                               ((0, 4), (5, 7))])
+def test_rotary_q_and_k_as_views_of_one_projection(backend, tokens, q_heads, k_heads):
+    # The model's layout: q and k are column slices of one fused QKV matmul (disjoint heads of
+    # each row). Such views never share an element, and rotating them in place rotates each
+    # once, as rotating copies does.
+    qkv = torch.randn(tokens, 8, 16)
+    q, k = qkv[:, slice(*q_heads)], qkv[:, slice(*k_heads)]
+    positions, cache = torch.arange(tokens) + 3, ops.rope_cos_sin_cache(32, 16)
+    q_expected, k_expected = q.clone(), k.clone()
+    backend.ops.rotary_embedding(positions, q_expected, k_expected, cache)
+    backend.ops.rotary_embedding(positions, q, k, cache)
+    assert torch.equal(q, q_expected) and torch.equal(k, k_expected)
 
 
 @pytest.mark.parametrize("args, match", [

@@ -207,6 +207,11 @@ PENALTY_ERRORS = {
                             ValueError, r"prompt_mask is on meta but logits is on cpu"),
     "logit_bias_on_meta": (replacing(logit_bias=torch.zeros(BATCH, VOCAB, device="meta")),
                            ValueError, r"logit_bias is on meta but logits is on cpu"),
+    # One row seen four times: its penalties would apply four times.
+    "logits_expanded": (replacing(logits=torch.randn(1, VOCAB).expand(BATCH, VOCAB)), ValueError,
+                        r"logits must not have overlapping elements \(e.g. an expanded tensor\)"),
+    "logits_rows_overlapping": (replacing(logits=torch.randn(2 * VOCAB).as_strided(
+        (BATCH, VOCAB), (1, 1))), ValueError, r"logits must not have overlapping elements"),
 }
 
 

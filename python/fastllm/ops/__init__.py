@@ -153,6 +153,9 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
         slot_mapping: int64 ``[tokens]``; token ``t`` goes to block ``slot // block_size``,
             offset ``slot % block_size``; a negative slot skips the token (padding). A slot past
             the cache is a ``ValueError`` and nothing is written.
+
+    Caches that share memory with each other or with ``key`` / ``value``, or that reach one
+    element through several indices (an expanded tensor), are a ``ValueError``.
     """
     torch.ops.fastllm.reshape_and_cache.default(key, value, k_cache, v_cache, slot_mapping)
 
@@ -216,7 +219,9 @@ def rotary_embedding(
     Args:
         positions: int64 or int32 ``[tokens]``, each in ``[0, cos_sin_cache.shape[0])``.
         q: ``[tokens, n_heads, head_dim]``; k: ``[tokens, n_kv_heads, head_dim]`` or None.
-            Strided views (for example slices of a fused QKV projection) are rotated in place.
+            Strided views (for example slices of a fused QKV projection) are rotated in place;
+            ``q`` and ``k`` sharing an element, or either reaching one element through several
+            indices (an expanded tensor), is a ``ValueError`` (it would be rotated twice).
         cos_sin_cache: ``[max_position, rotary_dim]``, cos in the first half of each row and sin
             in the second (see :func:`rope_cos_sin_cache`).
         is_neox: True rotates channel ``i`` with ``i + rotary_dim/2`` (HF Llama/Qwen); False
@@ -339,7 +344,9 @@ def apply_penalties(
     4. ``logit -= presence_penalty * (output_counts[r, t] > 0)`` (OpenAI / vLLM semantics).
 
     Args:
-        logits: ``[batch, vocab]`` float32 / bfloat16 / float16, modified in place.
+        logits: ``[batch, vocab]`` float32 / bfloat16 / float16, modified in place; one that
+            reaches an element through several indices (an expanded tensor) is a
+            ``ValueError``.
         prompt_mask: bool ``[batch, vocab]``, True for tokens in the prompt.
         output_counts: int32 ``[batch, vocab]``, occurrences in the generated tokens.
         repetition_penalty, frequency_penalty, presence_penalty: float32 ``[batch]``.
