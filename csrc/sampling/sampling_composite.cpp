@@ -48,7 +48,8 @@ Filtered filter_and_draw(const at::Tensor& logits, const at::Tensor& temperature
   const auto x = logits.to(at::kFloat);
   check_logit_values(x);
   const int64_t batch = x.size(0), vocab = x.size(1);
-  const auto greedy = temperature.eq(0);
+  // A temperature so small that 1 / T overflows leaves only the maximum: greedy, as on the CPU.
+  const auto greedy = temperature.eq(0).logical_or(temperature.reciprocal().isinf());
   const auto t = at::where(greedy, at::ones_like(temperature), temperature).unsqueeze(1);
   // Scaled relative to the maximum (x / t alone can overflow float32): z <= 0, max(z) = 0.
   const auto z = (x - std::get<0>(x.max(1, /*keepdim=*/true))) / t;

@@ -141,7 +141,8 @@ RowResult sample_row(const scalar_t* row, int64_t vocab, int64_t r, const RowPar
                     " contains +inf");
   TORCH_CHECK_VALUE(max != kNegInf, "logits row ", r, " has no finite value");
 
-  const bool greedy = p.temperature == 0;
+  // A temperature so small that 1 / T overflows leaves only the maximum: greedy (as on CUDA).
+  const bool greedy = p.temperature == 0 || std::isinf(1.f / p.temperature);
   const int64_t heap = std::max(greedy ? 0 : p.top_k, num_logprobs);
   top_values(x, vocab, std::min(heap, vocab), sc.ranked);
   // Entries with probability: at or above the threshold and, for a sampled row, a nonzero
@@ -223,6 +224,10 @@ RowResult sample_row(const scalar_t* row, int64_t vocab, int64_t r, const RowPar
     acc += w;
     if (acc > target) break;
   }
+  // The maximum always has weight 1 and passes every filter, so a row is never left empty.
+  TORCH_INTERNAL_ASSERT(token >= 0, "logits row ", r, " kept no token to sample (temperature ",
+                        p.temperature, ", top_k ", p.top_k, ", top_p ", p.top_p, ", min_p ",
+                        p.min_p, ")");
   const double log_norm = std::log(kept);
   if (want_logprobs) fill_logprobs(threshold, inv_t, log_norm, /*weighted=*/true);
   return {token, float((x[token] - max) * inv_t - log_norm)};

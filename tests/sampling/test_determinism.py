@@ -187,6 +187,28 @@ def test_extreme_finite_logits(backend, case):
         assert torch.equal(tokens, reference.sample(logits.double(), *args)), temperature
 
 
+@pytest.mark.cuda_sim
+def test_a_temperature_whose_reciprocal_overflows_float32_is_greedy(backend):
+    # 1 / T past float32's max left the CPU kernel no token to draw (token -1, NaN logprob);
+    # every device takes such a row as greedy: the first maximum, log_softmax logprobs.
+    device = backend.device
+    logits = torch.stack([random_logits(50) for _ in range(4)])  # ties at the top included
+    tiny = [1e-39, 2.9e-39, 1e-45, 0.0]  # float32-subnormal, just under 1 / max, the least, 0
+    rows = [Row(temperature=t, top_k=k, top_p=p, min_p=m, seed=7)
+            for t, k, p, m in zip(tiny, [0, 5, 0, 0], [1.0, 1.0, 0.5, 1.0], [0.0, 0.0, 0.0, 0.1])]
+    args = [a.to(device) for a in row_args(rows)]
+    greedy = [a.to(device) for a in row_args([Row(temperature=0.0, seed=7)] * 4)]
+    tokens, token_logprobs, top_ids, top_logprobs = backend.ops.sample_with_logprobs(
+        logits.to(device), *args, 3)
+    expected = backend.ops.sample_with_logprobs(logits.to(device), *greedy, 3)
+    assert torch.equal(tokens.cpu(), logits.argmax(1))
+    assert torch.equal(backend.ops.sample(logits.to(device), *args).cpu(), logits.argmax(1))
+    assert torch.equal(tokens.cpu(), reference.sample(logits.double(), *row_args(rows)))
+    for got, want in zip((token_logprobs, top_ids, top_logprobs), expected[1:]):
+        assert torch.equal(got.cpu(), want.cpu())
+    assert token_logprobs.isfinite().all()
+
+
 def test_inverts_the_philox_uniform_in_vocabulary_order(backend):
     device = backend.device
     # Independent of reference.sample: token = first i with cdf[i] > u, over the kept tokens in

@@ -271,7 +271,8 @@ def sample(
     """Samples one token per row of ``logits``, every control given per row.
 
     Row ``r`` is filtered in HF transformers' order: temperature (``0`` = greedy argmax, the
-    first maximum), top-k (``<= 0`` or ``>= vocab`` = off; every token tied with the k-th
+    first maximum; so is a temperature so small that its float32 reciprocal overflows, below
+    about ``3e-39``), top-k (``<= 0`` or ``>= vocab`` = off; every token tied with the k-th
     value stays, as in ``TopKLogitsWarper``), top-p (``1`` = off; a token stays when the
     probability mass of the tokens strictly more likely than it is below ``top_p``, so tokens
     tied at the boundary stay together), min-p (``0`` = off; a token stays when its probability

@@ -151,12 +151,19 @@ def philox_uniform(seed: int, offset: int) -> float:
     return ((c0 >> 5) * 67108864.0 + (c1 >> 6)) / 9007199254740992.0
 
 
+def is_greedy(temperature: float) -> bool:
+    """Whether a row takes the argmax: temperature 0, or one so small that its float32
+    reciprocal (the kernels' scale) overflows."""
+    scale = torch.tensor(1.0) / torch.tensor(temperature, dtype=torch.float32)
+    return temperature == 0 or bool(scale.isinf())
+
+
 def filtered_probs(logits: Tensor, temperature: float, top_k: int, top_p: float,
                    min_p: float) -> Tensor:
     """The distribution one row is sampled from (see :func:`fastllm.ops.sample`), in the dtype
-    of ``logits``; for temperature 0, a one-hot on the first maximum."""
+    of ``logits``; for a greedy row (:func:`is_greedy`), a one-hot on the first maximum."""
     vocab = logits.shape[-1]
-    if temperature == 0:
+    if is_greedy(temperature):
         return torch.nn.functional.one_hot(logits.argmax(), vocab).to(logits.dtype)
     x = logits / temperature
     keep = torch.ones(vocab, dtype=torch.bool, device=logits.device)
@@ -184,7 +191,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
     for r in range(logits.shape[0]):
         probs = filtered_probs(logits[r], float(temperature[r]), int(top_k[r]), float(top_p[r]),
                                float(min_p[r]))
-        if float(temperature[r]) == 0:
+        if is_greedy(float(temperature[r])):
             tokens.append(int(probs.argmax()))
             continue
         u = philox_uniform(int(seeds[r]), int(offsets[r]))
@@ -205,7 +212,7 @@ def sample_with_logprobs(logits: Tensor, temperature: Tensor, top_k: Tensor, top
     top_logprobs = torch.full((batch, num_logprobs), float("-inf"), dtype=logits.dtype,
                               device=logits.device)
     for r in range(batch):
-        if float(temperature[r]) == 0:
+        if is_greedy(float(temperature[r])):
             logprobs = logits[r].log_softmax(-1)
         else:
             logprobs = filtered_probs(logits[r], float(temperature[r]), int(top_k[r]),
