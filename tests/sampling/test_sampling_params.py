@@ -25,6 +25,32 @@ BAD_PARAMS = {
     "logprobs_-1": (dict(logprobs=-1), r"logprobs.*-1"),
     "frequency_penalty_nan": (dict(frequency_penalty=math.nan), r"frequency_penalty.*nan"),
     "logit_bias_inf": (dict(logit_bias={3: math.inf}), r"logit_bias.*inf"),
+    # Finite in Python, but not as the float32 the kernels use:
+    "logit_bias_past_float32": (dict(logit_bias={5: 1e39}), r"logit_bias.*float32.*1e\+39"),
+    "repetition_penalty_float32_subnormal": (dict(repetition_penalty=1e-45),
+                                             r"repetition_penalty.*normal range.*got 1e-45"),
+    "repetition_penalty_float32_zero": (dict(repetition_penalty=1e-300),
+                                        r"repetition_penalty.*got 1e-300"),
+    "repetition_penalty_past_float32": (dict(repetition_penalty=1e39),
+                                        r"repetition_penalty.*got 1e\+39"),
+    "temperature_past_float32": (dict(temperature=1e39), r"temperature.*float32.*1e\+39"),
+    "top_p_float32_zero": (dict(top_p=1e-50), r"top_p.*float32.*1e-50"),
+    # vLLM's (and OpenAI's) range, in which penalty * count never overflows float32:
+    "presence_penalty_past_float32": (dict(presence_penalty=-1e39),
+                                      r"presence_penalty must be in \[-2, 2\].*-1e\+39"),
+    "frequency_penalty_overflowing": (dict(frequency_penalty=-1e38),
+                                      r"frequency_penalty must be in \[-2, 2\].*-1e\+38"),
+    "presence_penalty_2.5": (dict(presence_penalty=2.5), r"presence_penalty.*2\.5"),
+    "huge_int_temperature": (dict(temperature=10**400), r"temperature.*float32's range"),
+}
+
+BAD_TYPES = {
+    "temperature_str": (dict(temperature="0.5"), "temperature must be a number, got str"),
+    "top_p_none": (dict(top_p=None), "top_p must be a number, got NoneType"),
+    "repetition_penalty_bool": (dict(repetition_penalty=True),
+                                "repetition_penalty must be a number, got bool"),
+    "logit_bias_list": (dict(logit_bias=[1.0]), "logit_bias must map token ids to numbers"),
+    "logit_bias_str_value": (dict(logit_bias={1: "2"}), "logit_bias must map token ids to numbers"),
 }
 
 
@@ -35,12 +61,54 @@ def test_bad_params(case):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("case", BAD_TYPES)
+def test_bad_types(case):
+    kwargs, match = BAD_TYPES[case]
+    with pytest.raises(TypeError, match=match):
+        SamplingParams(**kwargs)
+
+
 def test_edge_values_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, min_p=0.0, seed=0, max_tokens=1, logprobs=0)
     SamplingParams(min_p=1.0, seed=2**63 - 1, top_k=-1, repetition_penalty=0.01,
                    presence_penalty=-2.0, frequency_penalty=2.0)
+    SamplingParams(repetition_penalty=1.2e-38, logit_bias={0: 3.4e38, 1: -3.4e38},
+                   temperature=3.4e38, top_p=1e-40, top_k=2**40)
     assert SamplingParams(temperature=0.0).is_greedy and not SamplingParams().is_greedy
     assert SamplingParams(stop="###").stop == ["###"]
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-45, 1e-300, 9.9e-6])
+def test_a_temperature_below_1e_5_is_greedy(temperature):
+    # vLLM's rule (a vLLM user gets the argmax): 1 / temperature would overflow float32 below
+    # about 3e-39, and above it the scaled logits are nearly one-hot anyway.
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+    tensors = SamplingTensors.from_params([params, SamplingParams(temperature=0.5)], 10)
+    assert tensors.temperature.tolist() == [0.0, 0.5]
+
+
+def test_a_changed_field_is_checked_again_when_the_request_is_made():
+    params = SamplingParams()
+    params.logit_bias = {5: 1e39}
+    with pytest.raises(ValueError, match="logit_bias"):
+        params.check()
+
+
+def test_logprobs_are_capped_at_the_vocabulary():
+    SamplingParams(logprobs=50).check_vocab(50)
+    for logprobs in [51, 2**40]:
+        with pytest.raises(ValueError, match=rf"logprobs must be at most the vocabulary size 50, "
+                                             rf"got {logprobs}"):
+            SamplingParams(logprobs=logprobs).check_vocab(50)
+        with pytest.raises(ValueError, match="logprobs"):
+            SamplingTensors.from_params([SamplingParams(logprobs=logprobs)], 50)
+
+
+def test_top_k_of_any_size_fits_the_int32_column():
+    # top_k >= vocab is off, like <= 0: clamped into [0, vocab].
+    params = [SamplingParams(top_k=k) for k in (2**40, -2**40, 3, 10, -1)]
+    assert SamplingTensors.from_params(params, 10).top_k.tolist() == [10, 0, 3, 10, 0]
 
 
 @pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids"])
@@ -139,12 +207,12 @@ def test_sample_next_tokens_applies_penalties(device):
     vocab = 16
     logits, prompt_mask, output_counts, offsets = step_inputs(4, vocab, device)
     top = logits.argmax(-1)
-    output_counts[2, top[2]] = 1
+    output_counts[2, top[2]] = 1000  # penalized by 2 each time
     output_counts[2, 5] = 3
     prompt_mask[3, top[3]] = True
     params = [SamplingParams(logit_bias={7: 100.0}, seed=11),  # forced even at temperature 1
               SamplingParams(temperature=0.0),  # no penalty: untouched
-              SamplingParams(temperature=0.0, frequency_penalty=1e4),  # the argmax is penalized
+              SamplingParams(temperature=0.0, frequency_penalty=2.0),  # the argmax is penalized
               SamplingParams(temperature=0.0, repetition_penalty=1e4, logprobs=2)]
     tensors = SamplingTensors.from_params(params, vocab, device=device)
     before = logits.clone()

@@ -118,6 +118,7 @@ class EngineClient:
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got "
                                 f"{type(params).__name__}")
+            params.check()  # again: a field may have changed since it was made
             params.check_vocab(self.vocab_size)
             text, token_ids = self._prompt_ids(prompt)
             requests.append(Request(

@@ -7,9 +7,12 @@ penalties op (when any row needs it) and the sampling op on a step's logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import secrets
-from collections.abc import Sequence
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -18,32 +21,59 @@ from torch import Tensor
 from fastllm import ops
 from fastllm.ops.host_to_device import device_tensor, to_device
 
-__all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "resolve_seed",
-           "sample_next_tokens"]
+__all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "draw", "penalize",
+           "resolve_seed", "sample_next_tokens"]
 
 _MAX_SEED = 2**63 - 1
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): the scaled logits of
+# smaller ones are nearly one-hot anyway, and 1 / temperature overflows float32 below ~3e-39.
+_GREEDY_TEMPERATURE = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+_MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in OpenAI's API and vLLM
+
+
+def _float32(value: float) -> float:
+    """``value`` as the kernels see it: rounded to float32 (+-inf past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _finite_float32(value: float) -> bool:
+    return math.isfinite(_float32(value))
 
 
 @dataclass
 class SamplingParams:
     """How one request picks its tokens; the names and meanings are vLLM's.
 
+    Every value is checked here against what the sampling kernels will use (float32): a value
+    that float32 cannot hold as given is a ValueError naming the field and the value.
+
     Attributes:
-        temperature: 0 = greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 = greedy (argmax); otherwise logits are divided by it. Below 1e-5 it is
+            greedy too (vLLM's rule: such temperatures leave the argmax alone anyway, and
+            1 / temperature would overflow float32); at most float32's largest value.
         top_k: keep the k most likely tokens (ties with the k-th kept); <= 0 = off.
         top_p: keep the most likely tokens up to this probability mass; 1 = off.
         min_p: keep tokens at least this fraction as likely as the most likely one; 0 = off.
-        repetition_penalty: HF/vLLM penalty on tokens of the prompt and the output; 1 = off.
-        presence_penalty: subtracted once from tokens that appear in the output; 0 = off.
-        frequency_penalty: subtracted per occurrence in the output; 0 = off.
-        logit_bias: token id -> value added to its logit.
+        repetition_penalty: HF/vLLM penalty on tokens of the prompt and the output; 1 = off. In
+            float32's normal range (about [1.2e-38, 3.4e38]), so that 1 / it is finite.
+        presence_penalty: subtracted once from tokens that appear in the output; 0 = off. In
+            [-2, 2] (OpenAI's and vLLM's range).
+        frequency_penalty: subtracted per occurrence in the output; 0 = off. In [-2, 2].
+        logit_bias: token id -> value added to its logit, finite in float32.
         seed: makes the request's tokens reproducible whatever else is in the batch; None draws
             a fresh seed for the request.
         max_tokens: most tokens to generate.
         stop: strings that end the generation when they appear in the output.
         stop_token_ids: tokens that end the generation.
         ignore_eos: keep generating past the end-of-sequence token.
-        logprobs: report this many top log-probabilities per sampled position (None = none).
+        logprobs: report this many top log-probabilities per sampled position (None = none);
+            at most the vocabulary's size (checked by :meth:`check_vocab`, when the request is
+            added).
     """
 
     temperature: float = 1.0
@@ -64,20 +94,41 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.check()
+
+    def check(self) -> None:
+        """Raises TypeError/ValueError naming a bad field and its value (run on construction;
+        again when a request is made, in case a field was changed since)."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if isinstance(value, int) and abs(value) > _FLOAT32_MAX:  # float() would overflow
+                raise ValueError(f"{name} is outside float32's range, got {value}")
+        if not isinstance(self.logit_bias, Mapping) or not all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool)
+                for v in self.logit_bias.values()):
+            raise TypeError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
-            (isinstance(self.top_k, int), f"top_k must be an int, got {self.top_k!r}"),
+            (self.temperature >= 0 and _finite_float32(self.temperature),
+             f"temperature must be >= 0 (0 = greedy) and finite in float32, got "
+             f"{self.temperature}"),
+            (isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
+             f"top_k must be an int, got {self.top_k!r}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (_float32(self.top_p) > 0, f"top_p must not round to 0 in float32, got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"),
-            (math.isfinite(self.presence_penalty),
-             f"presence_penalty must be finite, got {self.presence_penalty}"),
-            (math.isfinite(self.frequency_penalty),
-             f"frequency_penalty must be finite, got {self.frequency_penalty}"),
-            (all(math.isfinite(v) for v in self.logit_bias.values()),
-             f"logit_bias values must be finite, got {self.logit_bias}"),
+            (_FLOAT32_TINY <= _float32(self.repetition_penalty) <= _FLOAT32_MAX,
+             f"repetition_penalty must be > 0 (1 = off) and in float32's normal range "
+             f"[{_FLOAT32_TINY:.4g}, {_FLOAT32_MAX:.4g}], got {self.repetition_penalty}"),
+            (-_MAX_PENALTY <= self.presence_penalty <= _MAX_PENALTY,
+             f"presence_penalty must be in [-2, 2] (0 = off), got {self.presence_penalty}"),
+            (-_MAX_PENALTY <= self.frequency_penalty <= _MAX_PENALTY,
+             f"frequency_penalty must be in [-2, 2] (0 = off), got {self.frequency_penalty}"),
+            (all(_finite_float32(v) for v in self.logit_bias.values()),
+             f"logit_bias values must be finite in float32 (|value| <= {_FLOAT32_MAX:.4g}), "
+             f"got {self.logit_bias}"),
             (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= _MAX_SEED),
              f"seed must be None or an int in [0, 2**63), got {self.seed!r}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -93,7 +144,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the request takes the argmax: temperature below 1e-5 (0 included)."""
+        return self.temperature < _GREEDY_TEMPERATURE
 
     def needs_penalties(self) -> bool:
         """Whether sampling must run the penalties op (a penalty or a logit bias is set)."""
@@ -101,12 +153,16 @@ class SamplingParams:
                     or self.frequency_penalty)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError for a token id the model does not have."""
+        """Raises ValueError for a token id the model does not have, or for more logprobs than
+        the vocabulary has tokens."""
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
             unknown = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
             if unknown:
                 raise ValueError(f"{name} names token ids {unknown} outside the vocabulary "
                                  f"[0, {vocab_size})")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got "
+                             f"{self.logprobs}")
 
 
 def resolve_seed(params: SamplingParams) -> int:
@@ -152,8 +208,10 @@ class SamplingTensors:
                     logit_bias[row, token] = bias
             logit_bias = to_device(logit_bias, device)
         return cls(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([p.top_k for p in params], torch.int32),
+            temperature=column([0.0 if p.is_greedy else p.temperature for p in params],
+                               torch.float32),
+            # top_k >= vocab is off, as <= 0 is: clamped, it fits int32 whatever its value.
+            top_k=column([min(max(p.top_k, 0), vocab_size) for p in params], torch.int32),
             top_p=column([p.top_p for p in params], torch.float32),
             min_p=column([p.min_p for p in params], torch.float32),
             repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
