@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import tokenizers
 
+from fastllm.tokenizer.token_ids import as_token_ids
 from fastllm.tokenizer.utf8 import _REPLACEMENT
 
 if TYPE_CHECKING:
@@ -138,7 +139,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
                  prompt_ids: Sequence[int] | None = None):
         backend = self._backend = tokenizer._backend
-        prompt = [int(t) for t in prompt_ids or []]
+        prompt = as_token_ids(prompt_ids or [], what="prompt_ids")
         context = prompt[-_CONTEXT_TOKENS:]
         # Once per request, O(prompt): where the context stands (sentencepiece's start rule).
         at_start = backend.still_at_start(prompt[:-_CONTEXT_TOKENS], skip_special_tokens, True)
@@ -146,17 +147,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Adds one generated token; returns the text it completes ("" while held back). An id
-        the tokenizer does not know (past ``len(tokenizer)``) adds nothing, as in ``decode``."""
-        token_id = int(token_id)
-        if token_id < 0 or self._backend.id_to_token(token_id) is None:
+        the tokenizer does not know (past ``len(tokenizer)``) adds nothing, as in ``decode``;
+        a bad id is an error, as in ``decode``."""
+        token_id, = as_token_ids([token_id])
+        if self._backend.id_to_token(token_id) is None:
             return ""
         return self._stream.step(token_id)
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         """Adds several tokens; returns the concatenation of their deltas."""
-        if hasattr(token_ids, "tolist"):  # a tensor or an array
-            token_ids = token_ids.tolist()
-        return "".join(self.add(t) for t in token_ids)
+        return "".join(self.add(t) for t in as_token_ids(token_ids))
 
     def flush(self) -> str:
         """At the end of the request: the held-back text (an incomplete character decodes as

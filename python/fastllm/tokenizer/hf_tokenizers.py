@@ -29,10 +29,7 @@ class _TokenizersBackend(_Backend):
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens, at_start=True):
-        ids = list(ids)
-        if ids and min(ids) < 0:  # tokenizers drops the unknown ids, but takes no negative one
-            ids = [i for i in ids if i >= 0]
-        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token):
         return self.tk.token_to_id(token)

@@ -33,6 +33,7 @@ from fastllm.tokenizer.detokenizer import IncrementalDetokenizer
 from fastllm.tokenizer.gguf import _gguf_backend, _read_gguf_tokenizer
 from fastllm.tokenizer.hf_tokenizers import _TokenizersBackend
 from fastllm.tokenizer.sentencepiece import _SentencePieceBackend
+from fastllm.tokenizer.token_ids import as_token_ids, check_text
 
 __all__ = ["Tokenizer"]
 
@@ -299,27 +300,30 @@ class Tokenizer:
         return [self.convert_tokens_to_ids(t) for t in tokens]
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
-        if isinstance(ids, int):
-            return self._backend.id_to_token(ids)
-        return [self._backend.id_to_token(int(i)) for i in ids]
+        """A token's string (None for an id the tokenizer does not know), or a list of them.
+        Ids are checked as in :meth:`decode`."""
+        if isinstance(ids, int) and not isinstance(ids, bool):
+            return self._backend.id_to_token(as_token_ids([ids])[0])
+        return [self._backend.id_to_token(i) for i in as_token_ids(ids)]
 
     # ---- encode / decode -----------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS as configured. Special
-        tokens written in the text (``"<|im_end|>"``, ``"</s>"``) become their ids."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens)
+        tokens written in the text (``"<|im_end|>"``, ``"</s>"``) become their ids.
+
+        A text that is not a str is a TypeError; a lone surrogate (which UTF-8 cannot encode) a
+        ValueError naming its position."""
+        return self._backend.encode(check_text(text), add_special_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of ``ids``. Bytes that do not form UTF-8 decode as U+FFFD; ids the
         tokenizer does not know (a model's padded vocabulary) decode to nothing, as in HF.
 
-        Note the default: special tokens are dropped (HF's default keeps them)."""
-        if hasattr(ids, "tolist"):  # a tensor or an array
-            ids = ids.tolist()
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+        ``ids`` are ints, or a 1-D integer tensor or array; anything else (floats, bools, a str)
+        is a TypeError, and an id outside ``[0, 2**32)`` (what no backend can hold) a ValueError
+        naming it. Note the default: special tokens are dropped (HF's default keeps them)."""
+        return self._backend.decode(as_token_ids(ids), skip_special_tokens)
 
     def detokenizer(self, *, skip_special_tokens: bool = True,
                     prompt_ids: Sequence[int] | None = None) -> IncrementalDetokenizer:
@@ -339,8 +343,16 @@ class Tokenizer:
 
         Returns the prompt text, or its token ids (without BOS/EOS added) when ``tokenize``.
         ``chat_template`` is a template, or the name of one of the model's named templates.
-        Raises ValueError when the tokenizer has no chat template.
+        Raises ValueError when the tokenizer has no chat template, TypeError when ``messages``
+        is not a list of message dicts.
         """
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got "
+                            f"{type(messages).__name__}")
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise TypeError(f"messages[{index}] must be a {{'role', 'content'}} dict, got "
+                                f"{type(message).__name__}")
         template = self.chat_template
         if isinstance(template, dict):
             if chat_template in template:
