@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -311,8 +312,9 @@ def test_llms_share_the_pooled_model(model_path):
 
 @pytest.mark.parametrize("prompt, error, match", [
     ([], ValueError, "has no tokens"),
-    ([1, 512], ValueError, r"\[512\] are not ints in \[0, 512\)"),
-    ([1, -3], ValueError, r"\[-3\]"),
+    ([1, 512], ValueError, r"prompt_token_ids\[1\] = 512 is outside \[0, 512\)"),
+    ([1, -3], ValueError, r"prompt_token_ids\[1\] = -3 is outside"),
+    ([1, 2.5], TypeError, "prompt_token_ids must be ints, got float 2.5 at position 1"),
     ({"text": "hi"}, ValueError, "'prompt' or 'prompt_token_ids'"),
     (3.5, TypeError, "a prompt is a str"),
     ([1] * 600, ValueError, "600 tokens, which leaves no room"),
@@ -322,6 +324,55 @@ def test_bad_prompts_raise(stories, prompt, error, match):
     with pytest.raises(error, match=match):
         llm.generate([prompt] if not isinstance(prompt, list) else {"prompt_token_ids": prompt},
                      use_tqdm=False)
+
+
+def test_a_prompt_is_text_ids_a_1d_integer_tensor_or_array_or_a_dict(stories):
+    llm, _ = stories
+    params = SamplingParams(temperature=0, max_tokens=3)
+    ids = llm.tokenizer.encode(PROMPT)
+    expected = llm.generate(ids, params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in (PROMPT, {"prompt": PROMPT}, tuple(ids), torch.tensor(ids),
+                   torch.tensor(ids, dtype=torch.int32), np.array(ids), [np.int64(i) for i in ids],
+                   {"prompt_token_ids": torch.tensor(ids)}, {"prompt_token_ids": np.array(ids)}):
+        out, = llm.generate(prompt, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected, type(prompt)
+        assert out.prompt_token_ids == ids
+    # A list of them is a batch.
+    outs = llm.generate([torch.tensor(ids), np.array(ids), PROMPT], params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outs] == [expected] * 3
+    assert "".join(llm.stream(torch.tensor(ids), params)) == outs[0].outputs[0].text
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    (b"Once upon", TypeError, "a prompt is a str, .*got bytes"),
+    ([b"Once upon"], TypeError, "got bytes"),
+    ([1.0, 2.0], TypeError, "a prompt is a str, .*got float"),
+    (torch.tensor([[1, 2, 3]]), TypeError, r"prompt token ids must be 1-D, got a Tensor of shape "
+                                           r"\(1, 3\)"),
+    (np.array([[1, 2, 3]]), TypeError, r"must be 1-D, got a ndarray of shape \(1, 3\)"),
+    (torch.tensor(5), TypeError, r"must be 1-D, got a Tensor of shape \(\)"),
+    (torch.tensor([1.0, 2.0]), TypeError, "prompt token ids must be ints, got float 1.0"),
+    (torch.tensor([True, False]), TypeError, "got bool True"),
+    ([True, 2], TypeError, "a prompt is a str, .*got bool"),
+    (torch.tensor([1, 700]), ValueError, r"prompt token ids\[1\] = 700 is outside \[0, 512\)"),
+    ({"prompt": [1, 2]}, TypeError, "a prompt dict's 'prompt' must be a str, got list"),
+    ({"prompt_token_ids": "Once"}, TypeError, "prompt_token_ids must be a sequence of ints, got "
+                                              "str"),
+    (None, TypeError, "prompts must be a prompt or a list of prompts, got NoneType"),
+    ("Once\ud800", ValueError, "lone surrogate '\\\\ud800' at position 4"),
+])
+def test_prompts_of_other_types_raise_naming_the_type(stories, prompt, error, match):
+    llm, _ = stories
+    with pytest.raises(error, match=match):
+        llm.generate(prompt, use_tqdm=False)
+
+
+def test_chat_messages_that_are_a_string_raise(stories):
+    llm, _ = stories
+    with pytest.raises(TypeError, match=r"messages must be a list of .* dicts .*, got str"):
+        llm.chat("hello", use_tqdm=False)
+    with pytest.raises(TypeError, match=r"messages\[0\] must be a .* dict, got str"):
+        llm.chat(["hello", "there"], use_tqdm=False)
 
 
 def test_bad_parameters_raise(stories, model_path):

@@ -36,6 +36,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fastllm.tokenizer.token_ids import as_token_ids
+
 __all__ = ["ChunkedPrompt"]
 
 
@@ -52,9 +54,10 @@ class ChunkedPrompt:
 
     def __init__(self, prefix: Sequence[int], chunks: Sequence[Sequence[int]],
                  suffix: Sequence[int]) -> None:
-        object.__setattr__(self, "prefix", tuple(int(t) for t in prefix))
-        object.__setattr__(self, "chunks", tuple(tuple(int(t) for t in c) for c in chunks))
-        object.__setattr__(self, "suffix", tuple(int(t) for t in suffix))
+        object.__setattr__(self, "prefix", tuple(as_token_ids(prefix, what="prefix")))
+        object.__setattr__(self, "chunks", tuple(
+            tuple(as_token_ids(chunk, what=f"chunks[{i}]")) for i, chunk in enumerate(chunks)))
+        object.__setattr__(self, "suffix", tuple(as_token_ids(suffix, what="suffix")))
         if not self.suffix:
             raise ValueError("ChunkedPrompt needs a non-empty suffix (its last token gives the "
                              "logits)")

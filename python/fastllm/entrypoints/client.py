@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -24,17 +25,33 @@ from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
 from fastllm.models.pool import load
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
+from fastllm.tokenizer.token_ids import as_token_ids
 
 __all__ = ["EngineClient", "PromptType"]
 
-# A prompt: text, token ids, vLLM's {"prompt": text} / {"prompt_token_ids": ids}, or a prompt of
-# independent chunks.
+# A prompt: text, token ids (a list, or a 1-D integer tensor or array), vLLM's {"prompt": text} /
+# {"prompt_token_ids": ids}, or a prompt of independent chunks.
 PromptType = Union[str, Sequence[int], Mapping[str, Any], ChunkedPrompt]
 
 # Cap on the default context: the RoPE table's length at load, so it need not grow.
 _DEFAULT_MAX_MODEL_LEN = DEFAULT_ROPE_POSITIONS
 
 logger = logging.getLogger("fastllm")
+
+
+def _is_array(value: Any) -> bool:
+    """A tensor or a NumPy array."""
+    return hasattr(value, "tolist") and hasattr(value, "ndim")
+
+
+def _is_one_prompt(prompts: Any) -> bool:
+    """Whether ``generate``'s ``prompts`` is one prompt rather than a list of them: a str, a
+    dict, a ChunkedPrompt, a tensor or array, or a sequence of ints (bytes too: refused later
+    as a prompt, not taken as a list of prompts)."""
+    if isinstance(prompts, (str, bytes, bytearray, Mapping, ChunkedPrompt)) or _is_array(prompts):
+        return True
+    return (isinstance(prompts, Sequence) and len(prompts) > 0
+            and isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool))
 
 
 class EngineClient:
@@ -101,9 +118,11 @@ class EngineClient:
                       ) -> list[Request]:
         """Checked requests for prompts (one or a list) and their parameters (one for all, or
         one each; default ``SamplingParams()``)."""
-        if isinstance(prompts, (str, Mapping, ChunkedPrompt)) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -131,8 +150,7 @@ class EngineClient:
                              score_token_ids: Sequence[int]) -> Request:
         """A prompt-only request: its prompt is computed (and its KV cached), nothing is
         generated, and it finishes with the logits of ``score_token_ids`` at its last token."""
-        token_ids = list(token_ids)
-        self._check_ids(token_ids)
+        token_ids = self._check_ids(token_ids, "token_ids")
         if not 0 < len(token_ids) <= self.max_model_len:
             raise ValueError(f"a scored prompt needs 1 to max_model_len={self.max_model_len} "
                              f"tokens, got {len(token_ids)}")
@@ -142,32 +160,28 @@ class EngineClient:
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, its token ids), checked."""
         if isinstance(prompt, ChunkedPrompt):
-            token_ids = prompt.token_ids
-            self._check_ids(token_ids)
-            return None, self._check_length(prompt, token_ids)
+            return None, self._check_length(prompt, self._check_ids(prompt.token_ids, "prompt"))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+                token_ids = self._check_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+                return None, self._check_length(prompt, token_ids)
+            if "prompt" not in prompt:
                 raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys "
                                  f"{sorted(prompt)}")
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError(f"a prompt dict's 'prompt' must be a str, got "
+                                f"{type(prompt).__name__}")
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
-            text = None
-            token_ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-            self._check_ids(token_ids)
-        else:
-            raise TypeError(f"a prompt is a str, a list of token ids, a dict or a ChunkedPrompt, "
-                            f"got {type(prompt).__name__}")
-        return text, self._check_length(prompt, token_ids)
+            return prompt, self._check_length(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, (bytes, bytearray)) or not (isinstance(prompt, Sequence)
+                                                          or _is_array(prompt)):
+            raise TypeError(f"a prompt is a str, a list of token ids, a 1-D integer tensor or "
+                            f"array, a dict or a ChunkedPrompt, got {type(prompt).__name__}")
+        return None, self._check_length(prompt, self._check_ids(prompt, "prompt token ids"))
 
-    def _check_ids(self, token_ids: list[int]) -> None:
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are not ints in [0, {self.vocab_size})")
+    def _check_ids(self, token_ids: Any, what: str) -> list[int]:
+        return as_token_ids(token_ids, limit=self.vocab_size, what=what)
 
     def _check_length(self, prompt: PromptType, token_ids: list[int]) -> list[int]:
         if not token_ids:

@@ -134,7 +134,12 @@ class LLM:
         """``generate`` on one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, each rendered with the chat template and a generation prompt.
         ``template_kwargs`` go to the template (e.g. ``enable_thinking=False``)."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+            raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts (or a list "
+                            f"of such lists), got {type(messages).__name__}")
+        one = not messages or isinstance(messages[0], (str, Mapping)) or not isinstance(
+            messages[0], Sequence)
+        conversations = [messages] if one else messages
         prompts = [self.chat_prompt(conversation, **template_kwargs)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
