@@ -261,3 +261,21 @@ def test_logprobs_zero_reports_the_token_logprob(device):
     out = sample_next_tokens(logits, tensors, offsets)
     assert out.token_logprobs is not None and out.token_logprobs.shape == (2,)
     assert out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
+
+
+def test_each_row_alone_draws_what_the_batch_draws(device):
+    # What the engine relies on when a batch cannot be sampled: each row sampled alone (its
+    # SamplingTensors.rows) gets the batch's token and log-probabilities.
+    params = [SamplingParams(seed=1, logprobs=2), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=3, seed=2, logit_bias={4: 2.0}, repetition_penalty=1.3)]
+    tensors = SamplingTensors.from_params(params, 20, device=device)
+    logits, prompt_mask, output_counts, offsets = step_inputs(3, 20, device)
+    prompt_mask[2, :10] = True
+    batch = sample_next_tokens(logits.clone(), tensors, offsets, prompt_mask=prompt_mask,
+                               output_counts=output_counts)
+    rows = [sample_next_tokens(logits[r:r + 1].clone(), tensors.rows(slice(r, r + 1)),
+                               offsets[r:r + 1], prompt_mask=prompt_mask[r:r + 1],
+                               output_counts=output_counts[r:r + 1]) for r in range(3)]
+    joined = SampleOutput.cat(rows)
+    for name in ("tokens", "token_logprobs", "top_ids", "top_logprobs"):
+        assert torch.equal(getattr(joined, name), getattr(batch, name)), name

@@ -11,6 +11,7 @@ The host waits for the device once per step, for the sampled ids.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,17 +19,19 @@ import torch
 
 from fastllm import ops
 from fastllm.engine.decode_graphs import DecodeGraphs
-from fastllm.engine.model_runner import ModelRunner
+from fastllm.engine.model_runner import ModelRunner, ScheduledBatch, StepLogits
 from fastllm.engine.outputs import Logprob
 from fastllm.engine.request import Request
 from fastllm.engine.scheduler import Scheduler, SchedulerConfig
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.ops.host_to_device import device_tensor, to_device
-from fastllm.sampling import SampleOutput, SamplingTensors, sample_next_tokens
+from fastllm.sampling import SampleOutput, SamplingTensors, draw, penalize
 from fastllm.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
+
+logger = logging.getLogger("fastllm")
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Engine:
                          max_model_len=max_model_len)
             if self.device.type == "cuda" and not config.enforce_eager else None)
         self.runner = ModelRunner(model, kv_cache, decode_graphs)
+        self._failed: list[Request] = []  # the requests the current step failed
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -121,6 +125,14 @@ class Engine:
         self.scheduler.finish_request(request)
         request.abort()
 
+    def fail_request(self, request: Request, error: Exception) -> None:
+        """Ends a request that cannot go on (finish_reason "error", ``error`` kept on it): its
+        KV blocks are freed at once."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        self.scheduler.finish_request(request)
+        request.fail(error)
+        self._failed.append(request)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -129,21 +141,32 @@ class Engine:
     def step(self) -> list[Request]:
         """Schedules, runs and samples one batch; returns the requests that got a token or
         finished (their new text is in ``take_deltas()``; finished ones have left the
-        engine)."""
+        engine).
+
+        A request that fails in the step fails alone (:meth:`fail_request`): when the model
+        step raises, each request's share is run again alone; when sampling raises, each row is
+        sampled alone. The others go on as if it had not been there."""
         started = time.perf_counter()
+        self._failed = []
         scheduled = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
         if scheduled is None:
             return []
         batch, owners = scheduled
+        scored, sampling, logits = [], [], []
         with torch.inference_mode():
-            output = self.runner.execute(batch)
-            scored = self.scheduler.update_from_output(batch, owners, output)
-            sampling = [owner for owner, sequence in zip(owners, batch.sequences)
-                        if sequence.logit_token_ids == "all"]
-            # SamplingParams checked every value on the host.
-            with ops.trusted_inputs():
-                sampled = self._sample(output.logits, sampling) if sampling else None
+            for part, part_owners, output in self._execute(batch, owners):
+                scored += self.scheduler.update_from_output(part, part_owners, output)
+                sampling += [owner for owner, sequence in zip(part_owners, part.sequences)
+                             if sequence.logit_token_ids == "all"]
+                if output.logits is not None:
+                    logits.append(output.logits)
+            sampled = None
+            if sampling:
+                # SamplingParams checked every value on the host.
+                with ops.trusted_inputs():
+                    sampling, sampled = self._sample(
+                        logits[0] if len(logits) == 1 else torch.cat(logits), sampling)
         self.stats.steps += 1
         self.stats.scheduled_tokens += batch.num_tokens
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.scheduler.usage)
@@ -156,13 +179,40 @@ class Engine:
         self.stats.prefix_cache_hits = counters["hits"]
         self.stats.prefix_cache_queries = counters["queries"]
         self.stats.step_s += time.perf_counter() - started
-        return scored + sampling
+        return list(dict.fromkeys(scored + sampling + self._failed))
+
+    def _execute(self, batch: ScheduledBatch, owners: list[Request]
+                 ) -> list[tuple[ScheduledBatch, list[Request], StepLogits]]:
+        """The model step, as (batch, owners, logits) parts: the whole batch or, when it raises,
+        each request's share run alone (nothing was marked computed yet, so a share runs again
+        as it was), the ones that raise again failed."""
+        try:
+            return [(batch, owners, self.runner.execute(batch))]
+        except Exception as error:  # not KeyboardInterrupt: that ends the caller's requests
+            if len(set(owners)) == 1:
+                self.fail_request(owners[0], _request_error(
+                    "the model step failed on this request", error))
+                return []
+        parts = []
+        for part, part_owners in self.scheduler.split_batch(batch, owners):
+            try:
+                parts.append((part, part_owners, self.runner.execute(part)))
+            except Exception as error:
+                self.fail_request(part_owners[0], _request_error(
+                    "the model step failed on this request", error))
+        return parts
 
     def _finish(self, request: Request) -> None:
         request.metrics.kv_usage = self.scheduler.usage
         self.scheduler.finish_request(request)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[list[Request], SampleOutput | None]:
+        """A token for each request; returns the requests that got one and their rows. When
+        the batch cannot be sampled (the CPU sampler raises on a row whose logits hold NaN or
+        +inf, e.g. after its penalties overflowed), each row is sampled alone and the requests
+        whose row still fails fail alone. A row's draw never depends on the other rows, so the
+        others get the tokens the batch would have given them."""
         tensors = SamplingTensors.from_params([r.params for r in requests], self.vocab_size,
                                               self.device, seeds=[r.seed for r in requests])
         # Each request's random stream is keyed by (seed, tokens it has sampled): the batch
@@ -177,15 +227,35 @@ class Engine:
                                        for r in requests])
             output_counts = torch.stack([zeros_counts if r.output_counts is None
                                          else r.output_counts for r in requests])
-        sampled = sample_next_tokens(logits, tensors, offsets, prompt_mask=prompt_mask,
-                                     output_counts=output_counts)
-        if tensors.needs_penalties:
-            one = torch.ones(1, dtype=torch.int32, device=self.device)
+        penalized = not tensors.needs_penalties
+        try:
+            if not penalized:
+                penalize(logits, tensors, prompt_mask, output_counts)
+                penalized = True  # every row: the op raises before it writes, or not at all
+            kept, sampled = requests, draw(logits, tensors, offsets)
+        except Exception:
+            kept, parts = [], []
             for row, request in enumerate(requests):
+                rows = slice(row, row + 1)
+                try:
+                    if not penalized:
+                        penalize(logits[rows], tensors.rows(rows), prompt_mask[rows],
+                                 output_counts[rows])
+                    parts.append(draw(logits[rows], tensors.rows(rows), offsets[rows]))
+                except Exception as error:
+                    self.fail_request(request, _request_error(
+                        "this request's logits (after its penalties and logit_bias) cannot be "
+                        "sampled", error))
+                    continue
+                kept.append(request)
+            sampled = SampleOutput.cat(parts) if parts else None
+        if tensors.needs_penalties and sampled is not None:
+            one = torch.ones(1, dtype=torch.int32, device=self.device)
+            for row, request in enumerate(kept):
                 if request.output_counts is not None:  # counted on the device: no sync
                     request.output_counts.index_put_((sampled.tokens[row:row + 1],), one,
                                                      accumulate=True)
-        return sampled
+        return kept, sampled
 
     def _append_tokens(self, requests: list[Request], sampled: SampleOutput) -> None:
         sampled = sampled.to_host()  # the step's one wait for the device
@@ -193,11 +263,18 @@ class Engine:
         started = time.perf_counter()  # after the sync: device time is not detokenization
         for row, (request, token) in enumerate(zip(requests, tokens)):
             if token < 0:  # how a GPU sampler under trusted_inputs marks a bad logits row
-                raise ValueError(f"request {request.request_id}: its logits contain NaN or "
-                                 f"+inf, or no finite value")
-            logprobs = (self._logprob_entry(sampled, row, token, request.params.logprobs)
-                        if request.params.logprobs is not None else None)
-            request.append_token(token, logprobs)
+                self.fail_request(request, ValueError(
+                    "this request's logits (after its penalties and logit_bias) contain NaN or "
+                    "+inf, or no finite value"))
+                continue
+            try:
+                logprobs = (self._logprob_entry(sampled, row, token, request.params.logprobs)
+                            if request.params.logprobs is not None else None)
+                request.append_token(token, logprobs)
+            except Exception as error:  # e.g. its tokenizer cannot decode the token
+                self.fail_request(request, _request_error(
+                    f"this request's token {token} cannot be added", error))
+                continue
             if request.finished:
                 self._finish(request)
         self.stats.detokenize_s += time.perf_counter() - started
@@ -216,3 +293,10 @@ class Engine:
                 entry[token_id] = Logprob(logprob, ranks[token_id],
                                           decode([token_id], skip_special_tokens=False))
         return entry
+
+
+def _request_error(what: str, error: Exception) -> Exception:
+    """``error`` with what failed said first (a ValueError stays one), chained to it."""
+    said = (ValueError if isinstance(error, ValueError) else RuntimeError)(f"{what}: {error}")
+    said.__cause__ = error
+    return said

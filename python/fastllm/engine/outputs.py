@@ -39,7 +39,8 @@ class CompletionOutput:
             ``SamplingParams.logprobs`` is set.
         logprobs: per generated token, the sampled token and the ``logprobs`` most likely ones.
         finish_reason: "stop" (EOS, a stop token or a stop string), "length" (``max_tokens`` or
-            the model's context), "abort" (cancelled) or None while running.
+            the model's context), "abort" (cancelled), "error" (the request failed in a step:
+            see :attr:`RequestOutput.error`) or None while running.
         stop_reason: the stop string or stop token id that ended it (None for EOS or length).
     """
 
@@ -98,7 +99,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and its completion so far (final once ``finished``)."""
+    """A request's prompt and its completion so far (final once ``finished``).
+
+    ``error`` is why the request failed (finish_reason "error"), or None: a request that fails
+    inside an engine step (e.g. logits its penalties overflowed) ends alone with its error,
+    keeping the text it had; the other requests go on.
+    """
 
     request_id: str
     prompt: str | None
@@ -106,6 +112,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
+    error: Exception | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -68,6 +68,7 @@ class Request:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: Exception | None = None  # why it failed (finish_reason "error")
         self._end_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._end_ids.update(eos_token_ids)
@@ -100,6 +101,12 @@ class Request:
         """Ends the request without finishing it (cancelled): finish_reason "abort"."""
         if not self.finished:
             self._finish("abort", None)
+
+    def fail(self, error: Exception) -> None:
+        """Ends the request on an error of its own: finish_reason "error", ``error`` kept."""
+        if not self.finished:
+            self.error = error
+            self._finish("error", None)
 
     def take_deltas(self) -> list[str]:
         """The text released since the last call, in order."""
@@ -187,4 +194,4 @@ class Request:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=list(self.prompt_token_ids), outputs=[completion],
-                             finished=self.finished, metrics=self.metrics)
+                             finished=self.finished, metrics=self.metrics, error=self.error)

@@ -322,6 +322,16 @@ class Scheduler:
             return None
         return layout_batch(self.block_manager, sequences), owners
 
+    def split_batch(self, batch: ScheduledBatch, owners: list[Request]
+                    ) -> list[tuple[ScheduledBatch, list[Request]]]:
+        """The batch's sequences grouped by request, each group laid out as a batch of its own:
+        a step that failed is run again request by request, so that only the culprit fails."""
+        groups: dict[Request, list[ScheduledSequence]] = {}
+        for sequence, request in zip(batch.sequences, owners):
+            groups.setdefault(request, []).append(sequence)
+        return [(layout_batch(self.block_manager, sequences), [request] * len(sequences))
+                for request, sequences in groups.items()]
+
     # ---- after the step ----------------------------------------------------------------------
 
     def update_from_output(self, batch: ScheduledBatch, owners: list[Request],

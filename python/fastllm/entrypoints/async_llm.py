@@ -7,7 +7,9 @@
 
 A background thread steps the engine while any request is unfinished; every request added from
 any coroutine joins the running batch at the next step. Cancelling the coroutine (or closing
-the ``stream`` iterator) aborts its request, whose KV blocks are freed at once.
+the ``stream`` iterator) aborts its request, whose KV blocks are freed at once. A request that
+fails inside a step raises its error in its own coroutine; the others go on, and so does the
+thread.
 """
 
 from __future__ import annotations
@@ -44,15 +46,16 @@ class AsyncLLM:
 
     async def stream(self, prompt: PromptType,
                      sampling_params: SamplingParams | None = None) -> AsyncIterator[str]:
-        """Yields one request's text deltas as the engine produces them."""
+        """Yields one request's text deltas as the engine produces them; raises the request's
+        error if it fails."""
         request, queue = self._submit(prompt, sampling_params)
         try:
             while True:
                 deltas, finished, error = await queue.get()
-                if error is not None:
-                    raise RuntimeError("the engine thread failed") from error
                 for delta in deltas:
                     yield delta
+                if error is not None:
+                    raise error
                 if finished:
                     return
         finally:
@@ -60,13 +63,13 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType,
                        sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """The finished output of one request."""
+        """The finished output of one request; raises the request's error if it fails."""
         request, queue = self._submit(prompt, sampling_params)
         try:
             while True:
                 _, finished, error = await queue.get()
                 if error is not None:
-                    raise RuntimeError("the engine thread failed") from error
+                    raise error
                 if finished:
                     return request.output()
         finally:
@@ -102,24 +105,34 @@ class AsyncLLM:
                 if busy:
                     try:
                         updated = engine.step()
-                    except BaseException as error:  # every waiter hears of it; none hangs
-                        self._fail_all(error)
+                    except Exception as error:  # the engine's own failure, not one request's
+                        updated = self._fail_unfinished(error)
+                    except BaseException as error:  # the thread ends; every waiter hears of it
+                        self._error = error
+                        stopped = RuntimeError("the engine thread failed")
+                        stopped.__cause__ = error
+                        for request in self._fail_unfinished(stopped):
+                            self._notify(request)
                         return
                     for request in updated:
-                        subscriber = self._subscribers.get(request)
-                        if subscriber is not None:
-                            loop, queue = subscriber
-                            loop.call_soon_threadsafe(queue.put_nowait, (
-                                request.take_deltas(), request.finished, None))
+                        self._notify(request)
             if not busy:
                 self._wake.wait()
                 self._wake.clear()
 
-    def _fail_all(self, error: BaseException) -> None:
-        self._error = error
-        for request, (loop, queue) in list(self._subscribers.items()):
-            self.client.abort_unfinished([request])
-            loop.call_soon_threadsafe(queue.put_nowait, ([], True, error))
+    def _notify(self, request: Request) -> None:
+        subscriber = self._subscribers.get(request)
+        if subscriber is not None:
+            loop, queue = subscriber
+            loop.call_soon_threadsafe(queue.put_nowait, (
+                request.take_deltas(), request.finished, request.error))
+
+    def _fail_unfinished(self, error: Exception) -> list[Request]:
+        """Fails every subscribed request with ``error``, freeing the engine for new ones."""
+        failed = [request for request in self._subscribers if not request.finished]
+        for request in failed:
+            self.client.engine.fail_request(request, error)
+        return failed
 
     def shutdown(self) -> None:
         """Stops the engine thread; unfinished requests are aborted."""

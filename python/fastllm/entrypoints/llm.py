@@ -92,11 +92,18 @@ class LLM:
 
         Args:
             prompts: one prompt or a list of them; a prompt is text (tokenized with the
-                tokenizer's special tokens, e.g. BOS), a list of token ids, a dict with
-                ``"prompt"`` or ``"prompt_token_ids"``, or a :class:`fastllm.ChunkedPrompt`
-                (with ``chunk_store_memory`` set), all batched together.
+                tokenizer's special tokens, e.g. BOS), token ids (a list of ints, or a 1-D
+                integer tensor or array), a dict with ``"prompt"`` or ``"prompt_token_ids"``,
+                or a :class:`fastllm.ChunkedPrompt` (with ``chunk_store_memory`` set), all
+                batched together. Anything else is a TypeError naming its type; a token id
+                outside the vocabulary a ValueError naming it.
             sampling_params: for all prompts, or one per prompt. Default: ``SamplingParams()``.
             use_tqdm: show a progress bar over the prompts.
+
+        A bad prompt or parameter raises before anything runs. A request that fails inside a
+        step (e.g. its penalties overflow its logits) ends alone, with finish_reason "error"
+        and the exception in its output's ``error``; the other prompts complete as if it had
+        not been there.
         """
         requests = self.client.make_requests(prompts, sampling_params)
         with tqdm(total=len(requests), desc="Generating", unit="prompt",
@@ -110,7 +117,8 @@ class LLM:
 
         The deltas join to ``generate``'s text for the same prompt and parameters (text that
         may start a stop string is held back until it is known not to). Closing the iterator
-        early ends the request and frees its KV.
+        early ends the request and frees its KV. A request that fails inside a step raises its
+        error here, after the deltas it had produced.
         """
         if isinstance(sampling_params, Sequence):
             raise TypeError("stream takes one prompt and one SamplingParams")
@@ -123,6 +131,8 @@ class LLM:
                     finished = client.step_until(lambda: request.finished)
                     deltas = request.take_deltas()
                 yield from deltas
+                if request.error is not None:
+                    raise request.error
                 if finished:
                     return
         finally:

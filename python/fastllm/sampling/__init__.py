@@ -4,9 +4,11 @@ from fastllm.sampling.sampler import (
     SampleOutput,
     SamplingParams,
     SamplingTensors,
+    draw,
+    penalize,
     resolve_seed,
     sample_next_tokens,
 )
 
-__all__ = ["SampleOutput", "SamplingParams", "SamplingTensors", "resolve_seed",
-           "sample_next_tokens"]
+__all__ = ["SampleOutput", "SamplingParams", "SamplingTensors", "draw", "penalize",
+           "resolve_seed", "sample_next_tokens"]

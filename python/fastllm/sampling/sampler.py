@@ -226,6 +226,16 @@ class SamplingTensors:
         )
 
 
+    def rows(self, index: slice) -> SamplingTensors:
+        """The parameters of a slice of the rows (views), with the batch's logprobs width."""
+        def part(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[index]
+        return dataclasses.replace(self, **{
+            name: part(getattr(self, name))
+            for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                         "frequency_penalty", "presence_penalty", "logit_bias", "seeds")})
+
+
 @dataclass
 class SampleOutput:
     """One step's tokens and, when asked for, their log-probabilities."""
@@ -235,12 +245,37 @@ class SampleOutput:
     top_ids: Tensor | None = None  # int64 [batch, num_logprobs]
     top_logprobs: Tensor | None = None  # float32 [batch, num_logprobs]
 
+    @classmethod
+    def cat(cls, outputs: Sequence[SampleOutput]) -> SampleOutput:
+        """The rows of several outputs (of the same logprobs width), in order."""
+        def cat(ts: list[Tensor | None]) -> Tensor | None:
+            return None if ts[0] is None else torch.cat(ts)
+        return cls(*(cat([getattr(o, name) for o in outputs])
+                     for name in ("tokens", "token_logprobs", "top_ids", "top_logprobs")))
+
     def to_host(self) -> SampleOutput:
         """Every tensor on the CPU, each copied once (not one element at a time)."""
         def host(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.cpu()
         return SampleOutput(host(self.tokens), host(self.token_logprobs), host(self.top_ids),
                             host(self.top_logprobs))
+
+
+def penalize(logits: Tensor, tensors: SamplingTensors, prompt_mask: Tensor,
+             output_counts: Tensor) -> None:
+    """The penalties and logit bias of ``tensors``, in place on ``logits``: every row or, when
+    it raises (the op checks all its inputs before it writes), none."""
+    ops.apply_penalties(logits, prompt_mask, output_counts, tensors.repetition_penalty,
+                        tensors.frequency_penalty, tensors.presence_penalty, tensors.logit_bias)
+
+
+def draw(logits: Tensor, tensors: SamplingTensors, offsets: Tensor) -> SampleOutput:
+    """The sampling op on (penalized) ``logits``, with log-probabilities when a row asked."""
+    args = (logits, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p,
+            tensors.seeds, offsets)
+    if not tensors.wants_logprobs:
+        return SampleOutput(ops.sample(*args))
+    return SampleOutput(*ops.sample_with_logprobs(*args, tensors.num_logprobs))
 
 
 def sample_next_tokens(logits: Tensor, tensors: SamplingTensors, offsets: Tensor, *,
@@ -260,11 +295,5 @@ def sample_next_tokens(logits: Tensor, tensors: SamplingTensors, offsets: Tensor
         if prompt_mask is None or output_counts is None:
             raise ValueError("this batch has penalties or logit bias: pass prompt_mask and "
                              "output_counts")
-        ops.apply_penalties(logits, prompt_mask, output_counts, tensors.repetition_penalty,
-                            tensors.frequency_penalty, tensors.presence_penalty,
-                            tensors.logit_bias)
-    args = (logits, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p,
-            tensors.seeds, offsets)
-    if not tensors.wants_logprobs:
-        return SampleOutput(ops.sample(*args))
-    return SampleOutput(*ops.sample_with_logprobs(*args, tensors.num_logprobs))
+        penalize(logits, tensors, prompt_mask, output_counts)
+    return draw(logits, tensors, offsets)
