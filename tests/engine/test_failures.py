@@ -165,3 +165,29 @@ def test_async_llm_survives_a_failure_of_the_engine_itself(folder, monkeypatch):
 
     out, usage = asyncio.run(main())
     assert len(out.outputs[0].token_ids) == 4 and usage == 0
+
+
+def test_a_row_the_gpu_sampler_marks_unusable_fails_alone(llm, monkeypatch):
+    # Under trusted_inputs a CUDA sampler does not raise: it marks a row whose logits hold NaN
+    # or +inf with token -1. The engine fails that request alone (here the mark is forged on
+    # the CPU for the request seeded 999).
+    import fastllm.engine.engine as engine_module
+
+    prompts, params = good_requests(4, seed=5)
+    alone = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    real_draw = engine_module.draw
+
+    def draw(logits, tensors, offsets):
+        out = real_draw(logits, tensors, offsets)
+        out.tokens[tensors.seeds == 999] = -1
+        return out
+
+    monkeypatch.setattr(engine_module, "draw", draw)
+    marked = SamplingParams(temperature=0.8, seed=999, max_tokens=15)
+    outputs = llm.generate(prompts[:1] + [BAD_PROMPT] + prompts[1:],
+                           params[:1] + [marked] + params[1:], use_tqdm=False)
+    monkeypatch.undo()
+    assert token_ids(outputs[:1] + outputs[2:]) == alone
+    assert_failed_alone(outputs[1], "contain NaN or +inf")
+    assert outputs[1].outputs[0].token_ids == []
+    assert llm.kv_cache.block_manager.usage == 0
