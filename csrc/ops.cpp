@@ -59,7 +59,8 @@ constexpr const char* kSchemas[] = {
     "Tensor? logit_bias=None) -> ()",
     // x [rows, in] times a block-quantized weight transposed, plus bias. The weight is ggml's
     // blocks row by row, uint8 [out, row bytes], weight_type a ggml type id (Q4_0 2, Q4_1 3,
-    // Q8_0 8). On the CPU a few rows (decode) run integer dot products on the blocks.
+    // Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). On the CPU a few rows (decode) run
+    // integer dot products on the blocks.
     "quantized_linear(Tensor x, Tensor weight, int weight_type, Tensor? bias=None) -> Tensor",
     // Rows of such a weight as floats [rows, in] of `dtype`.
     "dequantize(Tensor weight, int weight_type, ScalarType dtype) -> Tensor",

@@ -1,0 +1,32 @@
+// The CPU's decode-path kernels (a few activation rows against streamed weight rows), one per
+// instruction set, each compiled in its own translation unit with that set's flags
+// (quantized_cpu_<isa>.cpp) and picked at run time (common/cpu_isa.h). Torch-free.
+#pragma once
+
+#include <cstdint>
+
+#include "quantized/block_formats.h"
+
+namespace fastllm {
+
+// Activation rows quantized per sub-block of 32 values to int16 with one float scale each.
+struct ActivationBlocks {
+  int64_t rows = 0, blocks = 0;   // blocks of 32 per row
+  const int16_t* values;          // [rows, blocks * 32]
+  const float* scales;            // [rows, blocks]
+  const float* sums;              // [rows, blocks]: scale * the sum of the block's values
+};
+
+// y[m * ldy + n] = (activation row m) . (weight row n) + bias[n] (bias may be null), for every
+// activation row m and the weight rows n in [begin, end) (w: rows of ldw bytes).
+using DecodeRowsFn = void (*)(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
+                              int64_t begin, int64_t end, const float* bias, float* y,
+                              int64_t ldy);
+
+// The kernel for `format`; null where the translation unit was built without its instruction
+// set (a build for another architecture).
+DecodeRowsFn decode_rows_avx512(BlockFormat format);
+DecodeRowsFn decode_rows_avx2(BlockFormat format);
+DecodeRowsFn decode_rows_scalar(BlockFormat format);
+
+}  // namespace fastllm

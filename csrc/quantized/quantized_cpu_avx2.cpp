@@ -1,0 +1,61 @@
+// The decode-path kernel with AVX2 and FMA: this file is compiled with those flags (and
+// without AVX-512's) whatever the build targets (CMakeLists.txt), and runs on CPUs that have
+// them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h).
+#include "quantized/quantized_cpu.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "quantized/block_bytes_avx2.h"
+#include "quantized/quantized_cpu_kernel.h"
+
+namespace fastllm {
+namespace {
+
+struct Avx2 {
+  // 16 registers: two activation rows' accumulators for four weight rows, and their operands.
+  static constexpr int kActRows = 2, kTileRows = 4;
+  struct Ints {
+    __m256i low, high;  // values 0..15, 16..31
+  };
+  using Acc = __m256;
+
+  template <BlockFormat F, int kSub>
+  static Ints weights(const uint8_t* block) {
+    const __m256i bytes = sub_block_bytes<F, kSub>(block);
+    Ints q{_mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)),
+           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1))};
+    if constexpr (F == BlockFormat::kQ6_K) {
+      q.low = _mm256_mullo_epi16(q.low, _mm256_set1_epi16(q6_k_scale<kSub>(block, 0)));
+      q.high = _mm256_mullo_epi16(q.high, _mm256_set1_epi16(q6_k_scale<kSub>(block, 1)));
+    }
+    return q;
+  }
+  static Ints activations(const int16_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
+  }
+  static Acc zero() { return _mm256_setzero_ps(); }
+  // A lane sums four products of at most 4096 * 32767: an int32, and a float within 2^-24.
+  static Acc dot_fma(Ints w, Ints x, float scale, Acc acc) {
+    const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w.low, x.low),
+                                          _mm256_madd_epi16(w.high, x.high));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(scale), acc);
+  }
+  static float sum(Acc acc) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+  }
+};
+
+}  // namespace
+
+DecodeRowsFn decode_rows_avx2(BlockFormat format) { return decode_rows_for<Avx2>(format); }
+
+}  // namespace fastllm
+#else
+namespace fastllm {
+DecodeRowsFn decode_rows_avx2(BlockFormat) { return nullptr; }
+}  // namespace fastllm
+#endif

@@ -1,0 +1,41 @@
+// The decode-path kernel in plain C++: any CPU, compiled with the build's own flags. The
+// reference for the SIMD kernels' structure, and what runs where they cannot.
+#include <cmath>
+
+#include "quantized/quantized_cpu_kernel.h"
+
+namespace fastllm {
+namespace {
+
+struct Scalar {
+  static constexpr int kActRows = 4, kTileRows = 4;
+  struct Ints {
+    int16_t v[kSubBlockValues];
+  };
+  using Acc = float;
+
+  template <BlockFormat F, int kSub>
+  static Ints weights(const uint8_t* block) {
+    Ints q;
+    sub_block_ints<F>(block, kSub, q.v);
+    return q;
+  }
+  static Ints activations(const int16_t* p) {
+    Ints x;
+    for (int j = 0; j < kSubBlockValues; ++j) x.v[j] = p[j];
+    return x;
+  }
+  static Acc zero() { return 0.f; }
+  static Acc dot_fma(const Ints& w, const Ints& x, float scale, Acc acc) {
+    int64_t dot = 0;  // 32 products of up to 4096 * 32767 overflow an int32
+    for (int j = 0; j < kSubBlockValues; ++j) dot += int32_t(w.v[j]) * x.v[j];
+    return std::fma(float(dot), scale, acc);
+  }
+  static float sum(Acc acc) { return acc; }
+};
+
+}  // namespace
+
+DecodeRowsFn decode_rows_scalar(BlockFormat format) { return decode_rows_for<Scalar>(format); }
+
+}  // namespace fastllm
