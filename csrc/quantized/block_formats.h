@@ -72,10 +72,18 @@ constexpr BlockLayout block_layout(BlockFormat format) {
 template <BlockFormat F>
 constexpr int kSubBlocks = int(block_layout(F).values / kSubBlockValues);
 
-// Whether the format's values have a minimum (an offset besides the scale).
+// Whether the format has minima (w = d * q + m).
 template <BlockFormat F>
-constexpr bool kHasOffset = F == BlockFormat::kQ4_1 || F == BlockFormat::kQ5_1 ||
-                            F == BlockFormat::kQ4_K || F == BlockFormat::kQ5_K;
+constexpr bool kHasMin = F == BlockFormat::kQ4_1 || F == BlockFormat::kQ5_1 ||
+                         F == BlockFormat::kQ4_K || F == BlockFormat::kQ5_K;
+// The zero point of the formats without minima (w = d * (q - zero point)), but Q6_K's, whose
+// integers are signed (sub_block_ints).
+template <BlockFormat F>
+constexpr float kZeroPoint = F == BlockFormat::kQ4_0 ? 8.f : F == BlockFormat::kQ5_0 ? 16.f
+                             : F == BlockFormat::kQ8_0 ? 128.f : 0.f;
+// Whether block_affine's offsets are not all 0: every format but Q6_K.
+template <BlockFormat F>
+constexpr bool kHasOffset = kHasMin<F> || kZeroPoint<F> != 0.f;
 
 // Calls fn(std::integral_constant<BlockFormat, F>()) for the runtime format.
 template <class Fn>
@@ -146,11 +154,11 @@ inline void unpack_k_scales(const uint8_t* p, uint8_t (&scales)[8], uint8_t (&mi
   __builtin_memcpy(mins, words + 2, 8);
 }
 
-// A block's value w = scale[s] * q + offset[s] for each sub-block s, with q the integers
-// sub_block_ints gives. The formats without a minimum have offset 0 (their zero point is in q).
+// A block's value w = scale[s] * q + offset[s] for each sub-block s < kSubBlocks<F>, with q
+// the integers sub_block_ints gives: unsigned (so 8-bit dot products can take them as they
+// are), the zero point of Q4_0, Q5_0 and Q8_0 in the offset; Q6_K's are signed, offset 0.
 template <BlockFormat F>
-inline void block_affine(const uint8_t* block, float (&scale)[kSubBlocks<F>],
-                         float (&offset)[kSubBlocks<F>]) {
+inline void block_affine(const uint8_t* block, float* scale, float* offset) {
   using enum BlockFormat;
   if constexpr (F == kQ4_K || F == kQ5_K) {
     uint8_t scales[8], mins[8];
@@ -168,17 +176,52 @@ inline void block_affine(const uint8_t* block, float (&scale)[kSubBlocks<F>],
     }
   } else {
     scale[0] = read_half(block);
-    offset[0] = kHasOffset<F> ? read_half(block + 2) : 0.f;
+    offset[0] = kHasMin<F> ? read_half(block + 2) : -(kZeroPoint<F> * scale[0]);
   }
 }
 
-// Sub-block s's 32 integers: for Q4_0, Q5_0 and Q6_K with the zero point subtracted, and for
-// Q6_K times the int8 scale of each value's 16 (|q| <= 32 * 128), so d is its only float scale.
+// block_affine of the U sub-blocks from `block` on (U / kSubBlocks<F> blocks), in one go: the
+// fp16 fields of 8 blocks of 32 values are gathered and converted together (one instruction
+// with F16C).
+template <BlockFormat F, int U>
+inline void unit_affine(const uint8_t* block, float* scale, float* offset) {
+  constexpr int S = kSubBlocks<F>;
+  constexpr int64_t bytes = block_layout(F).bytes;
+  if constexpr (S > 1 || U == 1) {
+    for (int k = 0; k < U / S; ++k)
+      block_affine<F>(block + k * bytes, scale + k * S, offset + k * S);
+  } else {
+    uint16_t d[U], m[U];
+    for (int k = 0; k < U; ++k) {
+      __builtin_memcpy(d + k, block + k * bytes, 2);
+      if constexpr (kHasMin<F>) __builtin_memcpy(m + k, block + k * bytes + 2, 2);
+    }
+    const auto convert = [](const uint16_t* h, float* out) {
+#if defined(__F16C__) && !defined(__CUDA_ARCH__)
+      if constexpr (U == 8) {
+        const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+        return _mm256_storeu_ps(out, _mm256_cvtph_ps(halves));
+      }
+#endif
+      for (int k = 0; k < U; ++k) out[k] = half_bits_to_float(h[k]);
+    };
+    convert(d, scale);
+    if constexpr (kHasMin<F>) {
+      convert(m, offset);
+    } else {
+      for (int k = 0; k < U; ++k) offset[k] = -(kZeroPoint<F> * scale[k]);
+    }
+  }
+}
+
+// Sub-block s's 32 integers: as stored (Q8_0's plus 128: 0..255), except Q6_K's, which have
+// the zero point subtracted and are times the int8 scale of each value's 16 (|q| <= 32 * 128),
+// so that d is Q6_K's only float scale.
 template <BlockFormat F>
 inline void sub_block_ints(const uint8_t* block, int s, int16_t* q) {
   using enum BlockFormat;
   if constexpr (F == kQ8_0) {
-    for (int j = 0; j < 32; ++j) q[j] = int8_t(block[2 + j]);
+    for (int j = 0; j < 32; ++j) q[j] = int16_t(block[2 + j] ^ 0x80);
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
     const uint8_t* nibbles = block + (F == kQ4_K ? 16 : 48) + 32 * (s / 2);
     const int shift = 4 * (s % 2);
@@ -191,24 +234,25 @@ inline void sub_block_ints(const uint8_t* block, int s, int16_t* q) {
     const uint8_t* low = block + 64 * half + 32 * (k % 2);
     const uint8_t* high = block + 128 + 32 * half;
     const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192 + 2 * s);
-    for (int j = 0; j < 32; ++j) {
-      const int value = ((low[j] >> (4 * (k / 2))) & 0x0f) | ((high[j] >> (2 * k)) & 3) << 4;
-      q[j] = int16_t((value - 32) * scales[j / 16]);
+    for (int half16 = 0; half16 < 2; ++half16) {  // loops a compiler vectorizes
+      for (int j = 16 * half16; j < 16 * half16 + 16; ++j) {
+        const int value = ((low[j] >> (4 * (k / 2))) & 0x0f) | ((high[j] >> (2 * k)) & 3) << 4;
+        q[j] = int16_t((value - 32) * scales[half16]);
+      }
     }
   } else {  // Q4_0, Q4_1, Q5_0, Q5_1
     constexpr bool five_bits = F == kQ5_0 || F == kQ5_1;
-    const uint8_t* nibbles = block + 2 + (kHasOffset<F> ? 2 : 0) + (five_bits ? 4 : 0);
+    const uint8_t* nibbles = block + 2 + (kHasMin<F> ? 2 : 0) + (five_bits ? 4 : 0);
     const uint32_t high = five_bits ? read_u32(nibbles - 4) : 0;
-    constexpr int zero = F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : 0;
-    for (int j = 0; j < 16; ++j) {
-      q[j] = int16_t(((nibbles[j] & 0x0f) | ((high >> j) & 1) << 4) - zero);
-      q[j + 16] = int16_t(((nibbles[j] >> 4) | ((high >> (j + 16)) & 1) << 4) - zero);
-    }
+    for (int j = 0; j < 32; ++j)
+      q[j] = int16_t(((nibbles[j % 16] >> (4 * (j / 16))) & 0x0f) | ((high >> j) & 1) << 4);
   }
 }
 
 // The block's values. Each is scale * q (exact in float32: at most 11 + 8 + 5 significant
-// bits) plus the offset, so this equals ggml's (and gguf-py's) dequantization bit for bit.
+// bits) plus the offset, rounded once (and exactly where the offset is a zero point: the
+// result is d * (q - zero point)), so this equals ggml's (and gguf-py's) dequantization bit
+// for bit.
 template <BlockFormat F>
 inline void dequantize_block(const uint8_t* block, float* out) {
   float scale[kSubBlocks<F>], offset[kSubBlocks<F>];

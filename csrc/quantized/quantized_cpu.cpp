@@ -27,17 +27,18 @@ constexpr int64_t kMaxStreamRows = 16;
 // Weight rows dequantized at a time on the GEMM path (a tile of a few hundred KiB stays in L2).
 constexpr int64_t kGemmTileRows = 128;
 
-// Activations quantized per row and block of 32 to int16 with one float scale (amax / 32767):
-// exact to about 1e-5 of the block's largest value, where ggml's int8 activations (1/127) flip
-// near-tied logits. Each block keeps its scaled sum too, for the weights' offsets:
-// sum_j (s q_j + o) x_j = s sum_j q_j x_j + o sum_j x_j.
+// Activations quantized per row and block of 32 to int16 with one float scale (amax /
+// kActivationMax): exact to about 1e-5 of the block's largest value, where ggml's int8
+// activations (1/127) flip near-tied logits. Each block keeps its scaled sum too, for the
+// weights' offsets: sum_j (s q_j + o) x_j = s sum_j q_j x_j + o sum_j x_j.
 struct QuantizedActivations {
   int64_t rows = 0, blocks = 0;
   std::vector<int16_t> values;
+  std::vector<int8_t> high, low;
   std::vector<float> scales, sums;
 
   ActivationBlocks view() const {
-    return {rows, blocks, values.data(), scales.data(), sums.data()};
+    return {rows, blocks, values.data(), high.data(), low.data(), scales.data(), sums.data()};
   }
 };
 
@@ -46,20 +47,43 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   q.rows = rows;
   q.blocks = k_len / kSubBlockValues;
   q.values.resize(rows * k_len);
+  q.high.resize(rows * k_len);
+  q.low.resize(rows * k_len);
   q.scales.resize(rows * q.blocks);
   q.sums.resize(rows * q.blocks);
   for (int64_t i = 0; i < rows * q.blocks; ++i) {
     const float* src = x + i * kSubBlockValues;
-    float amax = 0.f;
-    for (int j = 0; j < kSubBlockValues; ++j) amax = std::max(amax, std::fabs(src[j]));
-    const float scale = amax / 32767.f;
-    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-    int16_t* dst = q.values.data() + i * kSubBlockValues;
-    int64_t sum = 0;
+    // The largest |x| as the largest of their bits without the sign, an integer maximum that
+    // vectorizes (a float one does not, for its NaN rules); a NaN makes the block's scale NaN,
+    // and so the rows' results.
+    uint32_t amax_bits = 0;
     for (int j = 0; j < kSubBlockValues; ++j) {
-      dst[j] = int16_t(std::nearbyint(src[j] * inverse));
-      sum += dst[j];
+      uint32_t bits;
+      __builtin_memcpy(&bits, src + j, sizeof(bits));
+      amax_bits = std::max(amax_bits, bits & 0x7fffffffu);
     }
+    float amax;
+    __builtin_memcpy(&amax, &amax_bits, sizeof(amax));
+    const float scale = amax / float(kActivationMax);
+    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+    // Local arrays, copied out after: stores through the vectors' int8 data could alias
+    // anything, which keeps the compiler from vectorizing the loop.
+    int16_t values[kSubBlockValues];
+    int8_t high[kSubBlockValues], low[kSubBlockValues];
+    int32_t sum = 0;
+    for (int j = 0; j < kSubBlockValues; ++j) {
+      // Clamped: a subnormal scale's inverse is too coarse to keep the product in range.
+      const float max = float(kActivationMax);
+      const int32_t value = int32_t(std::clamp(std::nearbyint(src[j] * inverse), -max, max));
+      values[j] = int16_t(value);
+      low[j] = int8_t(value);  // two's complement: value - low is 256 * high
+      high[j] = int8_t((value - low[j]) >> 8);
+      sum += value;
+    }
+    const int64_t at = i * kSubBlockValues;
+    std::copy_n(values, kSubBlockValues, q.values.data() + at);
+    std::copy_n(high, kSubBlockValues, q.high.data() + at);
+    std::copy_n(low, kSubBlockValues, q.low.data() + at);
     q.scales[i] = scale;
     q.sums[i] = scale * float(sum);
   }

@@ -9,10 +9,17 @@
 
 namespace fastllm {
 
-// Activation rows quantized per sub-block of 32 values to int16 with one float scale each.
+// Largest magnitude of the activations' int16: the largest x whose bytes split as
+// x = 256 * high + low with both signed bytes (the form 8-bit dot products take).
+constexpr int kActivationMax = 127 * 256 + 127;
+
+// Activation rows quantized per sub-block of 32 values to int16 (|x| <= kActivationMax) with
+// one float scale each, also split into bytes.
 struct ActivationBlocks {
   int64_t rows = 0, blocks = 0;   // blocks of 32 per row
   const int16_t* values;          // [rows, blocks * 32]
+  const int8_t* high;             // [rows, blocks * 32]: x = 256 * high + low
+  const int8_t* low;
   const float* scales;            // [rows, blocks]
   const float* sums;              // [rows, blocks]: scale * the sum of the block's values
 };

@@ -1,6 +1,7 @@
 // The decode-path kernel with AVX2 and FMA: this file is compiled with those flags (and
 // without AVX-512's) whatever the build targets (CMakeLists.txt), and runs on CPUs that have
-// them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h).
+// them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h). The weights'
+// integers are widened to int16 and meet the activations' int16 in vpmaddwd.
 #include "quantized/quantized_cpu.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -23,20 +24,26 @@ struct Avx2 {
   template <BlockFormat F, int kSub>
   static Ints weights(const uint8_t* block) {
     const __m256i bytes = sub_block_bytes<F, kSub>(block);
-    Ints q{_mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes)),
-           _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1))};
-    if constexpr (F == BlockFormat::kQ6_K) {
-      q.low = _mm256_mullo_epi16(q.low, _mm256_set1_epi16(q6_k_scale<kSub>(block, 0)));
-      q.high = _mm256_mullo_epi16(q.high, _mm256_set1_epi16(q6_k_scale<kSub>(block, 1)));
+    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
+    if constexpr (F != BlockFormat::kQ6_K) {  // unsigned
+      return {_mm256_cvtepu8_epi16(low), _mm256_cvtepu8_epi16(high)};
+    } else {  // (q - 32) times the scale of its half
+      const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192 + 2 * kSub);
+      const __m256i zero = _mm256_set1_epi16(32);
+      return {_mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(low), zero),
+                                 _mm256_set1_epi16(scales[0])),
+              _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(high), zero),
+                                 _mm256_set1_epi16(scales[1]))};
     }
-    return q;
   }
-  static Ints activations(const int16_t* p) {
+  template <BlockFormat F>
+  static Ints activations(const ActivationBlocks& x, int64_t i) {
+    const int16_t* p = x.values + i * kSubBlockValues;
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
   }
   static Acc zero() { return _mm256_setzero_ps(); }
-  // A lane sums four products of at most 4096 * 32767: an int32, and a float within 2^-24.
+  // A lane sums 4 products of at most 4096 * 32767 (Q6_K) or 255 * 32767: an int32.
   static Acc dot_fma(Ints w, Ints x, float scale, Acc acc) {
     const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w.low, x.low),
                                           _mm256_madd_epi16(w.high, x.high));

@@ -20,14 +20,15 @@ struct Scalar {
     sub_block_ints<F>(block, kSub, q.v);
     return q;
   }
-  static Ints activations(const int16_t* p) {
-    Ints x;
-    for (int j = 0; j < kSubBlockValues; ++j) x.v[j] = p[j];
-    return x;
+  template <BlockFormat F>
+  static Ints activations(const ActivationBlocks& x, int64_t i) {
+    Ints q;
+    for (int j = 0; j < kSubBlockValues; ++j) q.v[j] = x.values[i * kSubBlockValues + j];
+    return q;
   }
   static Acc zero() { return 0.f; }
   static Acc dot_fma(const Ints& w, const Ints& x, float scale, Acc acc) {
-    int64_t dot = 0;  // 32 products of up to 4096 * 32767 overflow an int32
+    int64_t dot = 0;  // 32 products of up to 4096 * 32767 would overflow an int32
     for (int j = 0; j < kSubBlockValues; ++j) dot += int32_t(w.v[j]) * x.v[j];
     return std::fma(float(dot), scale, acc);
   }

@@ -49,10 +49,11 @@ def in_features(weight: torch.Tensor, weight_type: int) -> int:
 
 def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     """The most the kernel may differ from exact float64: its int16 activation blocks round each
-    value by at most half a step (block amax / 32767), plus float32 summation."""
+    value by at most half a step (block amax / 32639, the int16 range the kernels split into
+    two signed bytes), plus float32 summation."""
     w = reference.dequantize(weight, weight_type).abs()  # [out, in]
     xd = x.double()
-    step = xd.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32767  # [rows, blocks]
+    step = xd.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32639  # [rows, blocks]
     per_value = step.repeat_interleave(32, dim=1) / 2  # [rows, in]
     return per_value @ w.T + 1e-5 * (xd.abs() @ w.T) + 1e-6
 
@@ -149,6 +150,19 @@ def test_a_row_does_not_depend_on_the_others(type_name, cpu_isa):
         together = torch.cat([ops.quantized_linear(x[i:i + batch], weight, weight_type)
                               for i in range(0, 16, batch)])
         assert torch.equal(together, alone), batch
+
+
+@pytest.mark.cpu_isas
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_a_nan_activation_makes_its_row_nan(type_name, rows, backend):
+    weight_type = TYPES[type_name]
+    weight = quantized_weight(5, 256 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
+    x = torch.randn(rows, 256)
+    x[1, 77] = float("nan")
+    got = backend.ops.quantized_linear(x.to(backend.device), weight.to(backend.device),
+                                       weight_type).cpu()
+    assert got[1].isnan().all() and not got[torch.arange(rows) != 1].isnan().any()
 
 
 def test_empty_inputs():
