@@ -157,6 +157,8 @@ inline void unpack_k_scales(const uint8_t* p, uint8_t (&scales)[8], uint8_t (&mi
 // A block's value w = scale[s] * q + offset[s] for each sub-block s < kSubBlocks<F>, with q
 // the integers sub_block_ints gives: unsigned (so 8-bit dot products can take them as they
 // are), the zero point of Q4_0, Q5_0 and Q8_0 in the offset; Q6_K's are signed, offset 0.
+// scale * q is exact in float32 (at most 11 + 8 + 5 significant bits), so w rounded once is
+// ggml's (and gguf-py's) value bit for bit (d * (q - zero point) exactly, for a zero point).
 template <BlockFormat F>
 inline void block_affine(const uint8_t* block, float* scale, float* offset) {
   using enum BlockFormat;
@@ -216,52 +218,39 @@ inline void unit_affine(const uint8_t* block, float* scale, float* offset) {
 
 // Sub-block s's 32 integers: as stored (Q8_0's plus 128: 0..255), except Q6_K's, which have
 // the zero point subtracted and are times the int8 scale of each value's 16 (|q| <= 32 * 128),
-// so that d is Q6_K's only float scale.
+// so that d is Q6_K's only float scale. (The bytes are read from local copies, which q cannot
+// alias: the loops vectorize.)
 template <BlockFormat F>
 inline void sub_block_ints(const uint8_t* block, int s, int16_t* q) {
   using enum BlockFormat;
+  uint8_t low[32], high[32];
   if constexpr (F == kQ8_0) {
-    for (int j = 0; j < 32; ++j) q[j] = int16_t(block[2 + j] ^ 0x80);
+    __builtin_memcpy(low, block + 2, 32);
+    for (int j = 0; j < 32; ++j) q[j] = low[j] ^ 0x80;
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
-    const uint8_t* nibbles = block + (F == kQ4_K ? 16 : 48) + 32 * (s / 2);
+    __builtin_memcpy(low, block + (F == kQ4_K ? 16 : 48) + 32 * (s / 2), 32);
+    if constexpr (F == kQ5_K) __builtin_memcpy(high, block + 16, 32);
     const int shift = 4 * (s % 2);
-    for (int j = 0; j < 32; ++j) {
-      q[j] = (nibbles[j] >> shift) & 0x0f;
-      if constexpr (F == kQ5_K) q[j] |= ((block[16 + j] >> s) & 1) << 4;
-    }
+    for (int j = 0; j < 32; ++j)
+      q[j] = ((low[j] >> shift) & 0x0f) | (F == kQ5_K ? ((high[j] >> s) & 1) << 4 : 0);
   } else if constexpr (F == kQ6_K) {
-    const int half = s / 4, k = s % 4;
-    const uint8_t* low = block + 64 * half + 32 * (k % 2);
-    const uint8_t* high = block + 128 + 32 * half;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192 + 2 * s);
-    for (int half16 = 0; half16 < 2; ++half16) {  // loops a compiler vectorizes
-      for (int j = 16 * half16; j < 16 * half16 + 16; ++j) {
+    const int k = s % 4;
+    __builtin_memcpy(low, block + 64 * (s / 4) + 32 * (k % 2), 32);
+    __builtin_memcpy(high, block + 128 + 32 * (s / 4), 32);
+    for (int h = 0; h < 2; ++h) {  // a scale per 16 values
+      const int scale = int8_t(block[192 + 2 * s + h]);
+      for (int j = 16 * h; j < 16 * h + 16; ++j) {
         const int value = ((low[j] >> (4 * (k / 2))) & 0x0f) | ((high[j] >> (2 * k)) & 3) << 4;
-        q[j] = int16_t((value - 32) * scales[half16]);
+        q[j] = int16_t((value - 32) * scale);
       }
     }
-  } else {  // Q4_0, Q4_1, Q5_0, Q5_1
+  } else {  // Q4_0, Q4_1, Q5_0, Q5_1: values 0..15 in the low nibbles, 16..31 in the high ones
     constexpr bool five_bits = F == kQ5_0 || F == kQ5_1;
     const uint8_t* nibbles = block + 2 + (kHasMin<F> ? 2 : 0) + (five_bits ? 4 : 0);
-    const uint32_t high = five_bits ? read_u32(nibbles - 4) : 0;
-    for (int j = 0; j < 32; ++j)
-      q[j] = int16_t(((nibbles[j % 16] >> (4 * (j / 16))) & 0x0f) | ((high >> j) & 1) << 4);
-  }
-}
-
-// The block's values. Each is scale * q (exact in float32: at most 11 + 8 + 5 significant
-// bits) plus the offset, rounded once (and exactly where the offset is a zero point: the
-// result is d * (q - zero point)), so this equals ggml's (and gguf-py's) dequantization bit
-// for bit.
-template <BlockFormat F>
-inline void dequantize_block(const uint8_t* block, float* out) {
-  float scale[kSubBlocks<F>], offset[kSubBlocks<F>];
-  block_affine<F>(block, scale, offset);
-  for (int s = 0; s < kSubBlocks<F>; ++s) {
-    int16_t q[kSubBlockValues];
-    sub_block_ints<F>(block, s, q);
-    for (int j = 0; j < kSubBlockValues; ++j)
-      out[s * kSubBlockValues + j] = scale[s] * float(q[j]) + offset[s];
+    __builtin_memcpy(low, nibbles, 16);
+    const uint32_t fifth = five_bits ? read_u32(nibbles - 4) : 0;
+    for (int j = 0; j < 16; ++j) q[j] = (low[j] & 0x0f) | ((fifth >> j) & 1) << 4;
+    for (int j = 0; j < 16; ++j) q[j + 16] = (low[j] >> 4) | ((fifth >> (j + 16)) & 1) << 4;
   }
 }
 

@@ -3,9 +3,9 @@
 // Decode rows (a few activation rows) stream the weights, so their cost is bytes: the weight
 // stays in its 4.5 to 8.5 bits per value, and the activations are quantized on the fly to int16
 // blocks of 32 (one float scale each), so each sub-block's dot product is integer multiply-adds
-// of int16 pairs and one float multiply-add (quantized_cpu_kernel.h; one build per instruction
-// set, picked at run time: common/cpu_isa.h). Prefill rows are compute-bound: tiles of weight
-// rows are dequantized to float32 and go through ATen's GEMM.
+// and one float multiply-add. Prefill rows are compute-bound: tiles of weight rows are
+// dequantized to float32 and go through ATen's GEMM. The kernels (quantized_cpu_kernel.h) are
+// built once per instruction set and picked at run time (common/cpu_isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -90,27 +90,17 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   return q;
 }
 
-DecodeRowsFn decode_kernel(BlockFormat format) {
-  DecodeRowsFn kernel = nullptr;
+// The kernels of the instruction set in use.
+CpuKernels isa_kernels(BlockFormat format) {
+  CpuKernels kernels{};
   switch (cpu_isa()) {
-    case CpuIsa::kAvx512: kernel = decode_rows_avx512(format); break;
-    case CpuIsa::kAvx2: kernel = decode_rows_avx2(format); break;
-    case CpuIsa::kScalar: kernel = decode_rows_scalar(format); break;
+    case CpuIsa::kAvx512: kernels = cpu_kernels_avx512(format); break;
+    case CpuIsa::kAvx2: kernels = cpu_kernels_avx2(format); break;
+    case CpuIsa::kScalar: kernels = cpu_kernels_scalar(format); break;
   }
-  TORCH_INTERNAL_ASSERT(kernel, "no ", cpu_isa_name(cpu_isa()), " kernel in this build");
-  return kernel;
-}
-
-// Rows [begin, end) of the weight as float32 [end - begin, in_features].
-void dequantize_rows(BlockFormat format, const uint8_t* w, int64_t ldw, int64_t begin,
-                     int64_t end, int64_t in_features, float* out) {
-  visit_block_format(format, [&](auto f) {
-    constexpr BlockLayout layout = block_layout(decltype(f)::value);
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t b = 0; b < in_features / layout.values; ++b)
-        dequantize_block<decltype(f)::value>(w + r * ldw + b * layout.bytes,
-                                             out + (r - begin) * in_features + b * layout.values);
-  });
+  TORCH_INTERNAL_ASSERT(kernels.decode_rows && kernels.dequantize_rows, "no ",
+                        cpu_isa_name(cpu_isa()), " kernels in this build");
+  return kernels;
 }
 
 at::Tensor dequantize_cpu(const at::Tensor& weight, int64_t weight_type, at::ScalarType dtype) {
@@ -120,9 +110,9 @@ at::Tensor dequantize_cpu(const at::Tensor& weight, int64_t weight_type, at::Sca
   auto out = at::empty({rows, in_features}, weight.options().dtype(at::kFloat));
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   float* dst = out.mutable_data_ptr<float>();
+  const DequantizeRowsFn dequantize_rows = isa_kernels(format).dequantize_rows;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    dequantize_rows(format, w, weight.stride(0), begin, end, in_features,
-                    dst + begin * in_features);
+    dequantize_rows(w, weight.stride(0), begin, end, in_features, dst + begin * in_features);
   });
   return dtype == at::kFloat ? out : out.to(dtype);
 }
@@ -136,6 +126,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   if (k_len == 0) return bias.has_value() ? y.copy_(bias->expand({rows, n_out})) : y.zero_();
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t ldw = weight.stride(0);
+  const CpuKernels cpu = isa_kernels(format);
   const auto x_float = x.to(at::kFloat).contiguous();
   auto y_float = x.scalar_type() == at::kFloat ? y : at::empty({rows, n_out}, x_float.options());
   if (rows > kMaxStreamRows) {
@@ -147,7 +138,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
       auto w_tile = tile.narrow(0, 0, end - n);
       float* dst = w_tile.mutable_data_ptr<float>();
       at::parallel_for(n, end, 16, [&](int64_t begin, int64_t stop) {
-        dequantize_rows(format, w, ldw, begin, stop, k_len, dst + (begin - n) * k_len);
+        cpu.dequantize_rows(w, ldw, begin, stop, k_len, dst + (begin - n) * k_len);
       });
       auto y_tile = y_float.narrow(1, n, end - n);
       at::mm_out(y_tile, x_float, w_tile.t());
@@ -160,11 +151,10 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
     const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     const float* bias_data = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
     float* out = y_float.mutable_data_ptr<float>();
-    const DecodeRowsFn kernel = decode_kernel(format);
     // Grain: enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
     const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
     at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-      kernel(activations, w, ldw, begin, end, bias_data, out, n_out);
+      cpu.decode_rows(activations, w, ldw, begin, end, bias_data, out, n_out);
     });
   }
   return x.scalar_type() == at::kFloat ? y : y.copy_(y_float);

@@ -1,6 +1,7 @@
-// The CPU's decode-path kernels (a few activation rows against streamed weight rows), one per
-// instruction set, each compiled in its own translation unit with that set's flags
-// (quantized_cpu_<isa>.cpp) and picked at run time (common/cpu_isa.h). Torch-free.
+// The CPU's kernels for a format, one set per instruction set, each compiled in its own
+// translation unit with that set's flags (quantized_cpu_<isa>.cpp) and picked at run time
+// (common/cpu_isa.h): the decode path (a few activation rows against streamed weight rows) and
+// the dequantization of weight rows (the prefill path's tiles, ops.dequantize). Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -30,10 +31,19 @@ using DecodeRowsFn = void (*)(const ActivationBlocks& x, const uint8_t* w, int64
                               int64_t begin, int64_t end, const float* bias, float* y,
                               int64_t ldy);
 
-// The kernel for `format`; null where the translation unit was built without its instruction
+// Weight rows [begin, end) as float32, in_features values each, from out on.
+using DequantizeRowsFn = void (*)(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
+                                  int64_t in_features, float* out);
+
+struct CpuKernels {
+  DecodeRowsFn decode_rows;
+  DequantizeRowsFn dequantize_rows;
+};
+
+// The kernels for `format`; null where the translation unit was built without its instruction
 // set (a build for another architecture).
-DecodeRowsFn decode_rows_avx512(BlockFormat format);
-DecodeRowsFn decode_rows_avx2(BlockFormat format);
-DecodeRowsFn decode_rows_scalar(BlockFormat format);
+CpuKernels cpu_kernels_avx512(BlockFormat format);
+CpuKernels cpu_kernels_avx2(BlockFormat format);
+CpuKernels cpu_kernels_scalar(BlockFormat format);
 
 }  // namespace fastllm

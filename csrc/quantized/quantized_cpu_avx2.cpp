@@ -49,6 +49,16 @@ struct Avx2 {
                                           _mm256_madd_epi16(w.high, x.high));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(scale), acc);
   }
+  static void store_values(Ints w, float scale, float offset, float* out) {
+    const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      const __m256i ints = quarter < 2 ? w.low : w.high;
+      const __m128i eight = quarter % 2 ? _mm256_extracti128_si256(ints, 1)
+                                        : _mm256_castsi256_si128(ints);
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(eight));
+      _mm256_storeu_ps(out + 8 * quarter, _mm256_fmadd_ps(q, s, o));
+    }
+  }
   static float sum(Acc acc) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
@@ -58,11 +68,11 @@ struct Avx2 {
 
 }  // namespace
 
-DecodeRowsFn decode_rows_avx2(BlockFormat format) { return decode_rows_for<Avx2>(format); }
+CpuKernels cpu_kernels_avx2(BlockFormat format) { return cpu_kernels_for<Avx2>(format); }
 
 }  // namespace fastllm
 #else
 namespace fastllm {
-DecodeRowsFn decode_rows_avx2(BlockFormat) { return nullptr; }
+CpuKernels cpu_kernels_avx2(BlockFormat) { return {}; }
 }  // namespace fastllm
 #endif

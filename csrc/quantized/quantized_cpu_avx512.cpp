@@ -69,6 +69,25 @@ struct Avx512 {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(dots, w.scales)),
                            _mm256_set1_ps(scale), acc);
   }
+  static void store_values(__m256i u, float scale, float offset, float* out) {
+    const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = half ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+      _mm512_storeu_ps(out + 16 * half, _mm512_fmadd_ps(q, s, o));
+    }
+  }
+  static void store_values(Q6KWeights w, float scale, float offset, float* out) {
+    for (int half = 0; half < 2; ++half) {  // (u - 32) times the half's int8 scale (lane 4 half)
+      const __m128i bytes = half ? _mm256_extracti128_si256(w.u, 1) : _mm256_castsi256_si128(w.u);
+      const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(32));
+      const __m512i scales = _mm512_permutexvar_epi32(_mm512_set1_epi32(4 * half),
+                                                      _mm512_castsi256_si512(w.scales));
+      const __m512 values = _mm512_cvtepi32_ps(_mm512_mullo_epi32(q, scales));
+      _mm512_storeu_ps(out + 16 * half,
+                       _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset)));
+    }
+  }
   static float sum(Acc acc) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
@@ -78,11 +97,11 @@ struct Avx512 {
 
 }  // namespace
 
-DecodeRowsFn decode_rows_avx512(BlockFormat format) { return decode_rows_for<Avx512>(format); }
+CpuKernels cpu_kernels_avx512(BlockFormat format) { return cpu_kernels_for<Avx512>(format); }
 
 }  // namespace fastllm
 #else
 namespace fastllm {
-DecodeRowsFn decode_rows_avx512(BlockFormat) { return nullptr; }
+CpuKernels cpu_kernels_avx512(BlockFormat) { return {}; }
 }  // namespace fastllm
 #endif

@@ -20,6 +20,8 @@
 //   activations<F>(x, i)        activation sub-block i in the matching form
 //   zero(), sum(acc)            an empty accumulator; the sum of its lanes, in a fixed order
 //   dot_fma(w, x, scale, acc)   acc + scale * (w . x), spread over the lanes
+//   store_values(w, scale, offset, out)   out[j] = scale * w_j + offset, the 32 values (the
+//                               product is exact, so a fused multiply-add rounds as ggml does)
 #pragma once
 
 #include <utility>
@@ -160,10 +162,30 @@ void decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, int64
   for (; n < end; ++n) tile_all_rows<Isa, F, 1>(x, w + n * ldw, ldw, bias, y, ldy, n);
 }
 
+template <class Isa, BlockFormat F>
+void dequantize_rows(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
+                     int64_t in_features, float* out) {
+  constexpr BlockLayout layout = block_layout(F);
+  constexpr int S = kSubBlocks<F>;
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t b = 0; b < in_features / layout.values; ++b) {
+      const uint8_t* block = w + n * ldw + b * layout.bytes;
+      float* values = out + (n - begin) * in_features + b * layout.values;
+      float scale[S], offset[S];
+      block_affine<F>(block, scale, offset);
+      [&]<int... kSub>(std::integer_sequence<int, kSub...>) {
+        (Isa::store_values(Isa::template weights<F, kSub>(block), scale[kSub], offset[kSub],
+                           values + kSub * kSubBlockValues), ...);
+      }(std::make_integer_sequence<int, S>());
+    }
+  }
+}
+
 template <class Isa>
-DecodeRowsFn decode_rows_for(BlockFormat format) {
-  return visit_block_format(format, [](auto f) -> DecodeRowsFn {
-    return &decode_rows<Isa, decltype(f)::value>;
+CpuKernels cpu_kernels_for(BlockFormat format) {
+  return visit_block_format(format, [](auto f) {
+    return CpuKernels{&decode_rows<Isa, decltype(f)::value>,
+                      &dequantize_rows<Isa, decltype(f)::value>};
   });
 }
 

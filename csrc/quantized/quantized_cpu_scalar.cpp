@@ -32,11 +32,14 @@ struct Scalar {
     for (int j = 0; j < kSubBlockValues; ++j) dot += int32_t(w.v[j]) * x.v[j];
     return std::fma(float(dot), scale, acc);
   }
+  static void store_values(const Ints& w, float scale, float offset, float* out) {
+    for (int j = 0; j < kSubBlockValues; ++j) out[j] = std::fma(float(w.v[j]), scale, offset);
+  }
   static float sum(Acc acc) { return acc; }
 };
 
 }  // namespace
 
-DecodeRowsFn decode_rows_scalar(BlockFormat format) { return decode_rows_for<Scalar>(format); }
+CpuKernels cpu_kernels_scalar(BlockFormat format) { return cpu_kernels_for<Scalar>(format); }
 
 }  // namespace fastllm

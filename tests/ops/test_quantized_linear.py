@@ -58,6 +58,7 @@ def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: i
     return per_value @ w.T + 1e-5 * (xd.abs() @ w.T) + 1e-6
 
 
+@pytest.mark.cpu_isas
 @pytest.mark.parametrize("type_name", TYPES)
 def test_dequantize_equals_gguf(type_name, backend):
     weight_type = TYPES[type_name]
@@ -95,7 +96,8 @@ def case_ids(cases: list) -> list[str]:
 
 # (activation rows, (weight rows, blocks per row)) up to 16 rows, the CPU's integer kernels:
 # AVX-512 tiles 4 rows and AVX2 2 (full tiles and every tail), weight rows in tiles of 4 and
-# alone. Past 16 rows the CPU dequantizes tiles of 128 weight rows for a GEMM, whatever the ISA.
+# alone. Past 16 rows the CPU dequantizes tiles of 128 weight rows (each ISA's dequantization:
+# test_dequantize_equals_gguf) for a GEMM.
 DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 5, 16)), (1, (1, 1)), (3, (1, 1)),
                 (4, (64, 2))]
 GEMM_CASES = [(17, (7, 3)), (17, (1, 1)), (40, (130, 1)), (512, (7, 1))]
