@@ -1,4 +1,4 @@
-// The decode-path kernel with AVX2 and FMA: this file is compiled with those flags (and
+// The quantized CPU kernels with AVX2 and FMA: this file is compiled with those flags (and
 // without AVX-512's) whatever the build targets (CMakeLists.txt), and runs on CPUs that have
 // them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h). The weights'
 // integers are widened to int16 and meet the activations' int16 in vpmaddwd.

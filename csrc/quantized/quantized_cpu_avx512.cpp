@@ -1,4 +1,4 @@
-// The decode-path kernel with AVX-512 (BW, VL, VNNI): this file is compiled with those flags
+// The quantized CPU kernels with AVX-512 (BW, VL, VNNI): this file is compiled with those flags
 // whatever the build targets (CMakeLists.txt) and runs only on CPUs that have them
 // (common/cpu_isa.h).
 //

@@ -1,11 +1,12 @@
-// The decode-path kernel, written once over an instruction set's primitives `Isa` and compiled
-// per instruction set: quantized_cpu_<isa>.cpp defines its Isa and includes this. Torch-free.
+// The quantized CPU kernels (decode rows, dequantization), written once over an instruction
+// set's primitives `Isa` and compiled per instruction set: quantized_cpu_<isa>.cpp defines its
+// Isa and includes this. Torch-free.
 //
-// Each sub-block of 32 values is an integer dot product of the weight's integers with the
-// activations' int16, scaled by one float (the weight's scale times the activations'), plus
-// the weight's offset times the activations' block sum. Scales and offsets are decoded once
-// per weight row and unit of 8 sub-blocks (a K-quant's super-block: once per block), and
-// multiplied by the activations' as vectors of 8.
+// Decode rows: each sub-block of 32 values is an integer dot product of the weight's integers
+// with the activations' int16, scaled by one float (the weight's scale times the
+// activations'), plus the weight's offset times the activations' block sum. Scales and offsets
+// are decoded once per weight row and unit of 8 sub-blocks (a K-quant's super-block: once per
+// block), and multiplied by the activations' as vectors of 8.
 //
 // A row's result never depends on the other rows in the batch: every (activation row, weight
 // row) pair takes the same operations in the same order whatever the tile around it. The

@@ -1,4 +1,4 @@
-// The decode-path kernel in plain C++: any CPU, compiled with the build's own flags. The
+// The quantized CPU kernels in plain C++: any CPU, compiled with the build's own flags. The
 // reference for the SIMD kernels' structure, and what runs where they cannot.
 #include <cmath>
 
@@ -21,15 +21,13 @@ struct Scalar {
     return q;
   }
   template <BlockFormat F>
-  static Ints activations(const ActivationBlocks& x, int64_t i) {
-    Ints q;
-    for (int j = 0; j < kSubBlockValues; ++j) q.v[j] = x.values[i * kSubBlockValues + j];
-    return q;
+  static const int16_t* activations(const ActivationBlocks& x, int64_t i) {
+    return x.values + i * kSubBlockValues;
   }
   static Acc zero() { return 0.f; }
-  static Acc dot_fma(const Ints& w, const Ints& x, float scale, Acc acc) {
-    int64_t dot = 0;  // 32 products of up to 4096 * 32767 would overflow an int32
-    for (int j = 0; j < kSubBlockValues; ++j) dot += int32_t(w.v[j]) * x.v[j];
+  static Acc dot_fma(const Ints& w, const int16_t* x, float scale, Acc acc) {
+    int64_t dot = 0;  // 32 products of up to 4096 * 32639 would overflow an int32
+    for (int j = 0; j < kSubBlockValues; ++j) dot += int32_t(w.v[j]) * x[j];
     return std::fma(float(dot), scale, acc);
   }
   static void store_values(const Ints& w, float scale, float offset, float* out) {
