@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-installed
 BUILD_STAMP := $(VENV)/.fastllm-installed
+PEERS_STAMP := $(VENV)/.bench-peers-installed
 SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 BENCH_OUT ?= results
 
@@ -29,10 +30,16 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(SOURCES)
 
 build: $(BUILD_STAMP)
 
+# The peer a CPU user would pick: llama.cpp through llama-cpp-python, built from its sdist for
+# this CPU (about 7 minutes on 2 cores). Only `make bench` builds it, never `make test`.
+$(PEERS_STAMP): $(DEPS_STAMP) requirements-bench.txt
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install --no-binary llama-cpp-python -r requirements-bench.txt
+	touch $@
+
 test: build
 	$(PY) -m pytest -q
 
-bench: build
+bench: build $(PEERS_STAMP)
 	$(PY) benchmarks/run_all.py --out $(BENCH_OUT)
 
 clean:

@@ -2,10 +2,12 @@
 
 ``--device`` (default cpu) is passed to every benchmark, and each one's defaults depend on it:
 on ``cuda`` they measure the sizes set for a GPU (each benchmark's docstring says which), on
-the CPU the sizes of ``make bench`` on two cores. ``--benchmarks`` runs some of them only. The
-benchmarks that need model files (the Qwen3 tokenizer, stories260K, the DL19 run) read them
-from ``$FASTLLM_MODELS_DIR``, else from ``shared/models`` beside the checkout. A benchmark that
-fails is reported and the others still run; the exit status is then 1.
+the CPU the sizes of ``make bench`` on two cores. The GGUF benchmark (fastllm against llama.cpp,
+which ``make bench`` builds for the CPU) runs on the CPU only, and is left out on other devices.
+``--benchmarks`` runs some of them only. The benchmarks that need model files (the Qwen3
+tokenizer, stories260K, the DL19 run) read them from ``$FASTLLM_MODELS_DIR``, else from
+``shared/models`` beside the checkout. A benchmark that fails is reported and the others still
+run; the exit status is then 1.
 
     python benchmarks/run_all.py --out results
     python benchmarks/run_all.py --device cuda --out results-cuda
@@ -21,6 +23,7 @@ from pathlib import Path
 import bench_attention
 import bench_engine
 import bench_generate
+import bench_gguf
 import bench_kv_cache
 import bench_mask_cache
 import bench_rerank
@@ -29,7 +32,8 @@ import bench_sampling
 BENCHMARKS = {"mask_cache": bench_mask_cache.main, "attention": bench_attention.main,
               "kv_cache": bench_kv_cache.main, "sampling": bench_sampling.main,
               "generate": bench_generate.main, "engine": bench_engine.main,
-              "rerank": bench_rerank.main}
+              "rerank": bench_rerank.main, "gguf": bench_gguf.main}
+CPU_ONLY = {"gguf"}  # their peer runs on the CPU only
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,9 +49,15 @@ def main(argv: list[str] | None = None) -> None:
                         default=list(BENCHMARKS),
                         help=f"which to run, of {', '.join(BENCHMARKS)} (default: all)")
     args = parser.parse_args(argv)
+    names = args.benchmarks
+    if args.device != "cpu":
+        left_out = [name for name in names if name in CPU_ONLY]
+        if left_out:
+            print(f"left out on {args.device}: {', '.join(left_out)} (CPU only)")
+        names = [name for name in names if name not in CPU_ONLY]
     elapsed_s: dict[str, float] = {}
     failed: list[str] = []
-    for name in args.benchmarks:
+    for name in names:
         started = time.perf_counter()
         try:
             BENCHMARKS[name](["--out", str(args.out), "--device", args.device])
@@ -56,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
             failed.append(name)
         elapsed_s[name] = time.perf_counter() - started
     print("\n" + "=" * 80 + "\n")
-    for name in args.benchmarks:
+    for name in names:
         if name not in failed:
             print((args.out / f"{name}.md").read_text())
     print(", ".join(f"{name}: {seconds:.0f} s" for name, seconds in elapsed_s.items()))

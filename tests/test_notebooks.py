@@ -57,9 +57,17 @@ def tiny_rerank_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--top-k", "3", "--repeats", "1", "--warmup", "0"])
 
 
+@pytest.fixture(scope="module")
+def sample_gguf_json() -> Path:
+    """A ``gguf.json`` from ``bench_gguf.py --quick``, stored: the benchmark needs llama.cpp,
+    which ``make test`` never builds (``tests/bench/test_bench_gguf.py`` checks a fresh run still
+    writes the same keys where it is installed)."""
+    return REPO / "tests" / "data" / "bench_gguf_quick.json"
+
+
 # The fixture giving each notebook the JSON it plots.
 BENCH_JSON = {"mask_cache.ipynb": "tiny_mask_cache_json", "generation.ipynb": "tiny_engine_json",
-              "rerank.ipynb": "tiny_rerank_json"}
+              "rerank.ipynb": "tiny_rerank_json", "gguf.ipynb": "sample_gguf_json"}
 
 
 def test_notebooks_exist() -> None:

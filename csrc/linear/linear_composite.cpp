@@ -11,7 +11,7 @@ namespace {
 at::Tensor linear_composite(const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias) {
   check_linear_inputs(x, weight, bias);
-  return at::linear(x, weight, bias);
+  return at::linear(x, weight.to(x.scalar_type()), bias);
 }
 
 FASTLLM_COMPOSITE_IMPL(m) { m.impl("linear", &linear_composite); }

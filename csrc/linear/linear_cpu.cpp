@@ -31,6 +31,10 @@ int64_t max_stream_rows(at::ScalarType dtype) {
   return 4;
 }
 
+// float32 activations with 16-bit weights convert every weight vector on each pass over the
+// activation rows, so they switch to GEMM (on an upcast copy) earlier.
+constexpr int64_t kMaxUpcastStreamRows = 16;
+
 // A tile: kActRows activation rows x kTileRows weight rows of float32 sums. Eight weight rows
 // keep eight streams in flight, which the hardware prefetchers need to approach the memory
 // bandwidth (four reached about 80% of it).
@@ -92,19 +96,19 @@ inline void dot_tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t ldw
 }
 #endif
 
-template <int M, int R, typename scalar_t>
-inline void store_tile(const float (&sums)[M][R], const scalar_t* bias, scalar_t* y, int64_t ldy,
+template <int M, int R, typename out_t>
+inline void store_tile(const float (&sums)[M][R], const out_t* bias, out_t* y, int64_t ldy,
                        int64_t n) {
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r)
-      y[m * ldy + n + r] = scalar_t(sums[m][r] + (bias ? float(bias[n + r]) : 0.f));
+      y[m * ldy + n + r] = out_t(sums[m][r] + (bias ? float(bias[n + r]) : 0.f));
 }
 
 // y[rows, R tile at n] for every activation row, kActRows rows at a time: the tile's weights
 // come from memory for the first group and from L1/L2 for the others.
-template <int R, typename x_t, typename scalar_t>
-inline void tile_all_rows(const x_t* x, int64_t rows, const scalar_t* w, int64_t ldw,
-                          const scalar_t* bias, scalar_t* y, int64_t ldy, int64_t n,
+template <int R, typename x_t, typename w_t, typename out_t>
+inline void tile_all_rows(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
+                          const out_t* bias, out_t* y, int64_t ldy, int64_t n,
                           int64_t k_len) {
   int64_t m = 0;
   for (; m + kActRows <= rows; m += kActRows) {
@@ -113,7 +117,7 @@ inline void tile_all_rows(const x_t* x, int64_t rows, const scalar_t* w, int64_t
     store_tile<kActRows, R>(sums, bias, y + m * ldy, ldy, n);
   }
   const x_t* xm = x + m * k_len;
-  scalar_t* ym = y + m * ldy;
+  out_t* ym = y + m * ldy;
   switch (rows - m) {
     case 3: { float sums[3][R]; dot_tile<3, R>(xm, w, ldw, k_len, sums);
               store_tile<3, R>(sums, bias, ym, ldy, n); break; }
@@ -126,12 +130,12 @@ inline void tile_all_rows(const x_t* x, int64_t rows, const scalar_t* w, int64_t
 }
 
 // y[rows, N] = x[rows, K] * w[N, K]^T (+ bias), output features split across threads.
-template <typename x_t, typename scalar_t>
-void stream_weights(const x_t* x, int64_t rows, const scalar_t* w, int64_t ldw,
-                    const scalar_t* bias, scalar_t* y, int64_t n_out, int64_t k_len) {
+template <typename x_t, typename w_t, typename out_t>
+void stream_weights(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
+                    const out_t* bias, out_t* y, int64_t n_out, int64_t k_len) {
   // Grain: enough rows per task that a task's weights (>= 64 KiB) dwarf its scheduling cost.
   const int64_t grain = std::max<int64_t>(kTileRows, (64 << 10) / std::max<int64_t>(
-      1, k_len * int64_t(sizeof(scalar_t))));
+      1, k_len * int64_t(sizeof(w_t))));
   at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
     int64_t n = begin;
     for (; n + kTileRows <= end; n += kTileRows)
@@ -140,9 +144,34 @@ void stream_weights(const x_t* x, int64_t rows, const scalar_t* w, int64_t ldw,
   });
 }
 
+// float32 activations times 16-bit weights, each weight converted exactly to float32 as it is
+// read: the same sums as the upcast weight, from half the bytes.
+at::Tensor linear_upcast_weights_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), n_out = weight.size(0), k_len = weight.size(1);
+  if (rows > kMaxUpcastStreamRows || k_len == 0)
+    return at::linear(x, weight.to(at::kFloat), bias);
+  auto y = at::empty({rows, n_out}, x.options());
+  if (rows == 0 || n_out == 0) return y;
+  const auto x_c = x.contiguous();
+  const auto bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  AT_DISPATCH_SWITCH(weight.scalar_type(), "fastllm::linear_upcast_weights_cpu",
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] {
+    stream_weights(x_c.const_data_ptr<float>(), rows, weight.const_data_ptr<scalar_t>(),
+                   weight.stride(0), bias_c.defined() ? bias_c.const_data_ptr<float>() : nullptr,
+                   y.mutable_data_ptr<float>(), n_out, k_len);
+  }) AT_DISPATCH_CASE(at::kHalf, [&] {
+    stream_weights(x_c.const_data_ptr<float>(), rows, weight.const_data_ptr<scalar_t>(),
+                   weight.stride(0), bias_c.defined() ? bias_c.const_data_ptr<float>() : nullptr,
+                   y.mutable_data_ptr<float>(), n_out, k_len);
+  }));
+  return y;
+}
+
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& bias) {
   check_linear_inputs(x, weight, bias);
+  if (weight.scalar_type() != x.scalar_type()) return linear_upcast_weights_cpu(x, weight, bias);
   const int64_t rows = x.size(0), n_out = weight.size(0), k_len = weight.size(1);
   if (rows > max_stream_rows(x.scalar_type()) || k_len == 0) return at::linear(x, weight, bias);
   auto y = at::empty({rows, n_out}, x.options());

@@ -18,6 +18,7 @@ import math
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -263,6 +264,21 @@ def test_sample_flags_bad_rows(sim):
     sim.set_trusted_inputs(True)  # no host check: the row's token says it
     tokens = sim.sample(logits, *args)
     assert tokens[1] == -1 and (tokens[[0, 2]] >= 0).all()
+
+
+# --- block-quantized matmul -----------------------------------------------------------------
+
+def test_quantized_linear_takes_the_gemv_up_to_8_rows(sim):
+    """Up to 8 rows: one GEMV launch, a warp per weight row and 4 to a block; more rows: one
+    dequantize launch (a thread per 8 values), then ATen's matmul."""
+    weight = torch.from_numpy(gguf.quants.quantize(torch.randn(10, 64).numpy(),
+                                                   gguf.GGMLQuantizationType.Q8_0))
+    for rows, launch in ((8, [3, 1, 1, 128, 1, 1, 0]), (9, [1, 1, 1, 256, 1, 1, 0])):
+        x = torch.randn(rows, 64)
+        got = sim.quantized_linear(x, weight, 8)
+        assert sim.take_launch_log().tolist() == [launch]
+        torch.testing.assert_close(got.double(), reference.quantized_linear(x, weight, 8),
+                                   atol=F32_TOL, rtol=F32_TOL)
 
 
 # --- scheduling order -----------------------------------------------------------------------

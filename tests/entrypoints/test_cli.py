@@ -11,6 +11,7 @@ from tiny_hf import random_hf_model, save_hf_model
 
 from fastllm import LLM, SamplingParams
 from fastllm.entrypoints.cli import main
+from fastllm.models.quantized import QuantizedLinear
 
 PROMPT = "Once upon a time"
 
@@ -30,6 +31,17 @@ def test_seeded_sampling_options_reach_the_sampler(model_path, capsys):
           "--top-p", "0.9", "--top-k", "40", "--seed", "5", "--max-tokens", "30"])
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=5, max_tokens=30)
     expected, = LLM(folder).generate(PROMPT, params, use_tqdm=False)
+    assert capsys.readouterr().out == expected.outputs[0].text + "\n"
+
+
+def test_quantization_reaches_the_loader(model_path, capsys):
+    folder = model_path("stories260K_hf")
+    main(["generate", "--model", str(folder), "--prompt", PROMPT, "--temperature", "0",
+          "--max-tokens", "20", "--quantization", "int4"])
+    llm = LLM(folder, quantization="int4")
+    assert isinstance(llm.model.layers[0].self_attn.o_proj, QuantizedLinear)
+    expected, = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20),
+                             use_tqdm=False)
     assert capsys.readouterr().out == expected.outputs[0].text + "\n"
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import metadata_for
+from conftest import prefill_logits
 import transformers
 from gguf import GGMLQuantizationType as QT
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -23,6 +24,7 @@ from fastllm.engine.scheduler import run_step
 from fastllm.kv_cache import PagedKVCache
 from fastllm.models import DecoderLM, hf_weight_map, load_model
 from fastllm.models.gguf import gguf_tensor_name, load_gguf
+from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
 from tiny_hf import randomize_
 
 transformers.logging.set_verbosity_error()
@@ -178,14 +180,6 @@ def hf_models() -> dict[str, torch.nn.Module]:
                                                         dtype=torch.float32).eval()
         randomize_(models[name], seed, scale=WEIGHT_SCALE)
     return models
-
-
-def prefill_logits(model: DecoderLM, tokens: list[int]) -> torch.Tensor:
-    """``[len(tokens), vocab]`` logits of one sequence's prefill."""
-    cache = PagedKVCache(model.kv_cache_spec(4), 64)
-    cache.block_manager.allocate(0, tokens)
-    meta = metadata_for(cache, [0], [len(tokens)])
-    return model.compute_logits(model(torch.tensor(tokens), meta.positions, meta, cache))
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -399,8 +393,13 @@ def llama_f32(tmp_path_factory) -> tuple[transformers.PretrainedConfig, dict]:
     ({}, {"rope.dimension_count": 8}, "partial rotary embedding is not supported"),
     ({}, {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0},
      "unsupported RoPE scaling type 'yarn'"),
+    # a typo cannot make the loader allocate the machine
+    ({}, {"block_count": 10**9},
+     r"model\.gguf: .*num_hidden_layers must be an int in \[1, 1024\], got 1000000000"),
+    ({}, {"context_length": 2**32 - 1}, r"max_position_embeddings must be an int in \[1, "),
+    ({}, {"rope.freq_base": float("nan")}, "rope_theta must be a positive number, got nan"),
 ], ids=["architecture", "missing", "unexpected", "tensor-type", "shape", "partial-rotary",
-        "yarn"])
+        "yarn", "layers", "context", "rope-theta"])
 def test_refusals(llama_f32, tmp_path, edit, metadata, match):
     """``edit``: tensors to replace, or to drop (None); ``metadata``: keys to add."""
     config, tensors = llama_f32
@@ -408,6 +407,21 @@ def test_refusals(llama_f32, tmp_path, edit, metadata, match):
     tensors = {name: value for name, value in tensors.items() if value is not None}
     path = write_gguf(tmp_path / "model.gguf", "llama", config, tensors, **metadata)
     with pytest.raises(ValueError, match=match):
+        load_model(path)
+
+
+@pytest.mark.parametrize("metadata, match", [
+    ({"block_count": "2"}, r"metadata llama\.block_count must be a GGUF integer, got '2'"),
+    ({"rope.freq_base": "1e4"}, r"metadata llama\.rope\.freq_base must be a GGUF float"),
+    ({"rope.scaling.type": "linear", "rope.scaling.factor": "2"},
+     r"llama\.rope\.scaling\.factor must be a GGUF float"),
+    ({"tokenizer.ggml.eos_token_id": "2"},
+     r"metadata tokenizer\.ggml\.eos_token_id must be a GGUF integer, got '2'"),
+])
+def test_metadata_of_the_wrong_type(llama_f32, tmp_path, metadata, match):
+    config, tensors = llama_f32
+    path = write_gguf(tmp_path / "model.gguf", "llama", config, tensors, **metadata)
+    with pytest.raises(TypeError, match=match):
         load_model(path)
 
 
@@ -427,3 +441,93 @@ def test_not_a_gguf_file(tmp_path):
         load_model(path)
     with pytest.raises(FileNotFoundError, match="is not a file"):
         load_gguf(tmp_path / "absent.gguf")
+
+
+# --- bad files: each a ValueError naming the file and the tensor or key, before any read --------
+
+
+def edit_tensor_info(path: Path, name: str, *, raw_type: int | None = None,
+                     offset_delta: int = 0) -> None:
+    """Rewrites tensor ``name``'s header entry in place, through the reader's writable map."""
+    reader = gguf.GGUFReader(path, "r+")
+    field = next(t.field for t in reader.tensors if t.name == name)
+    _, _, _, _, type_part, offset_part = field.parts
+    if raw_type is not None:
+        type_part[0] = raw_type
+    offset_part[0] += offset_delta
+    reader.data.flush()
+
+
+@pytest.fixture
+def llama_file(llama_f32, tmp_path) -> Path:
+    """The tiny F32 Llama as a file of its own, to corrupt."""
+    config, tensors = llama_f32
+    return write_gguf(tmp_path / "model.gguf", "llama", config, tensors)
+
+
+def test_unknown_tensor_type(llama_file):
+    edit_tensor_info(llama_file, "blk.1.ffn_up.weight", raw_type=200)
+    with pytest.raises(ValueError, match=r"model\.gguf: tensor blk\.1\.ffn_up\.weight has "
+                                         "unknown ggml type 200"):
+        load_model(llama_file)
+
+
+def test_misaligned_tensor_offset(llama_file):
+    """An offset off the file's alignment once loaded NaN weights that failed only at
+    generation."""
+    edit_tensor_info(llama_file, "blk.0.attn_q.weight", offset_delta=4)
+    with pytest.raises(ValueError, match=r"tensor blk\.0\.attn_q\.weight starts at offset \d+ "
+                                         "of the data section, not a multiple of the file's "
+                                         "alignment 32"):
+        load_model(llama_file)
+
+
+def test_tensor_past_the_end_of_the_file(llama_file):
+    """A truncated file names the tensor whose data it cut."""
+    last = max(gguf.GGUFReader(llama_file).tensors, key=lambda t: t.data_offset)
+    size = llama_file.stat().st_size
+    with llama_file.open("r+b") as file:
+        file.truncate(last.data_offset + last.n_bytes // 2)
+    with pytest.raises(ValueError, match=rf"model\.gguf: tensor {re.escape(last.name)} \(F32, "
+                                         rf"ggml shape .*past the end of the file"):
+        load_model(llama_file)
+    assert last.data_offset + last.n_bytes == size  # the cut was inside that tensor
+
+
+def test_file_truncated_in_its_header(llama_file):
+    with llama_file.open("r+b") as file:
+        file.truncate(200)
+    with pytest.raises(ValueError, match=r"model\.gguf is truncated: the metadata after "
+                                         r"'[\w.]+' reads bytes up to \d+, past the end"):
+        load_model(llama_file)
+
+
+def test_corrupt_metadata_value_type(llama_file):
+    """A reader error (here, an unknown GGUF value type) is a ValueError naming the field it
+    follows."""
+    field = gguf.GGUFReader(llama_file).fields["llama.block_count"]
+    type_offset = field.offset + 8 + len("llama.block_count")  # after the key's length and bytes
+    with llama_file.open("r+b") as file:
+        file.seek(type_offset)
+        file.write((99).to_bytes(4, "little"))
+    with pytest.raises(ValueError, match=r"model\.gguf: cannot read the metadata after "
+                                         r"'general\.architecture': .*99\)? is not a valid "
+                                         "GGUFValueType"):
+        load_model(llama_file)
+
+
+def test_a_long_context_builds_the_rope_table_it_is_asked_for(llama_f32, tmp_path):
+    """context_length 2**31 - 1 loads: the table covers DEFAULT_ROPE_POSITIONS until an engine
+    reserves more, and never more than the context."""
+    config, tensors = llama_f32
+    path = write_gguf(tmp_path / "model.gguf", "llama", config, tensors,
+                      context_length=2**31 - 1)
+    model = load_model(path)
+    assert model.config.max_position_embeddings == 2**31 - 1
+    assert model.cos_sin_cache.shape == (DEFAULT_ROPE_POSITIONS, 16)
+    first = model.cos_sin_cache.clone()
+    model.reserve_positions(10_000)
+    assert model.cos_sin_cache.shape == (10_000, 16)
+    assert torch.equal(model.cos_sin_cache[:DEFAULT_ROPE_POSITIONS], first)
+    model.reserve_positions(100)  # never shrinks: other engines may share the model
+    assert model.cos_sin_cache.shape[0] == 10_000

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from fastllm.models import DecoderLM, ModelConfig, hf_weight_map, load_model
+from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
 
 transformers.logging.set_verbosity_error()
 
@@ -122,7 +124,8 @@ def test_unexpected_tensor(edit_checkpoint):
 def test_wrong_shape(edit_checkpoint):
     def shrink(tensors):
         tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
-    expected = r"k_proj\.weight has shape \(8, 32\), expected \(16, 32\)"
+    expected = r"model\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight has " \
+        r"shape \(8, 32\), expected \(16, 32\)"
     with pytest.raises(ValueError, match=expected):
         load_model(edit_checkpoint(shrink))
 
@@ -160,7 +163,14 @@ def test_index_naming_a_missing_shard(hf_folder, tmp_path):
     (dict(hidden_act="gelu"), "hidden_act must be 'silu'"),
     (dict(num_key_value_heads=3), "not a multiple of n_kv_heads=3"),
     (dict(head_dim=7), "head_dim must be even"),
-    (dict(vocab_size=0), "vocab_size must be a positive int"),
+    (dict(vocab_size=0), r"vocab_size must be an int in \[1, 16777216\], got 0"),
+    # bounded, so a typo cannot make the loader allocate the machine (once a MemoryError)
+    (dict(num_hidden_layers=10**9), r"num_hidden_layers must be an int in \[1, 1024\]"),
+    (dict(max_position_embeddings=2**31), r"max_position_embeddings must be an int in \[1, "),
+    (dict(rope_theta=float("inf")), "rope_theta must be a positive number, got inf"),
+    (dict(rms_norm_eps=10**400), "rms_norm_eps must be a positive number"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=0),
+     r"sliding_window must be an int in \[1, "),
     (dict(rms_norm_eps=-1.0), "rms_norm_eps must be a positive number"),
     (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "unsupported RoPE scaling type 'yarn'"),
     (dict(rope_parameters=dict(rope_type="linear", factor=0)), "factor must be a positive"),
@@ -177,6 +187,125 @@ def test_index_naming_a_missing_shard(hf_folder, tmp_path):
 def test_bad_config(overrides, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **TINY, **overrides})
+
+
+@pytest.mark.parametrize("overrides, match", [
+    # JSON's "false" is a string, and truthy: it once read as true
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(attention_bias=1), "attention_bias must be true or false, got 1"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window="no"),
+     "use_sliding_window must be true or false"),
+    (dict(rope_scaling="linear"), "rope_scaling must be a JSON object .* got 'linear'"),
+    (dict(rope_parameters=[2.0]), "rope_parameters must be a JSON object"),
+    (dict(rope_scaling=dict(rope_type=["linear"], factor=2.0)), "rope_type must be a string"),
+    (dict(rope_scaling=dict(rope_type="linear", factor="2")),
+     "RoPE scaling factor must be a positive number, got '2'"),
+    (dict(architectures="LlamaForCausalLM"),
+     "architectures must be a list of class names, got 'LlamaForCausalLM'"),
+    (dict(num_hidden_layers=1e9),
+     r"num_hidden_layers must be an int in \[1, 1024\], got 1000000000\.0"),
+    (dict(hidden_size="32"), "hidden_size must be an int .* got '32'"),
+    (dict(num_key_value_heads=True), "num_key_value_heads must be an int .* got True"),
+    (dict(rms_norm_eps="1e-5"), "rms_norm_eps must be a positive number, got '1e-5'"),
+    (dict(layer_types="full_attention"), "layer_types must be a list"),
+    (dict(architectures=["Qwen2ForCausalLM"], max_window_layers="28"),
+     "max_window_layers must be an int"),
+    (dict(architectures=["SmolLM3ForCausalLM"], no_rope_layer_interval=0.0),
+     "no_rope_layer_interval must be an int"),
+])
+def test_config_value_of_the_wrong_type(overrides, match):
+    with pytest.raises(TypeError, match=match):
+        ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], **TINY, **overrides})
+
+
+def test_config_json_that_is_not_an_object(hf_folder, tmp_path):
+    folder = shutil.copytree(hf_folder, tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps([TINY]))
+    with pytest.raises(TypeError, match=r"config\.json: a model config must be a JSON object "
+                                        r"\(a dict\), got list"):
+        load_model(folder)
+    (folder / "config.json").write_bytes(b'{"vocab_size": "\xff"}')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        load_model(folder)
+
+
+def test_config_errors_name_the_file(hf_folder, tmp_path):
+    folder = shutil.copytree(hf_folder, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": "false"}))
+    with pytest.raises(TypeError, match=r"model/config\.json: tie_word_embeddings must be true"):
+        load_model(folder)
+
+
+def test_long_context_builds_only_the_rope_table_used(hf_folder, tmp_path):
+    """max_position_embeddings 10**9 once allocated tens of GB for the RoPE table: it is built
+    to DEFAULT_ROPE_POSITIONS at load and grown only to what an engine reserves."""
+    folder = shutil.copytree(hf_folder, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 10**9}))
+    model = load_model(folder)
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    assert model.cos_sin_cache.shape == (DEFAULT_ROPE_POSITIONS, head_dim)
+    model.reserve_positions(DEFAULT_ROPE_POSITIONS + 3)
+    assert model.cos_sin_cache.shape == (DEFAULT_ROPE_POSITIONS + 3, head_dim)
+    short = load_model(hf_folder)  # a context under the default: the whole context
+    assert short.cos_sin_cache.shape == (TINY["max_position_embeddings"], head_dim)
+    with pytest.raises(ValueError, match=r"max_positions must be in \[1, 32\]"):
+        short.reserve_positions(33)
+
+
+def test_rope_parameters_giving_infinite_angles(hf_folder, tmp_path):
+    folder = shutil.copytree(hf_folder, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    scaling = dict(rope_type="linear", factor=1e-308, rope_theta=10000.0)
+    (folder / "config.json").write_text(json.dumps({**config, "rope_parameters": scaling}))
+    with pytest.raises(ValueError, match="give non-finite RoPE angles within 32 positions"):
+        load_model(folder)
+
+
+def rewrite_header(file: Path, edit) -> None:
+    """Rewrites the JSON header of the safetensors ``file`` through ``edit(header)``; the data
+    bytes stay as they were."""
+    raw = file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    file.write_bytes(len(encoded).to_bytes(8, "little") + encoded + raw[8 + length:])
+
+
+def test_relabelled_dtype(hf_folder, tmp_path):
+    """F32 weights relabelled I32 (the same bytes) once loaded silently as garbage."""
+    folder = shutil.copytree(hf_folder, tmp_path / "model")
+    name = "model.layers.1.mlp.up_proj.weight"
+    rewrite_header(folder / "model.safetensors", lambda h: h[name].update(dtype="I32"))
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor {re.escape(name)} is "
+                                         r"stored as I32; a weight must be floats"):
+        load_model(folder)
+
+
+def test_corrupt_safetensors_header(hf_folder, tmp_path):
+    folder = shutil.copytree(hf_folder, tmp_path / "model")
+    name = "model.norm.weight"
+    rewrite_header(folder / "model.safetensors",
+                   lambda h: h[name].update(data_offsets=[0, 10**9]))
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        load_model(folder)
+    (folder / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        load_model(folder)
+
+
+def test_index_naming_a_path_outside_the_folder(hf_folder, tmp_path):
+    folder = shutil.copytree(hf_folder, tmp_path / "model")
+    index = {"weight_map": {"model.norm.weight": "../model.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"maps model\.norm\.weight to '\.\./model\.safetensors', "
+                                         "not a file name"):
+        load_model(folder)
+    (folder / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"index\.json is not valid JSON"):
+        load_model(folder)
 
 
 def test_bad_architecture_in_a_folder(hf_folder, tmp_path):

@@ -1,4 +1,5 @@
-"""fastllm.load: one load per (path, dtype, device), a bounded LRU, reloads of changed files."""
+"""fastllm.load: one load per (path, dtype, device, quantization), a bounded LRU, reloads of
+changed files."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import fastllm
 from fastllm.models import pool
 from fastllm.models.pool import ModelPool, resolve_dtype
+from fastllm.models.quantized import QuantizedLinear
 
 
 @pytest.fixture
@@ -39,6 +41,22 @@ def test_a_model_is_loaded_once_per_path_dtype_and_device(model_path, loads):
     assert len(loads) == 2 and len(pool) == 2
     assert (folder, "bf16", "cpu") in pool and (folder, "float16", "cpu") not in pool
     assert not first.training and not any(p.requires_grad for p in first.parameters())
+
+
+def test_a_quantized_copy_is_pooled_apart_from_the_float_one(model_path, loads):
+    pool = ModelPool(max_models=4)
+    folder = model_path("stories260K_hf")
+    fp32 = pool.load(folder)
+    int8 = pool.load(folder, quantization="int8")
+    assert int8 is not fp32 and pool.load(folder, "float32", "cpu", "int8") is int8
+    assert pool.load(folder, quantization="int4") not in (fp32, int8) and len(loads) == 3
+    assert not isinstance(fp32.layers[0].self_attn.o_proj, QuantizedLinear)
+    assert isinstance(int8.layers[0].self_attn.o_proj, QuantizedLinear)
+    assert (folder, "float32", "cpu", "int8") in pool and (folder, "float32", "cpu") in pool
+    assert (folder, "bfloat16", "cpu", "int8") not in pool
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'int4', got 'q4'"):
+        pool.load(folder, quantization="q4")
+    assert len(pool) == 3
 
 
 def test_the_least_recently_used_model_leaves_a_full_pool(model_path, loads):
@@ -97,3 +115,33 @@ def test_bad_arguments_raise(model_path, tmp_path):
     with pytest.raises(ValueError, match="got 'fp8'"):
         ModelPool(1).load(model_path("stories260K_hf"), "fp8")
     assert resolve_dtype("torch.bfloat16") is torch.bfloat16
+
+
+def test_a_failed_load_leaves_nothing_in_the_pool(model_path, tmp_path, loads):
+    """A bad file is a ValueError and pools nothing; the entry of a checkpoint whose files
+    changed goes, whether its new files load or not."""
+    folder = shutil.copytree(model_path("stories260K_hf"), tmp_path / "model")
+    other = shutil.copytree(folder, tmp_path / "other")
+    pool = ModelPool(max_models=4)
+    kept = pool.load(other)
+    pool.load(folder)
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:len(good) // 2])  # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        pool.load(folder)
+    assert len(pool) == 1 and (other, "float32", "cpu") in pool and pool.load(other) is kept
+    assert (folder, "float32", "cpu") not in pool
+    weights.write_bytes(good)
+    assert pool.load(folder).config.vocab_size == kept.config.vocab_size
+    assert len(pool) == 2 and len(loads) == 4
+
+
+def test_a_truncated_gguf_is_not_pooled(model_path, tmp_path, loads):
+    path = tmp_path / "model.gguf"
+    good = (model_path("gguf") / "llama-2-tiny-random.gguf").read_bytes()
+    path.write_bytes(good[:-1000])  # cuts the last tensor's data
+    pool = ModelPool(max_models=2)
+    with pytest.raises(ValueError, match=r"model\.gguf: tensor [\w.]+ .* past the end of the file"):
+        pool.load(path)
+    assert len(pool) == 0 and len(loads) == 1

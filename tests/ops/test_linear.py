@@ -38,6 +38,23 @@ def test_matches_float64(backend, dtype, rows, in_features, out_features, with_b
     check(backend.ops.linear, x, weight, bias)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 16, 17, 40])
+@pytest.mark.parametrize("in_features, out_features", [(64, 24), (7, 3), (1029, 70)])
+def test_16_bit_weights_under_float32(backend, weight_dtype, rows, in_features, out_features):
+    """A float16 GGUF or a bfloat16 checkpoint run in float32 keeps its weights in 16 bits: the
+    result is the float32 product with the upcast weight (exact conversion), both paths."""
+    x = torch.randn(rows, in_features, device=backend.device)
+    weight = torch.randn(out_features, in_features, device=backend.device).to(weight_dtype)
+    bias = torch.randn(out_features, device=backend.device)
+    got = backend.ops.linear(x, weight, bias)
+    assert got.dtype == torch.float32
+    check(backend.ops.linear, x, weight, bias)
+    if backend.name == "cpu" and rows <= 16:  # the streaming kernel: the upcast weight's sums
+        torch.testing.assert_close(got, ops.linear(x, weight.float(), bias), atol=1e-5,
+                                   rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_strided_inputs(dtype, device):
     """Row-strided weights (a slice of a fused matrix) and non-contiguous activations."""
@@ -63,9 +80,12 @@ def test_bad_inputs_raise(backend):
         linear(x.view(2, 2, 4), w, None)
     with pytest.raises(ValueError, match=r"x has 8 features but weight .* = \[4, 9\]"):
         linear(x, torch.randn(4, 9, device=device), None)
-    with pytest.raises(TypeError, match="weight has dtype torch.bfloat16 but x has dtype "
-                                        "torch.float32"):
-        linear(x, w.bfloat16(), None)
+    with pytest.raises(TypeError, match="weight has dtype torch.float32 but x has dtype "
+                                        "torch.bfloat16"):
+        linear(x.bfloat16(), w, None)
+    with pytest.raises(TypeError, match="weight has dtype torch.float16 but x has dtype "
+                                        "torch.bfloat16"):
+        linear(x.bfloat16(), w.half(), None)
     with pytest.raises(TypeError, match="x must be torch.float32, torch.bfloat16 or "
                                         "torch.float16, got torch.int64"):
         linear(x.long(), w.long(), None)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from conftest import assert_within_twice_plain_error
 from fastllm import _C, ops
 from fastllm.ops import reference
 
@@ -21,6 +21,7 @@ TYPES = {name: type_id for type_id, (name, _, _) in ops.BLOCK_FORMATS.items()}
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}  # gguf-py dequantizes these, but has no quantizer for them
 # Each fp16 field of a K-quant block: d (and dmin) lead Q4_K/Q5_K blocks, d ends Q6_K's.
 FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+CUDA_GEMV_ROWS = 8  # the most rows CUDA's GEMV takes (kMaxGemvRows, quantized_kernels.cuh)
 
 
 def quantized_weight(out: int, blocks: int, weight_type: int, seed: int = 0) -> torch.Tensor:
@@ -59,6 +60,7 @@ def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: i
 
 
 @pytest.mark.cpu_isas
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("type_name", TYPES)
 def test_dequantize_equals_gguf(type_name, backend):
     weight_type = TYPES[type_name]
@@ -68,8 +70,9 @@ def test_dequantize_equals_gguf(type_name, backend):
     got = backend.ops.dequantize(weight.to(backend.device), weight_type, torch.float32).cpu()
     assert got.dtype == torch.float32 and torch.equal(got, expected)
     assert torch.equal(reference.dequantize(weight, weight_type), expected.double())
-    half = backend.ops.dequantize(weight.to(backend.device), weight_type, torch.bfloat16).cpu()
-    assert torch.equal(half, expected.to(torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float16):
+        low = backend.ops.dequantize(weight.to(backend.device), weight_type, dtype).cpu()
+        assert torch.equal(low, expected.to(dtype))
 
 
 def check_quantized_linear(backend, type_name: str, rows: int, shape: tuple[int, int]) -> None:
@@ -94,67 +97,102 @@ def case_ids(cases: list) -> list[str]:
     return [f"{rows}x{out}x{blocks}" for rows, (out, blocks) in cases]
 
 
-# (activation rows, (weight rows, blocks per row)) up to 16 rows, the CPU's integer kernels:
-# AVX-512 tiles 4 rows and AVX2 2 (full tiles and every tail), weight rows in tiles of 4 and
-# alone. Past 16 rows the CPU dequantizes tiles of 128 weight rows (each ISA's dequantization:
-# test_dequantize_equals_gguf) for a GEMM.
-DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 5, 16)), (1, (1, 1)), (3, (1, 1)),
+# (activation rows, (weight rows, blocks per row)) on either side of each kernel's switch:
+# decode rows up to 16 on the CPU (AVX-512 tiles 4 rows and AVX2 2: full tiles and every
+# tail; weight rows in tiles of 4 and alone), up to 8 in CUDA's GEMV; past them tiles of 128
+# dequantized weight rows (each ISA's dequantization: test_dequantize_equals_gguf) for a GEMM.
+# The CPU's ISAs and the simulator run DECODE_CASES.
+DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 8, 9)), (1, (1, 1)), (3, (1, 1)),
                 (4, (64, 2))]
-GEMM_CASES = [(17, (7, 3)), (17, (1, 1)), (40, (130, 1)), (512, (7, 1))]
+MORE_CASES = [(5, (7, 3)), (16, (7, 3)), (17, (7, 3)), (17, (1, 1)), (40, (130, 1)),
+              (512, (7, 1))]
 
 
 @pytest.mark.cpu_isas
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("rows, shape", DECODE_CASES, ids=case_ids(DECODE_CASES))
-def test_quantized_linear_decode_rows(type_name, rows, shape, backend):
+def test_quantized_linear_float32(type_name, rows, shape, backend):
     check_quantized_linear(backend, type_name, rows, shape)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("rows, shape", GEMM_CASES, ids=case_ids(GEMM_CASES))
-def test_quantized_linear_many_rows(type_name, rows, shape, backend):
+@pytest.mark.parametrize("rows, shape", MORE_CASES, ids=case_ids(MORE_CASES))
+def test_quantized_linear_float32_more_rows(type_name, rows, shape, backend):
     check_quantized_linear(backend, type_name, rows, shape)
 
 
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_quantized_linear_low_precision(type_name, rows, dtype):
+def test_quantized_linear_low_precision(type_name, rows, dtype, backend):
     weight_type = TYPES[type_name]
     weight = quantized_weight(48, 256 // ops.BLOCK_FORMATS[weight_type][1], weight_type, seed=rows)
-    x = torch.randn(rows, 256, dtype=dtype)
-    bias = torch.randn(48, dtype=dtype)
-    got = ops.quantized_linear(x, weight, weight_type, bias)
+    x, bias = torch.randn(rows, 256, dtype=dtype), torch.randn(48, dtype=dtype)
+    got = backend.ops.quantized_linear(x.to(backend.device), weight.to(backend.device),
+                                       weight_type, bias.to(backend.device)).cpu()
     expected = reference.quantized_linear(x, weight, weight_type, bias)
     assert got.dtype == dtype
-    bound = activation_error_bound(x.float(), weight, weight_type) + expected.abs() * 2**-7
-    assert ((got.double() - expected).abs() <= bound).all()
-
-
-@pytest.fixture(params=_C.cpu_isas())
-def cpu_isa(request) -> Iterator[str]:
-    """Each instruction set the CPU kernels run with here, in use for the test."""
-    previous = _C.set_cpu_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        _C.set_cpu_isa(previous)
-
-
-@pytest.mark.parametrize("type_name", TYPES)
-def test_a_row_does_not_depend_on_the_others(type_name, cpu_isa):
-    """On the decode path a row's result is bitwise the same alone or in any batch."""
-    weight_type = TYPES[type_name]
-    weight = quantized_weight(9, 512 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
-    x = torch.randn(16, 512)
-    alone = torch.cat([ops.quantized_linear(x[i:i + 1], weight, weight_type) for i in range(16)])
-    for batch in (2, 3, 7, 16):
-        together = torch.cat([ops.quantized_linear(x[i:i + batch], weight, weight_type)
-                              for i in range(0, 16, batch)])
-        assert torch.equal(together, alone), batch
+    if backend.name == "composite" or (backend.name in ("cuda", "cuda_sim")
+                                       and rows > CUDA_GEMV_ROWS):
+        # These round the weight to x's dtype for a matmul in it: flash-attention's rule
+        # against that plain composition.
+        plain = torch.nn.functional.linear(
+            x, reference.dequantize(weight, weight_type).to(dtype), bias)
+        assert_within_twice_plain_error(got.double(), plain.double(), expected)
+    else:  # exact weights, float32 sums, one rounding to dtype
+        bound = activation_error_bound(x.float(), weight, weight_type) + expected.abs() * 2**-7
+        assert ((got.double() - expected).abs() <= bound).all()
 
 
 @pytest.mark.cpu_isas
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_row_does_not_depend_on_the_others(type_name, backend):
+    """On the decode path a row's result is bitwise the same alone or in any batch."""
+    if backend.name == "composite":
+        pytest.skip("ATen's matmul promises no batch invariance")
+    weight_type = TYPES[type_name]
+    weight = quantized_weight(9, 512 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
+    weight = weight.to(backend.device)
+    # float32: a low-precision output would round small differences away.
+    x = torch.randn(16, 512, device=backend.device)
+    batches = (2, 3, 7, 16) if backend.name.startswith("cpu") else (2, 3, CUDA_GEMV_ROWS)
+
+    def linear(rows):
+        return backend.ops.quantized_linear(rows, weight, weight_type)
+
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(16)])
+    for batch in batches:
+        together = torch.cat([linear(x[i:i + batch]) for i in range(0, 16, batch)])
+        assert torch.equal(together, alone), batch
+
+
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_K"])
+@pytest.mark.parametrize("rows", [3, 12, 20])
+def test_strided_inputs(type_name, rows, backend):
+    device = backend.device
+    weight_type = TYPES[type_name]
+    weight = quantized_weight(24, 256 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
+    # The weight's rows inside wider rows, at an odd byte offset.
+    row_bytes = weight.shape[1]
+    wide = torch.zeros(24, row_bytes + 5, dtype=torch.uint8, device=device)
+    wide[:, 1:row_bytes + 1] = weight.to(device)
+    strided_weight = wide[:, 1:row_bytes + 1]
+    bias = torch.randn(24)
+    # x as a column slice of wider rows, and stored transposed.
+    for x in (torch.randn(rows, 272, device=device)[:, 7:263],
+              torch.randn(256, rows, device=device).T):
+        got = backend.ops.quantized_linear(x, strided_weight, weight_type, bias.to(device)).cpu()
+        expected = reference.quantized_linear(x.cpu(), weight, weight_type, bias)
+        bound = activation_error_bound(x.cpu(), weight, weight_type)
+        assert ((got.double() - expected).abs() <= bound).all()
+
+
+@pytest.mark.cpu_isas
+@pytest.mark.cuda_sim
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q6_K"])
 @pytest.mark.parametrize("rows", [3, 20])
 def test_a_nan_activation_makes_its_row_nan(type_name, rows, backend):
@@ -167,12 +205,22 @@ def test_a_nan_activation_makes_its_row_nan(type_name, rows, backend):
     assert got[1].isnan().all() and not got[torch.arange(rows) != 1].isnan().any()
 
 
-def test_empty_inputs():
-    weight = quantized_weight(8, 2, 2)
-    assert ops.quantized_linear(torch.randn(0, 64), weight, 2).shape == (0, 8)
-    assert ops.quantized_linear(torch.randn(3, 64), weight[:0], 2).shape == (3, 0)
+@pytest.mark.cuda_sim
+def test_empty_inputs(backend):
+    device = backend.device
+    weight = quantized_weight(8, 2, 2).to(device)
+    bias = torch.randn(8, device=device)
+    for rows in (0, 3, 12, 20):
+        x = torch.randn(rows, 64, device=device)
+        assert backend.ops.quantized_linear(x, weight, 2).shape == (rows, 8)
+        assert backend.ops.quantized_linear(x, weight[:0], 2).shape == (rows, 0)
+        # Rows of no blocks: the product is empty, the output the bias.
+        got = backend.ops.quantized_linear(x[:, :0], weight[:, :0], 2, bias)
+        assert torch.equal(got, bias.expand(rows, 8))
+    assert backend.ops.dequantize(weight[:0], 2, torch.float32).shape == (0, 64)
 
 
+@pytest.mark.cuda_sim
 @pytest.mark.cpu_inputs
 def test_bad_input(backend):
     op = backend.ops

@@ -2,6 +2,7 @@
 
     fastllm generate --model PATH --prompt "Once upon a time" --max-tokens 64 --temperature 0.7
     fastllm generate --model PATH --prompt "What is 2 + 2?" --chat
+    fastllm generate --model PATH --prompt "Once upon a time" --quantization int4
     fastllm rerank --model PATH --query "capital of France" --docs docs.txt --top-n 3
 """
 
@@ -32,6 +33,8 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stop", action="append", default=[],
                         help="a stop string (repeatable); it is not printed")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="quantize a float checkpoint's weights at load (weight-only)")
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(run=_generate)
 
@@ -41,7 +44,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     prompt = (llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat
               else args.prompt)
     for delta in llm.stream(prompt, params):

@@ -20,6 +20,7 @@ from fastllm.engine import Engine, EngineConfig
 from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.request import Request
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache, default_kv_cache_memory, plan_pool
+from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
 from fastllm.models.pool import load
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
@@ -30,7 +31,8 @@ __all__ = ["EngineClient", "PromptType"]
 # independent chunks.
 PromptType = Union[str, Sequence[int], Mapping[str, Any], ChunkedPrompt]
 
-_DEFAULT_MAX_MODEL_LEN = 8192  # cap on the default context
+# Cap on the default context: the RoPE table's length at load, so it need not grow.
+_DEFAULT_MAX_MODEL_LEN = DEFAULT_ROPE_POSITIONS
 
 logger = logging.getLogger("fastllm")
 
@@ -47,7 +49,7 @@ class EngineClient:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int | None = None, enforce_eager: bool = False,
-                 chunk_store_memory: int | None = None) -> None:
+                 chunk_store_memory: int | None = None, quantization: str | None = None) -> None:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_prefill_chunk=max_prefill_chunk,
@@ -56,7 +58,7 @@ class EngineClient:
                                                or chunk_store_memory < 0):
             raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "
                              f"{chunk_store_memory!r}")
-        self.model = load(model, dtype, device)
+        self.model = load(model, dtype, device, quantization)
         self.device = torch.device(device)
         self.tokenizer = Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
         config = self.model.config
@@ -67,6 +69,7 @@ class EngineClient:
             raise ValueError(f"max_model_len must be an int in [2, {config.max_position_embeddings}"
                              f"] (the model's max_position_embeddings), got {max_model_len!r}")
         self.max_model_len = max_model_len
+        self.model.reserve_positions(max_model_len)
         spec = self.model.kv_cache_spec(block_size)
         one_sequence = -(-max_model_len // block_size) * spec.bytes_per_block
         if kv_cache_memory is None:

@@ -38,6 +38,11 @@ class LLM:
             ``.gguf`` file. Loaded through :func:`fastllm.load`, so several ``LLM`` objects share
             one copy of the weights.
         dtype: "float32", "bfloat16" or "float16" (or a torch dtype).
+        quantization: None, "int8" or "int4": quantize a float checkpoint's weights at load,
+            weight-only, in blocks of 32 values per row (ggml's Q8_0; Q4_1 with the LM head in
+            Q8_0), run by the quantized matmul. Norms, biases and layers whose rows are not a
+            multiple of 32 long stay in ``dtype``, as do the activations. A GGUF file already
+            quantized loads as it is, without this argument.
         device: where the model and the KV cache live.
         tokenizer: a folder or file to read the tokenizer from, if not ``model``.
         max_model_len: the most tokens (prompt and output) one sequence may hold. Default: the
@@ -66,13 +71,14 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int | None = None, enforce_eager: bool = False,
-                 chunk_store_memory: int | None = None) -> None:
+                 chunk_store_memory: int | None = None, quantization: str | None = None) -> None:
         self.client = EngineClient(
             model, dtype=dtype, device=device, tokenizer=tokenizer, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
-            enforce_eager=enforce_eager, chunk_store_memory=chunk_store_memory)
+            enforce_eager=enforce_eager, chunk_store_memory=chunk_store_memory,
+            quantization=quantization)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.kv_cache, self.engine = self.client.kv_cache, self.client.engine
         self.device, self.max_model_len = self.client.device, self.client.max_model_len

@@ -10,12 +10,14 @@ import re
 from collections.abc import Callable
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor, nn
 
 from fastllm import ops
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
-from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from fastllm.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight,
+                                      Quantization, check_quantization, quantize_weight)
 
 __all__ = ["HFTensor", "build_model", "hf_weight_map"]
 
@@ -64,7 +66,8 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
 
 def build_model(config: ModelConfig,
                 read: Callable[[str, tuple[int, ...]], Tensor | QuantizedWeight], *,
-                dtype: torch.dtype, device: torch.device | str) -> DecoderLM:
+                dtype: torch.dtype, device: torch.device | str,
+                quantization: str | None = None) -> DecoderLM:
     """Builds a :class:`DecoderLM` on the meta device and materializes it once.
 
     ``read(hf_name, shape)`` returns the checkpoint's tensor ``hf_name``, already checked to
@@ -72,8 +75,18 @@ def build_model(config: ModelConfig,
     are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all blocks of
     one format stays quantized (its layer becomes a :class:`QuantizedLinear` or
     :class:`QuantizedEmbedding`); the others are cast to ``dtype``. Everything is placed on
-    ``device``.
+    ``device``. On the CPU, float32 models keep 16-bit projection, embedding and LM-head
+    weights (a float16 GGUF, a bfloat16 checkpoint) in 16 bits: the linear op converts them
+    exactly as it reads them, so the sums are the upcast weights' from half the bytes.
+
+    ``quantization`` ("int8", "int4"; see :data:`~fastllm.models.quantized.QUANTIZATIONS`)
+    quantizes the float weights of every projection, the embedding and the LM head at load,
+    weight-only in blocks of 32 per row: int8 writes Q8_0 everywhere; int4 writes Q4_1, but Q8_0
+    for the LM head (the embedding when tied), as llama.cpp's 4-bit files keep it at higher
+    precision. A weight whose rows are not a multiple of 32 values long stays float, as do the
+    norms and biases.
     """
+    scheme = check_quantization(quantization)
     state: dict[str, Tensor] = {}
     quantized: dict[str, int] = {}  # parameter name -> ggml type of its blocks
     for name, parts in hf_weight_map(config).items():
@@ -87,7 +100,16 @@ def build_model(config: ModelConfig,
         tensors = [ops.dequantize(t.data, t.weight_type, torch.float32)
                    if isinstance(t, QuantizedWeight) else t for t in tensors]
         fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        state[name] = fused.to(device=device, dtype=dtype)
+        weight_type = None if scheme is None else _quantized_type(name, scheme, config)
+        if weight_type is not None and fused.shape[-1] % _block_values(weight_type) == 0:
+            try:
+                weight = quantize_weight(fused, weight_type)
+            except ValueError as error:
+                raise ValueError(f"cannot quantize {name} ({quantization}): {error}") from error
+            state[name], quantized[name] = weight.data.to(device), weight.weight_type
+            continue
+        state[name] = fused.to(device=device, dtype=_storage_dtype(name, fused.dtype, dtype,
+                                                                  torch.device(device)))
 
     with torch.device("meta"):
         model = DecoderLM(config)
@@ -98,8 +120,30 @@ def build_model(config: ModelConfig,
     return model.eval()
 
 
-# The weights that may stay quantized: every projection, the embedding and the LM head.
+# The weights that may be (or stay) quantized: every projection, the embedding and the LM head.
 _QUANTIZABLE = re.compile(r"(_proj|embed_tokens|lm_head)\.weight$")
+
+
+def _storage_dtype(name: str, stored: torch.dtype, dtype: torch.dtype,
+                   device: torch.device) -> torch.dtype:
+    """The dtype parameter ``name`` is kept in: 16-bit weights of a float32 model on the CPU
+    stay 16-bit (ops.linear reads them so); everything else is cast to ``dtype``."""
+    keep = (device.type == "cpu" and dtype == torch.float32
+            and stored in (torch.float16, torch.bfloat16) and _QUANTIZABLE.search(name))
+    return stored if keep else dtype
+
+
+def _quantized_type(name: str, scheme: Quantization, config: ModelConfig) -> int | None:
+    """The ggml type ``scheme`` writes parameter ``name`` in; None: it stays float."""
+    if not _QUANTIZABLE.search(name):
+        return None
+    is_head = name == "lm_head.weight" or (name == "embed_tokens.weight"
+                                           and config.tie_word_embeddings)
+    return scheme.head if is_head else scheme.projections
+
+
+def _block_values(weight_type: int) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType(weight_type)][0]
 
 
 def _quantize_module(model: DecoderLM, name: str, weight: Tensor, weight_type: int,

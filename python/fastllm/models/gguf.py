@@ -15,17 +15,24 @@ Two conventions of llama.cpp's ``convert_hf_to_gguf.py`` are undone here:
   llama.cpp rotates llama with its "normal" (GPT-J) RoPE. fastllm rotates HF's way (neox), so
   the rows are permuted back. Qwen2 and Qwen3 are converted without the permutation: llama.cpp
   runs them with neox RoPE, which already is HF's layout.
+
+A file is checked before any tensor is read: every read the reader makes lies within the file,
+each tensor's type, offset (aligned, relative to the data section) and extent agree with its
+header entry and the file's size, and its shape with the config. What fails is a ValueError
+naming the file and the metadata key or the tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType,
+                  ReaderField, ReaderTensor)
 from gguf.quants import dequantize
 from torch import Tensor
 
@@ -33,7 +40,7 @@ from fastllm import ops
 from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
-from fastllm.models.quantized import QuantizedWeight
+from fastllm.models.quantized import QuantizedWeight, check_quantization
 from fastllm.models.rope import rope_inv_freq
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",
@@ -48,6 +55,12 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 GGUF_TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in
                           ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                            "Q4_K", "Q5_K", "Q6_K"))
+
+# The types quantization= may quantize further: plain floats.
+_FLOAT_TYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16"))
+
+# 16-bit tensor types, read exactly into these dtypes (build_model may keep them so).
+_SIXTEEN_BIT = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
 
 # HF module name -> llama.cpp's (gguf.constants.TENSOR_NAMES); ".weight" / ".bias" kept.
 _GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
@@ -77,6 +90,83 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
 
 
+class _GGUFFileError(ValueError):
+    """A bad GGUF file, already named in the message (raised by :class:`_CheckedReader`)."""
+
+
+class _CheckedReader(GGUFReader):
+    """``gguf.GGUFReader`` that refuses a file it cannot read faithfully, naming where.
+
+    The reader parses everything in its constructor and makes an array view of every tensor's
+    data there, so the checks hook its steps: :meth:`_get` (each read must lie within the file:
+    a bad count then fails at once instead of reading short or looping over an array of 2**60
+    nothing), :meth:`_push_field` and :meth:`_get_tensor_info_field` (where it is, for the
+    message) and :meth:`_build_tensors` (each tensor's entry, before its view is made). Any
+    other error of the reader (a bad value type, a duplicate key, a bad alignment) becomes a
+    ValueError naming the file and where it was.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.position = path, "the header"
+        try:
+            super().__init__(path)
+        except _GGUFFileError:
+            raise
+        except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
+            raise ValueError(f"{path}: cannot read {self.position}: {error}") from error
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+             ) -> np.ndarray:
+        end = offset + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _GGUFFileError(f"{self.path} is truncated: {self.position} reads bytes up to "
+                                 f"{end}, past the end of the file ({len(self.data)} bytes)")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _push_field(self, field: ReaderField, skip_sum: bool = False) -> int:
+        self.position = f"the metadata after {field.name!r}"
+        return super()._push_field(field, skip_sum)
+
+    def _get_tensor_info_field(self, orig_offs: int) -> ReaderField:
+        field = super()._get_tensor_info_field(orig_offs)
+        self.position = f"the tensor infos after {field.name!r}"
+        return field
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        for field in fields:
+            self.position = f"tensor {field.name}"
+            _, _, _, dims, raw_type, offset = field.parts
+            self._check_tensor_info(field.name, [int(n) for n in dims], int(raw_type[0]),
+                                    start_offs, int(offset[0]))
+        self.position = "the tensors"
+        super()._build_tensors(start_offs, fields)
+
+    def _check_tensor_info(self, name: str, dims: list[int], raw_type: int, start: int,
+                           offset: int) -> None:
+        """Refuses a tensor entry whose data the reader would view wrongly: an unknown type,
+        rows that are not whole blocks, an offset off the file's alignment (once read as NaN
+        weights), or data past the end of the file (a truncated file)."""
+        where = f"{self.path}: tensor {name}"
+        if raw_type not in GGML_QUANT_SIZES:
+            raise _GGUFFileError(f"{where} has unknown ggml type {raw_type}")
+        kind = GGMLQuantizationType(raw_type)
+        if not 1 <= len(dims) <= 4:  # GGML_MAX_DIMS
+            raise _GGUFFileError(f"{where} has {len(dims)} dimensions; ggml takes 1 to 4")
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        if dims[0] % block:  # ggml lists the row (innermost) dimension first
+            raise _GGUFFileError(f"{where} has rows of {dims[0]} values, not whole {kind.name} "
+                                 f"blocks of {block}")
+        if offset % self.alignment:
+            raise _GGUFFileError(f"{where} starts at offset {offset} of the data section, not a "
+                                 f"multiple of the file's alignment {self.alignment}")
+        n_bytes = math.prod(dims) // block * block_bytes
+        if start + offset + n_bytes > len(self.data):
+            raise _GGUFFileError(
+                f"{where} ({kind.name}, ggml shape {dims}) needs bytes {start + offset} to "
+                f"{start + offset + n_bytes}, past the end of the file ({len(self.data)} bytes): "
+                "the file is truncated or the entry is wrong")
+
+
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     """The :class:`ModelConfig` of a GGUF file, from its metadata and its tensor list.
 
@@ -86,26 +176,46 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     biases are present when their tensors are, and the eos ids are llama.cpp's end-of-generation
     set (``eos``, ``eot``, ``eom``). RoPE scaling is ``rope.scaling.*`` metadata (linear), or
     Llama 3.1's ``rope_freqs.weight``, read as llama3 scaling and checked to reproduce it.
+    A bad value is a ValueError or TypeError naming the file and the key.
     """
+    path = Path(reader.data.filename)
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; fastllm loads "
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r:.80}; fastllm loads "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
-        raise ValueError("the GGUF file lacks token_embd.weight")
+        raise ValueError(f"{path}: the GGUF file lacks token_embd.weight")
+    if len(tensors["token_embd.weight"].shape) != 2:
+        raise ValueError(f"{path}: tensor token_embd.weight has ggml shape "
+                         f"{tensors['token_embd.weight'].shape.tolist()}, not [hidden, vocab]")
 
-    def get(key: str) -> Any:
-        return _field(reader, f"{arch}.{key}")
+    def get(key: str, kind: type = int) -> Any:
+        """Metadata ``{arch}.{key}``, None when absent; a value not of ``kind`` (an int, a
+        float or a str) is a TypeError naming it."""
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            return None
+        kinds = (int, float) if kind is float else (kind,)  # an integer serves as a float
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise TypeError(f"{path}: metadata {arch}.{key} must be a GGUF "
+                            f"{'integer' if kind is int else kind.__name__}, got {value!r:.80}")
+        return value
 
     n_heads, hidden = get("attention.head_count"), get("embedding_length")
     head_dim = get("attention.key_length")
-    if head_dim is None and isinstance(n_heads, int) and isinstance(hidden, int) and n_heads:
+    if head_dim is None and n_heads and hidden is not None:
         head_dim = hidden // n_heads
     value_dim = get("attention.value_length")
     if value_dim is not None and value_dim != head_dim:
-        raise ValueError(f"attention.value_length={value_dim} differs from key_length="
+        raise ValueError(f"{path}: attention.value_length={value_dim} differs from key_length="
                          f"{head_dim}; fastllm needs one head_dim")
+    tokens = {kind: _field(reader, f"tokenizer.ggml.{kind}_token_id")
+              for kind in ("bos", "eos", "eot", "eom")}
+    for kind, token in tokens.items():
+        if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
+            raise TypeError(f"{path}: metadata tokenizer.ggml.{kind}_token_id must be a GGUF "
+                            f"integer, got {token!r:.80}")
     hf: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ggml [hidden, vocab]
@@ -115,48 +225,59 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         "num_attention_heads": n_heads,
         "num_key_value_heads": get("attention.head_count_kv"),
         "head_dim": head_dim,
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": list(dict.fromkeys(
-            token for kind in ("eos", "eot", "eom")
-            if (token := _field(reader, f"tokenizer.ggml.{kind}_token_id")) is not None)),
+        "bos_token_id": tokens["bos"],
+        "eos_token_id": list(dict.fromkeys(  # llama.cpp's end-of-generation set
+            tokens[kind] for kind in ("eos", "eot", "eom") if tokens[kind] is not None)),
     }
     # Keys the metadata may leave out: absent, the HF class default applies.
-    for key, hf_key in (("context_length", "max_position_embeddings"),
-                        ("rope.freq_base", "rope_theta")):
-        if (value := get(key)) is not None:
+    for key, hf_key, kind in (("context_length", "max_position_embeddings", int),
+                              ("rope.freq_base", "rope_theta", float)):
+        if (value := get(key, kind)) is not None:
             hf[hf_key] = value
     rotary_dim = get("rope.dimension_count")
     if rotary_dim is not None and head_dim and rotary_dim != head_dim:
         hf["partial_rotary_factor"] = rotary_dim / head_dim  # refused by from_hf_config
-    scaling = get("rope.scaling.type")
+    scaling = get("rope.scaling.type", str)
     if scaling is not None and scaling != "none":
-        hf["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
-    rope_divisors = _dequantize(tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
+        hf["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", float)}
+    rope_divisors = _dequantize(path, tensors[_ROPE_FREQS]) if _ROPE_FREQS in tensors else None
     if rope_divisors is not None:
         if "rope_scaling" in hf:
-            raise ValueError(f"the GGUF file has both rope.scaling.type={scaling!r} and "
+            raise ValueError(f"{path}: the GGUF file has both rope.scaling.type={scaling!r} and "
                              f"{_ROPE_FREQS}")
+        if rope_divisors.ndim != 1 or rope_divisors.size == 0:
+            raise ValueError(f"{path}: tensor {_ROPE_FREQS} has shape {rope_divisors.shape}, "
+                             "not [head_dim / 2]")
         hf["rope_scaling"] = {"rope_type": "llama3", "factor": float(rope_divisors.max()),
                               **_LLAMA3_ROPE}
-    config = ModelConfig.from_hf_config(hf)
+    try:
+        config = ModelConfig.from_hf_config(hf)
+    except (TypeError, ValueError) as error:  # named by its config.json key
+        kind = ValueError if isinstance(error, ValueError) else TypeError
+        raise kind(f"{path}: the GGUF metadata gives a bad config: {error}") from error
     if rope_divisors is not None:
-        _check_llama3_divisors(config, rope_divisors)
+        _check_llama3_divisors(path, config, rope_divisors)
     return config
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> DecoderLM:
+              device: torch.device | str = "cpu", quantization: str | None = None) -> DecoderLM:
     """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
 
     Weights in a block format of :data:`fastllm.ops.BLOCK_FORMATS` (Q4_0 ... Q8_0, Q4_K, Q5_K,
     Q6_K) stay in their blocks (run by the quantized ops); every other tensor (types
     :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then cast to ``dtype``.
-    Everything is placed on ``device``. A missing, unexpected or wrongly shaped tensor, or one
-    of another type, is a ``ValueError`` naming it.
+    Everything is placed on ``device``. A bad file (truncated, corrupt, a tensor that is
+    missing, unexpected, wrongly shaped or of another type) is a ``ValueError`` naming the file
+    and the tensor or metadata key, raised before any tensor is read.
+
+    ``quantization`` ("int8", "int4") quantizes a float file (F32 / F16 / BF16 tensors only) at
+    load, as for safetensors; a file already quantized is a ``ValueError``, since quantizing its
+    weights again would only add error.
     """
     path = Path(path)
     if not path.is_file():
@@ -165,32 +286,25 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         magic = file.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    reader = GGUFReader(path)
+    reader = _CheckedReader(path)
+    if check_quantization(quantization) is not None:
+        packed = [t for t in reader.tensors if t.tensor_type not in _FLOAT_TYPES]
+        if packed:
+            raise ValueError(f"{path} is already quantized ({packed[0].name} is "
+                             f"{packed[0].tensor_type.name}); load it without quantization="
+                             f"{quantization!r}, or quantize a float checkpoint")
     config = config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
-    names = {gguf_tensor_name(hf_name): hf_name
-             for parts in hf_weight_map(config).values() for hf_name, _ in parts}
-    missing = [name for name in names if name not in tensors]
-    if missing:
-        raise ValueError(f"the GGUF file lacks {missing[0]} ({len(missing)} missing tensor(s) "
-                         f"for a {config.architecture})")
-    unexpected = sorted(set(tensors) - set(names) - {_ROPE_FREQS})
-    if unexpected:
-        raise ValueError(f"unexpected tensor {unexpected[0]} in the GGUF file "
-                         f"({len(unexpected)} unexpected for a {config.architecture})")
+    shapes = {gguf_tensor_name(hf_name): shape
+              for parts in hf_weight_map(config).values() for hf_name, shape in parts}
+    _check_tensors(path, config, tensors, shapes)
     permuted = config.architecture == "LlamaForCausalLM"
 
     def read(hf_name: str, shape: tuple[int, ...]) -> Tensor | QuantizedWeight:
-        name = gguf_tensor_name(hf_name)
-        tensor = tensors[name]
-        ggml_shape = [int(n) for n in tensor.shape]
-        torch_shape = tuple(reversed(ggml_shape))  # ggml lists the innermost dimension first
-        if torch_shape != shape:
-            raise ValueError(f"{name} has shape {torch_shape} (ggml {ggml_shape}), expected "
-                             f"{shape} from the metadata")
+        tensor = tensors[gguf_tensor_name(hf_name)]
         kept = int(tensor.tensor_type) in ops.BLOCK_FORMATS and len(shape) == 2
         # np.array copies: the reader's arrays are read-only views of the memory-mapped file.
-        values = np.array(tensor.data) if kept else _dequantize(tensor)  # blocks: [rows, bytes]
+        values = np.array(tensor.data) if kept else _dequantize(path, tensor)  # [rows, bytes]
         module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
         if permuted and module in ("q_proj", "k_proj"):
             values = _unpermute_rope_rows(
@@ -198,9 +312,41 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         if kept:
             return QuantizedWeight(torch.from_numpy(values).reshape(shape[0], -1),
                                    int(tensor.tensor_type))
+        if tensor.tensor_type in _SIXTEEN_BIT:  # kept in 16 bits where build_model can
+            return torch.from_numpy(values).to(_SIXTEEN_BIT[tensor.tensor_type])
         return torch.from_numpy(values)
 
-    return build_model(config, read, dtype=dtype, device=device)
+    return build_model(config, read, dtype=dtype, device=device, quantization=quantization)
+
+
+def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, ReaderTensor],
+                   shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuses the file unless it holds exactly the tensors ``config`` needs (``shapes``: name
+    -> torch shape; ``rope_freqs.weight`` may come too), each of that shape and of a type
+    fastllm reads. Runs before any tensor is read."""
+    missing = [name for name in shapes if name not in tensors]
+    if missing:
+        raise ValueError(f"{path}: the GGUF file lacks {missing[0]} ({len(missing)} missing "
+                         f"tensor(s) for a {config.architecture})")
+    unexpected = sorted(set(tensors) - set(shapes) - {_ROPE_FREQS})
+    if unexpected:
+        raise ValueError(f"{path}: unexpected tensor {unexpected[0]} in the GGUF file "
+                         f"({len(unexpected)} unexpected for a {config.architecture})")
+    for name, shape in shapes.items():
+        tensor = tensors[name]
+        _check_type(path, tensor)
+        ggml_shape = [int(n) for n in tensor.shape]
+        torch_shape = tuple(reversed(ggml_shape))  # ggml lists the innermost dimension first
+        if torch_shape != shape:
+            raise ValueError(f"{path}: tensor {name} has shape {torch_shape} (ggml {ggml_shape}), "
+                             f"expected {shape} from the metadata")
+
+
+def _check_type(path: Path, tensor: ReaderTensor) -> None:
+    if tensor.tensor_type not in GGUF_TENSOR_TYPES:
+        raise ValueError(f"{path}: tensor {tensor.name} is {tensor.tensor_type.name}, which "
+                         f"fastllm does not dequantize; supported: "
+                         f"{', '.join(t.name for t in GGUF_TENSOR_TYPES)}")
 
 
 def _field(reader: GGUFReader, key: str) -> Any:
@@ -212,18 +358,19 @@ def _field(reader: GGUFReader, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return None
-    value = field.contents()
+    try:
+        value = field.contents()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{reader.data.filename}: metadata {key} is not UTF-8 text: "
+                         f"{error}") from error
     if field.types == [GGUFValueType.FLOAT32]:
         return float(str(np.float32(value)))
     return value
 
 
-def _dequantize(tensor: ReaderTensor) -> np.ndarray:
+def _dequantize(path: Path, tensor: ReaderTensor) -> np.ndarray:
     """A fresh, writable float32 array of ``tensor`` (torch order), whatever its GGUF type."""
-    if tensor.tensor_type not in GGUF_TENSOR_TYPES:
-        raise ValueError(f"tensor {tensor.name} is {tensor.tensor_type.name}, which fastllm does "
-                         f"not dequantize; supported: "
-                         f"{', '.join(t.name for t in GGUF_TENSOR_TYPES)}")
+    _check_type(path, tensor)
     # np.array copies: F32 dequantizes to a read-only view of the memory-mapped file.
     return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
@@ -239,12 +386,13 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _check_llama3_divisors(config: ModelConfig, rope_divisors: np.ndarray) -> None:
+def _check_llama3_divisors(path: Path, config: ModelConfig, rope_divisors: np.ndarray) -> None:
     """Refuses a ``rope_freqs.weight`` that the llama3 scaling read from it does not reproduce
     (llama.cpp divides each RoPE frequency by its entry)."""
     base = rope_inv_freq(dataclasses.replace(config, rope_scaling=None))  # float64 [d / 2]
     if (rope_divisors.shape != tuple(base.shape) or not torch.allclose(
             rope_inv_freq(config), base / torch.from_numpy(rope_divisors), rtol=1e-5, atol=0)):
-        raise ValueError(f"{_ROPE_FREQS} holds per-frequency RoPE divisors that Llama 3's llama3 "
-                         f"scaling (factor {config.rope_scaling.factor}, {_LLAMA3_ROPE}) does not "
-                         "reproduce; fastllm supports no other scaling given this way")
+        raise ValueError(f"{path}: {_ROPE_FREQS} holds per-frequency RoPE divisors that Llama "
+                         f"3's llama3 scaling (factor {config.rope_scaling.factor}, "
+                         f"{_LLAMA3_ROPE}) does not reproduce; fastllm supports no other scaling "
+                         "given this way")

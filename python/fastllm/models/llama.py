@@ -9,8 +9,9 @@ plain matmuls, with q/k/v fused into one and gate/up into another.
 
 from __future__ import annotations
 
+import threading
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastllm import ops
@@ -20,7 +21,15 @@ from fastllm.models.config import ModelConfig
 from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear
 from fastllm.models.rope import build_cos_sin_cache
 
-__all__ = ["DecoderLM"]
+__all__ = ["DEFAULT_ROPE_POSITIONS", "DecoderLM"]
+
+# Rows of the RoPE table a model is loaded with, when its context is longer: the engine's
+# default context (entrypoints/client.py), so a default LLM never rebuilds the table; an engine
+# with a longer one grows it (DecoderLM.reserve_positions). A table of the full context could
+# take gigabytes (max_position_embeddings is 10**9 in a bad config, 10**7 in some real ones).
+DEFAULT_ROPE_POSITIONS = 8192
+# One growth of a shared model's table at a time.
+_ROPE_TABLE_LOCK = threading.Lock()
 
 
 class Linear(nn.Linear):
@@ -32,17 +41,20 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """HF's RMSNorm: normalized in float32, cast back, then scaled by the weight."""
+    """HF's RMSNorm (normalized in float32, cast back, then scaled by the weight) as one op.
+    Given the residual stream too, it first adds ``x`` into it, in place (the pre-norm block's
+    residual step, fused), and returns ``(normalized, residual)``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class Attention(nn.Module):
@@ -108,12 +120,14 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # gate|up [T, 2 * inter]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each residual add
+    fused into the norm after it: a layer takes the previous sublayer's output and the residual
+    stream (None before the first layer) and returns both, and the model's final norm does
+    the last add."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -122,11 +136,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
-                v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache,
-                               cos_sin_cache, pre_rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, positions: Tensor,
+                meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
+                pre_rope: bool) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta, k_cache, v_cache, cos_sin_cache, pre_rope)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderLM(nn.Module):
@@ -147,18 +166,36 @@ class DecoderLM(nn.Module):
                         Linear(config.hidden_size, config.vocab_size, bias=False))
         # Derived from the config, never loaded: non-persistent, rebuilt by init_rope_cache.
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        # Tables reserve_positions replaced, kept alive: CUDA graphs captured before read them.
+        self._replaced_rope_tables: list[Tensor] = []
         self.init_rope_cache()
         self.requires_grad_(False)
 
-    def init_rope_cache(self) -> None:
-        """(Re)builds the RoPE table on the parameters' device, once per model (and again after
-        materializing a model built on the meta device)."""
+    def init_rope_cache(self, max_positions: int | None = None) -> None:
+        """(Re)builds the RoPE table on the parameters' device for positions below
+        ``max_positions`` (default: the model's context, at most :data:`DEFAULT_ROPE_POSITIONS`),
+        once per model, and again after materializing a model built on the meta device."""
+        if max_positions is None:
+            max_positions = min(self.config.max_position_embeddings, DEFAULT_ROPE_POSITIONS)
         device = self.embed_tokens.weight.device
         if device.type == "meta":
-            shape = (self.config.max_position_embeddings, self.config.head_dim)
-            self.cos_sin_cache = torch.empty(shape, device=device)
+            self.cos_sin_cache = torch.empty((max_positions, self.config.head_dim), device=device)
         else:
-            self.cos_sin_cache = build_cos_sin_cache(self.config, device=device)
+            self.cos_sin_cache = build_cos_sin_cache(self.config, max_positions, device=device)
+
+    def reserve_positions(self, max_model_len: int) -> None:
+        """Makes the RoPE table cover positions below ``max_model_len`` (at most
+        ``max_position_embeddings``): an engine calls this with its context before it runs.
+
+        The table only grows: a pooled model is shared by engines of different contexts. The
+        rows of a longer table equal those of the shorter one, so a running engine reads the
+        same values from either.
+        """
+        with _ROPE_TABLE_LOCK:
+            if max_model_len > self.cos_sin_cache.shape[0]:
+                replaced = self.cos_sin_cache
+                self.init_rope_cache(max_model_len)
+                self._replaced_rope_tables.append(replaced)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -186,11 +223,12 @@ class DecoderLM(nn.Module):
             ``[T, hidden]`` final-norm hidden states; pass the rows that need logits (usually
             each sequence's last) to :meth:`compute_logits`.
         """
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, meta, kv_cache.k_cache[i], kv_cache.v_cache[i],
-                      self.cos_sin_cache, kv_cache.pre_rope)
-        return self.norm(x)
+        # [T, hidden]; an embedding stored in 16 bits (models/build.py) looks up in its dtype.
+        x, residual = self.embed_tokens(input_ids).to(self.dtype), None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache.layers):
+            x, residual = layer(x, residual, positions, meta, k_cache, v_cache,
+                                self.cos_sin_cache, kv_cache.pre_rope)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or

@@ -5,42 +5,57 @@ explicit HF name -> fastllm name map that also fuses q/k/v and gate/up. The mode
 the meta device and materialized once, by assigning the loaded tensors
 (:mod:`fastllm.models.build`); a ``.gguf`` path is handed to :mod:`fastllm.models.gguf`.
 Pickle checkpoints (``.bin``, ``.pt``, ``.pth``) are refused: loading them can run arbitrary code.
+
+Every tensor's dtype and shape are checked against the config from the files' headers before
+any tensor is read; a file the safetensors reader refuses is a ValueError naming it.
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from fastllm.models.build import HFTensor, build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.gguf import load_gguf
 from fastllm.models.llama import DecoderLM
+from fastllm.models.quantized import check_quantization
 
 __all__ = ["load_model"]
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 # Buffers some older HF checkpoints saved; HF skips them on load too.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The safetensors dtypes a float weight may be stored in: a weight relabelled as an integer
+# type (same bytes, another meaning) would load as garbage.
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> DecoderLM:
+               device: torch.device | str = "cpu", quantization: str | None = None) -> DecoderLM:
     """Loads the HF model folder ``path`` (``config.json`` plus ``*.safetensors``), or the
     llama.cpp GGUF file ``path`` (``*.gguf``, see :func:`fastllm.models.gguf.load_gguf`).
 
     Sharded checkpoints are read through ``model.safetensors.index.json`` when present. Weights
-    are cast to ``dtype`` and placed on ``device``. A missing, unexpected or wrongly shaped
-    tensor is a ``ValueError`` naming the first one; with tied embeddings an ``lm_head.weight``
-    in the checkpoint is ignored, as HF does.
+    are cast to ``dtype`` and placed on ``device``; with ``quantization`` ("int8" or "int4") the
+    projections, embedding and LM head are quantized to ggml blocks instead (see
+    :func:`fastllm.models.build.build_model`). A missing, unexpected or wrongly shaped
+    tensor, or one not stored as floats, is a ``ValueError`` naming the first one (and its
+    file), raised before any tensor is read; with tied embeddings an ``lm_head.weight`` in the
+    checkpoint is ignored, as HF does. A bad ``config.json`` value is a ``ValueError`` or
+    ``TypeError`` naming the key.
     """
+    check_quantization(quantization)
     folder = Path(path)
     if folder.suffix == ".gguf":
-        return load_gguf(folder, dtype=dtype, device=device)
+        return load_gguf(folder, dtype=dtype, device=device, quantization=quantization)
     if folder.suffix in _PICKLE_SUFFIXES:
         raise ValueError(_pickle_refusal(folder))
     if not folder.is_dir():
@@ -52,26 +67,67 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     _check_keys(weight_map, files_by_name, config)
 
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+        handles = {file: stack.enter_context(_open(file))
                    for file in sorted(set(files_by_name.values()))}
+        for parts in weight_map.values():
+            for hf_name, shape in parts:
+                _check_tensor(handles, files_by_name[hf_name], hf_name, shape)
 
         def read(hf_name: str, shape: tuple[int, ...]) -> Tensor:
-            tensor = handles[files_by_name[hf_name]].get_tensor(hf_name)
-            if tuple(tensor.shape) != shape:
-                raise ValueError(f"{hf_name} has shape {tuple(tensor.shape)}, expected "
-                                 f"{shape} from config.json")
-            return tensor
+            file = files_by_name[hf_name]
+            try:
+                return handles[file].get_tensor(hf_name)
+            except SafetensorError as error:
+                raise ValueError(f"{file}: cannot read tensor {hf_name}: {error}") from error
 
-        return build_model(config, read, dtype=dtype, device=device)
+        return build_model(config, read, dtype=dtype, device=device,
+                           quantization=quantization)
+
+
+@contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """``safe_open(file)``; a file the reader refuses (a corrupt header, offsets past the end)
+    is a ValueError naming it."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as error:
+        raise ValueError(f"{file} is not a valid safetensors file: {error}") from error
+    with handle:
+        yield handle
+
+
+def _check_tensor(handles: dict[Path, Any], file: Path, hf_name: str,
+                  shape: tuple[int, ...]) -> None:
+    """Refuses ``hf_name`` unless its header entry says floats of ``shape``."""
+    try:
+        entry = handles[file].get_slice(hf_name)
+        dtype, stored_shape = entry.get_dtype(), tuple(entry.get_shape())
+    except SafetensorError as error:
+        raise ValueError(f"{file}: cannot read tensor {hf_name}: {error}") from error
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{file}: tensor {hf_name} is stored as {dtype}; a weight must be "
+                         f"floats ({', '.join(_FLOAT_DTYPES)})")
+    if stored_shape != shape:
+        raise ValueError(f"{file}: tensor {hf_name} has shape {stored_shape}, expected {shape} "
+                         "from config.json")
 
 
 def _checkpoint_index(folder: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        try:
+            contents = json.loads(index.read_text(encoding="utf-8"))
+        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError alike
+            raise ValueError(f"{index} is not valid JSON: {error}") from error
+        weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no 'weight_map'")
+        for name, file in weight_map.items():
+            # A shard is a file of this folder: no other path is read.
+            if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                raise ValueError(f"{index} maps {name} to {file!r:.80}, not a file name in "
+                                 f"{folder}")
         files = {name: folder / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
@@ -85,7 +141,7 @@ def _checkpoint_index(folder: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors file in {folder}")
     files: dict[str, Path] = {}
     for shard in shards:
-        with safe_open(shard, framework="pt", device="cpu") as f:
+        with _open(shard) as f:
             for name in f.keys():
                 if name in files:
                     raise ValueError(f"{name} is in both {files[name].name} and {shard.name}")

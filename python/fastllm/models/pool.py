@@ -1,4 +1,4 @@
-"""The model pool: each model is loaded once per (path, dtype, device) and shared.
+"""The model pool: each model is loaded once per (path, dtype, device, quantization) and shared.
 
 Loading a checkpoint costs seconds and gigabytes, so ``fastllm.load`` (and every
 :class:`fastllm.LLM`) goes through one process-wide pool. It is bounded: it keeps the
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fastllm.models import DecoderLM, load_model
+from fastllm.models.quantized import check_quantization
 
 __all__ = ["ModelPool", "load", "model_pool", "resolve_dtype"]
 
@@ -47,8 +48,8 @@ def _fingerprint(path: Path) -> tuple:
 
 
 class ModelPool:
-    """A bounded LRU cache of loaded models keyed by (path, dtype, device). Thread-safe: two
-    threads asking for the same model wait for one load."""
+    """A bounded LRU cache of loaded models keyed by (path, dtype, device, quantization).
+    Thread-safe: two threads asking for the same model wait for one load."""
 
     def __init__(self, max_models: int) -> None:
         if max_models < 1:
@@ -58,22 +59,31 @@ class ModelPool:
         self._lock = threading.Lock()
 
     def load(self, model_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
-             device: str | torch.device = "cpu") -> DecoderLM:
+             device: str | torch.device = "cpu", quantization: str | None = None) -> DecoderLM:
         """The model at ``model_path`` (HF folder or ``.gguf`` file) in ``dtype`` on ``device``,
-        loaded on first use and shared afterwards. Treat it as read-only."""
+        its weights quantized at load when ``quantization`` is "int8" or "int4" (see
+        :func:`fastllm.models.load_model`), loaded on first use and shared afterwards. Treat it
+        as read-only.
+
+        A model enters the pool only once fully loaded: a load that fails (a bad file is a
+        ValueError naming it) leaves nothing behind, and the stale entry of a checkpoint whose
+        files changed is dropped before its new files are read, whether they load or not."""
+        check_quantization(quantization)
         path = Path(model_path).expanduser().resolve()
         if not path.exists():
             raise FileNotFoundError(f"no model at {model_path}")
         torch_dtype, torch_device = resolve_dtype(dtype), torch.device(device)
-        key = (str(path), torch_dtype, str(torch_device), _fingerprint(path))
+        key = (str(path), torch_dtype, str(torch_device), quantization, _fingerprint(path))
         with self._lock:
             model = self._models.get(key)
             if model is None:
-                model = load_model(path, dtype=torch_dtype, device=torch_device)
-                model.eval()
-                # A changed checkpoint replaces its stale entries.
-                for stale in [k for k in self._models if k[:3] == key[:3]]:
+                # A changed checkpoint's old entries are stale, and their memory is better free
+                # while the new files load.
+                for stale in [k for k in self._models if k[:4] == key[:4]]:
                     del self._models[stale]
+                model = load_model(path, dtype=torch_dtype, device=torch_device,
+                                   quantization=quantization)
+                model.eval()
                 self._models[key] = model
             self._models.move_to_end(key)
             while len(self._models) > self.max_models:
@@ -88,11 +98,13 @@ class ModelPool:
     def __len__(self) -> int:
         return len(self._models)
 
-    def __contains__(self, key: tuple[str | os.PathLike, str | torch.dtype, str]) -> bool:
-        """Whether ``(path, dtype, device)`` is pooled (at its files' current state)."""
-        path = Path(key[0]).expanduser().resolve()
-        return path.exists() and (str(path), resolve_dtype(key[1]), str(torch.device(key[2])),
-                                  _fingerprint(path)) in self._models
+    def __contains__(self, key: tuple) -> bool:
+        """Whether ``(path, dtype, device)`` (unquantized) or ``(path, dtype, device,
+        quantization)`` is pooled (at its files' current state)."""
+        model_path, dtype, device, *quantization = key
+        path = Path(model_path).expanduser().resolve()
+        return path.exists() and (str(path), resolve_dtype(dtype), str(torch.device(device)),
+                                  *(quantization or [None]), _fingerprint(path)) in self._models
 
 
 model_pool = ModelPool(int(os.environ.get("FASTLLM_MODEL_POOL_SIZE", "2")))

@@ -1,17 +1,25 @@
 """Weights kept block-quantized (ggml's formats, :data:`fastllm.ops.BLOCK_FORMATS`) in the
 model: a linear layer and an embedding whose weight is the file's blocks, row by row, run by
-:func:`fastllm.ops.quantized_linear` and :func:`fastllm.ops.dequantize`."""
+:func:`fastllm.ops.quantized_linear` and :func:`fastllm.ops.dequantize`; and
+:func:`quantize_weight`, which writes float weights as Q8_0 or Q4_1 blocks (``load_model(...,
+quantization="int8" | "int4")``).
+
+The quantizer lives here rather than in :mod:`fastllm.ops`: it is a load-time transform in
+plain PyTorch, not a device op, and its output is a :class:`QuantizedWeight`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor, nn
 
 from fastllm import ops
 
-__all__ = ["QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight"]
+__all__ = ["QUANTIZATIONS", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight",
+           "Quantization", "check_quantization", "quantize_weight"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +65,126 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return ops.dequantize(self.weight[input_ids], self.weight_type, self.dtype)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """The ggml block formats a ``quantization=`` choice writes: one for the projections (and an
+    untied input embedding), one for the LM head (the tied embedding when there is no head).
+
+    As in llama.cpp's own 4-bit files, the head keeps 8 bits: its errors go straight into the
+    logits, and it is read once per token, not once per layer.
+    """
+
+    projections: int
+    head: int
+
+
+# quantization= value -> the formats it writes. Q4_1 (a scale and a minimum per block) rather
+# than Q4_0 (a scale only): it costs 5 bits per weight instead of 4.5 and rounds real weights
+# more closely (tests/models/test_quantize.py measures both).
+QUANTIZATIONS = {
+    "int8": Quantization(projections=GGMLQuantizationType.Q8_0, head=GGMLQuantizationType.Q8_0),
+    "int4": Quantization(projections=GGMLQuantizationType.Q4_1, head=GGMLQuantizationType.Q8_0),
+}
+
+
+def check_quantization(quantization: str | None) -> Quantization | None:
+    """The :class:`Quantization` named by ``quantization`` ("int8", "int4"), or None for None."""
+    if quantization is None:
+        return None
+    if not isinstance(quantization, str) or quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None, {' or '.join(map(repr, QUANTIZATIONS))}, "
+                         f"got {quantization!r}")
+    return QUANTIZATIONS[quantization]
+
+
+# Float values quantized per call: bounds the float32 temporaries (a few of this size) whatever
+# the matrix, and keeps them in cache.
+_CHUNK_VALUES = 1 << 20
+
+
+def quantize_weight(weight: Tensor, weight_type: int) -> QuantizedWeight:
+    """``weight`` (``[rows, values per row]``, any float dtype) as ggml blocks of ``weight_type``:
+    Q8_0 (8) or Q4_1 (3), byte for byte as ``gguf.quants.quantize`` writes them (which follows
+    ggml's reference quantizers, ``quantize_row_q8_0_ref`` and ``quantize_row_q4_1_ref``).
+
+    Values are rounded in float32 as ggml rounds them (Q8_0: to nearest, ties away from zero;
+    Q4_1: ``trunc(x + 0.5)``), scaled by the block's float32 scale, which is then stored in fp16.
+    A block so small that the reciprocal of its scale overflows float32 (absolute maximum below
+    about 4e-37) has an fp16 scale of 0, so it decodes to zeros (Q8_0) or its minimum (Q4_1)
+    whatever its quants hold; ggml leaves those quants undefined, here they are clamped. A Q4_1
+    block whose minimum is zero, among ``-0.0`` and ``0.0``, may store either sign (a min
+    reduction's pick is unspecified: ggml's C loop keeps the first, numpy the last); both decode
+    the same. The row length must be a multiple of 32. A block whose fp16 fields would overflow (Q8_0: ``|w|``
+    above about ``127 * 65504``; Q4_1: a minimum beyond about ``±65504`` or a range above about
+    ``15 * 65504``), or that holds a non-finite value, is a ``ValueError``.
+    """
+    if weight_type not in _QUANTIZERS:
+        names = ", ".join(f"{GGMLQuantizationType(t).name} ({t})" for t in _QUANTIZERS)
+        raise ValueError(f"weight_type must be one of {names}, got {weight_type!r}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"weight must be a 2-D float tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(weight_type)]
+    rows, values = weight.shape
+    if values == 0 or values % block_values:
+        raise ValueError(f"a {GGMLQuantizationType(weight_type).name} weight's rows must hold a "
+                         f"positive multiple of {block_values} values, got {values}")
+    n_blocks = values // block_values
+    data = torch.empty(rows, n_blocks, block_bytes, dtype=torch.uint8, device=weight.device)
+    step = max(1, _CHUNK_VALUES // values)
+    for start in range(0, rows, step):
+        blocks = weight[start:start + step].to(torch.float32).reshape(-1, n_blocks, block_values)
+        _QUANTIZERS[weight_type](blocks, data[start:start + step])
+    return QuantizedWeight(data.reshape(rows, n_blocks * block_bytes), int(weight_type))
+
+
+def _quantize_q8_0(blocks: Tensor, out: Tensor) -> None:
+    """Q8_0: an fp16 scale ``d = amax / 127``, then 32 int8 ``round(x / d)``. blocks float32
+    ``[rows, n, 32]`` -> out uint8 ``[rows, n, 34]``."""
+    d = blocks.abs().amax(-1, keepdim=True) / 127  # [rows, n, 1]
+    out[..., :2] = _fp16_bytes(d, blocks)
+    inverse = torch.where(d == 0, 0.0, 1 / d)
+    quants = _round_half_away(blocks * inverse).nan_to_num_(0.0).clamp_(-127, 127)
+    out[..., 2:] = quants.to(torch.int8).view(torch.uint8)
+
+
+def _quantize_q4_1(blocks: Tensor, out: Tensor) -> None:
+    """Q4_1: fp16 ``d = (max - min) / 15`` and ``m = min``, then 32 nibbles
+    ``trunc((x - min) / d + 0.5)``: values 0-15 in the low nibbles, 16-31 in the high ones.
+    blocks float32 ``[rows, n, 32]`` -> out uint8 ``[rows, n, 20]``."""
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)  # [rows, n, 1]
+    d = (high - low) / 15
+    out[..., :2] = _fp16_bytes(d, blocks)
+    out[..., 2:4] = _fp16_bytes(low, blocks)
+    inverse = torch.where(d == 0, 0.0, 1 / d)
+    quants = ((blocks - low).mul_(inverse).add_(0.5).trunc_()
+              .nan_to_num_(0.0).clamp_(0, 15).to(torch.uint8))  # [rows, n, 32]
+    out[..., 4:] = quants[..., :16] | (quants[..., 16:] << 4)
+
+
+_QUANTIZERS = {GGMLQuantizationType.Q8_0: _quantize_q8_0,
+               GGMLQuantizationType.Q4_1: _quantize_q4_1}
+
+
+def _round_half_away(x: Tensor) -> Tensor:
+    """C's ``roundf``, which ggml rounds with (``torch.round`` sends ties to even). Exact: the
+    fraction ``|x| - floor(|x|)`` of a float32 is itself a float32."""
+    magnitude = x.abs()
+    rounded = magnitude.floor()
+    rounded += (magnitude - rounded) >= 0.5
+    return rounded.copysign_(x)
+
+
+def _fp16_bytes(field: Tensor, blocks: Tensor) -> Tensor:
+    """A per-block field (float32 ``[..., 1]``: a scale or a minimum) as fp16 bytes ``[..., 2]``;
+    one that fp16 cannot hold is a ``ValueError`` quoting its block's range."""
+    half = field.to(torch.float16)
+    if not torch.isfinite(half).all():
+        bad = (~torch.isfinite(half)).flatten().nonzero()[0].item()
+        block = blocks.reshape(-1, blocks.shape[-1])[bad]
+        raise ValueError(f"the weight holds values too large for fp16 block scales, or non-finite "
+                         f"ones: a block spans [{block.min().item():.4g}, "
+                         f"{block.max().item():.4g}]")
+    return half.view(torch.uint8)

@@ -47,14 +47,24 @@ def cos_sin_cache_from_inv_freq(inv_freq: Tensor, max_position: int, *,
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype=dtype, device=device)
 
 
-def build_cos_sin_cache(config: ModelConfig, *, device: torch.device | str = "cpu") -> Tensor:
-    """The model's float32 ``[max_position_embeddings, head_dim]`` table.
+def build_cos_sin_cache(config: ModelConfig, max_positions: int, *,
+                        device: torch.device | str = "cpu") -> Tensor:
+    """The model's float32 ``[max_positions, head_dim]`` table: positions ``[0, max_positions)``.
 
     float32 whatever the model dtype: the rotary kernel rotates in float32, and HF too computes
-    cos/sin in float32.
+    cos/sin in float32. Each row depends on its position alone, so a longer table starts with
+    the rows of a shorter one. RoPE parameters that give a non-finite table (a tiny
+    ``rope_theta`` or scaling factor) are a ValueError.
     """
+    if not 1 <= max_positions <= config.max_position_embeddings:
+        raise ValueError(f"max_positions must be in [1, {config.max_position_embeddings}] (the "
+                         f"model's max_position_embeddings), got {max_positions}")
     if config.rope_scaling is None:
-        return ops.rope_cos_sin_cache(config.max_position_embeddings, config.head_dim,
-                                      config.rope_theta, device=device)
-    return cos_sin_cache_from_inv_freq(rope_inv_freq(config), config.max_position_embeddings,
+        table = ops.rope_cos_sin_cache(max_positions, config.head_dim, config.rope_theta,
                                        device=device)
+    else:
+        table = cos_sin_cache_from_inv_freq(rope_inv_freq(config), max_positions, device=device)
+    if not torch.isfinite(table).all():
+        raise ValueError(f"rope_theta={config.rope_theta} and rope_scaling={config.rope_scaling} "
+                         f"give non-finite RoPE angles within {max_positions} positions")
+    return table

@@ -19,9 +19,10 @@ from torch import Tensor
 
 from fastllm import _C
 
-__all__ = ["BLOCK_FORMATS", "apply_penalties", "attention", "dequantize", "linear",
-           "paged_attention", "quantized_linear", "reshape_and_cache", "rope_cos_sin_cache",
-           "rotary_embedding", "sample", "sample_with_logprobs", "trusted_inputs"]
+__all__ = ["BLOCK_FORMATS", "add_rms_norm", "apply_penalties", "attention", "dequantize",
+           "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
+           "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs",
+           "silu_and_mul", "trusted_inputs"]
 
 # The ggml block formats the quantized ops take (csrc/quantized/block_formats.h): type id ->
 # (name, values per block, bytes per block). A K-quant's block is a super-block of 256 values.
@@ -164,7 +165,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Args:
         x: ``[rows, in_features]``.
         weight: ``[out_features, in_features]`` with contiguous rows (an ``nn.Linear`` weight),
-            x's dtype and device.
+            on x's device, in x's dtype; or, under float32 ``x``, in bfloat16 or float16
+            (weights stored in 16 bits, converted exactly as they are read).
         bias: ``[out_features]`` or None.
 
     Returns ``[rows, out_features]`` in x's dtype, summed in float32. On the CPU, few rows (a
@@ -191,7 +193,10 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
     16) quantize the activations to int16 blocks of 32 and take integer dot products with the
     weight's blocks (AVX-512 VNNI, or AVX2, or plain C++: the widest the CPU has, or the
     environment variable ``FASTLLM_CPU_ISA=avx512|avx2|scalar``), streaming the weight once in
-    its own size; more rows dequantize tiles of the weight and use ATen's GEMM.
+    its own size; more rows dequantize tiles of the weight and use ATen's GEMM. On CUDA up to 8
+    rows run a GEMV that decodes the blocks in registers (float32 sums); more rows dequantize
+    the weight to x's dtype for cuBLAS. Within those decode rows a row's result does not depend
+    on the others.
     """
     return torch.ops.fastllm.quantized_linear.default(x, weight, weight_type, bias)
 
@@ -350,6 +355,44 @@ def apply_penalties(
                                               presence_penalty, logit_bias)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm: ``weight * (x * rsqrt(mean(x**2, -1) + eps))``, normalized in float32,
+    rounded to x's dtype, then scaled by ``weight`` in that dtype.
+
+    Args:
+        x: ``[..., hidden]`` (at most 3-D, e.g. ``[tokens, heads, head_dim]`` for q/k norms),
+            float32 / bfloat16 / float16, unit stride in the last dim (other strides free: a
+            strided view of a fused projection needs no copy).
+        weight: ``[hidden]``, x's dtype and device.
+        eps: added to the mean square, finite and >= 0.
+
+    Returns a new contiguous tensor of x's shape. Each row is computed on its own (same bits
+    alone or in a batch).
+    """
+    return torch.ops.fastllm.rms_norm.default(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """A pre-norm block's residual step, in place: ``residual += x`` (rounded to the dtype, as
+    the eager ``x + residual``), then ``x = rms_norm(residual, weight, eps)``.
+
+    Args:
+        x: contiguous ``[rows, hidden]``: a sublayer's output in, the next sublayer's normalized
+            input out.
+        residual: contiguous, x's shape, dtype and device, sharing no memory with x: the
+            residual stream, updated in place.
+        weight: ``[hidden]``; eps as in :func:`rms_norm`.
+    """
+    torch.ops.fastllm.add_rms_norm.default(x, residual, weight, eps)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """SwiGLU's gate: ``silu(x[:, :d]) * x[:, d:]`` for a fused gate|up projection
+    ``x`` ``[rows, 2 * d]`` (unit stride in the last dim), with the eager form's roundings
+    (silu rounded to x's dtype before the product). Returns ``[rows, d]``."""
+    return torch.ops.fastllm.silu_and_mul.default(x)
+
+
 # Fake kernels: output metadata for torch.compile. Metadata checks stay in C++ (one place for all
 # devices); the one check repeated here is the device check, because mixing in a meta tensor
 # routes the call to these functions instead of a real kernel.
@@ -452,3 +495,19 @@ def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
 def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping):
     _check_one_device(k_cache=k_cache, key=key, value=value, v_cache=v_cache,
                       slot_mapping=slot_mapping)
+
+
+@_register_fake("rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    _check_one_device(x=x, weight=weight)
+    return x.new_empty(x.shape)
+
+
+@_register_fake("add_rms_norm")
+def _add_rms_norm_fake(x, residual, weight, eps):
+    _check_one_device(x=x, residual=residual, weight=weight)
+
+
+@_register_fake("silu_and_mul")
+def _silu_and_mul_fake(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))

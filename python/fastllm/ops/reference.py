@@ -294,3 +294,23 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
     """Twin of :func:`fastllm.ops.quantized_linear`, in float64 with exact activations."""
     y = x.double().cpu() @ dequantize(weight, weight_type).T
     return y if bias is None else y + bias.double().cpu()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's ``LlamaRMSNorm`` in float64: ``weight * x / sqrt(mean(x**2) + eps)``."""
+    x64 = x.double()
+    return weight.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """The in-place op's two results, ``(rms_norm(x + residual), x + residual)``, in float64
+    from the inputs as given."""
+    total = x.double() + residual.double()
+    return rms_norm(total, weight, eps), total
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """``silu(gate) * up`` over the halves of ``x`` ``[rows, 2 * d]``, in float64."""
+    gate, up = x.double().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

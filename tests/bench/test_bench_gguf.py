@@ -1,0 +1,108 @@
+"""The GGUF benchmark's defaults and report; where llama-cpp-python is installed (``make bench``
+installs it), its quick run end to end, with rows holding what the report says and the keys of
+the stored sample the notebook test plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import find_model
+
+from fastllm.bench.timer import TimerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+try:
+    import bench_gguf
+finally:
+    sys.path.remove(str(REPO / "benchmarks"))
+
+SAMPLE = REPO / "tests" / "data" / "bench_gguf_quick.json"
+
+
+def test_defaults_are_make_benchs() -> None:
+    config, out = bench_gguf.parse_args([])
+    assert config == bench_gguf.GGUFBenchConfig() and out == Path("results")
+    assert config.files == bench_gguf.FILES and len(config.files) == 7
+    assert (config.prompt_len, config.decode_tokens, config.agree_tokens, config.threads,
+            config.n_ctx, config.n_batch, config.qwen3_layers) == (512, 128, 32, 2, 1024, 512, 28)
+    assert config.timer == TimerConfig(warmup=1, repeats=5, budget_s=60.0)
+    assert config.at_goal_size
+
+
+def test_quick_is_one_short_call_on_the_shipped_file() -> None:
+    config, _ = bench_gguf.parse_args(["--quick"])
+    assert config == bench_gguf.GGUFBenchConfig.quick()
+    assert config.files == ("smollm2:Q4_1",) and not config.at_goal_size
+    config, _ = bench_gguf.parse_args(["--quick", "--decode-tokens", "4", "--files",
+                                       "qwen3-0.6b:Q8_0"])
+    assert (config.files, config.decode_tokens, config.prompt_len) == (
+        ("qwen3-0.6b:Q8_0",), 4, 32)
+
+
+def test_bad_configs_are_refused() -> None:
+    with pytest.raises(ValueError, match="files must be some of"):
+        bench_gguf.GGUFBenchConfig(files=("smollm2:Q2_K",))
+    with pytest.raises(ValueError, match="cannot hold the prompt"):
+        bench_gguf.GGUFBenchConfig(prompt_len=1000)
+    with pytest.raises(SystemExit):  # argparse: llama.cpp runs on the CPU here
+        bench_gguf.parse_args(["--device", "cuda"])
+
+
+def test_goal_summary_judges_every_file() -> None:
+    config = bench_gguf.GGUFBenchConfig()
+    rows = [{"file": "a", "decode_speedup": 1.2, "ttft_speedup": 2.0},
+            {"file": "b", "decode_speedup": 0.9, "ttft_speedup": 2.0},
+            {"file": "c", "decode_speedup": 1.5, "ttft_speedup": 0.8}]
+    assert bench_gguf.goal_summary(config, rows).endswith("NOT met on b, c.")
+    assert bench_gguf.goal_summary(config, rows[:1]).endswith("met on every file.")
+    quick = bench_gguf.GGUFBenchConfig.quick()
+    assert bench_gguf.goal_summary(quick, rows).endswith("not measured in this run (sizes "
+                                                         "scaled down).")
+
+
+def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    models_dir = find_model("rerank_eval").parent
+    document = bench_gguf.main(["--quick", "--out", str(tmp_path), "--models-dir",
+                                str(models_dir), "--cache-dir", str(tmp_path / "cache")])
+    written = json.loads((tmp_path / "gguf.json").read_text())
+    assert written["rows"] == document["rows"]
+    assert written["machine"]["torch_threads"] == 2
+    [row] = written["rows"]
+    assert (row["file"], row["path"]) == ("smollm2:Q4_1", smollm2_path.name)
+    assert not (tmp_path / "cache").exists()  # the shipped file needs nothing made
+    # Tied embeddings: the whole file is read per token (the LM head is the embedding table).
+    assert row["bytes_per_token"] == row["tensor_bytes"] == 96_576_768
+    assert row["tensor_types"] == "Q4_1 210, F32 61, Q8_0 1"
+    assert row["fastllm_bytes_per_token"] <= 1.1 * row["bytes_per_token"]  # kept in blocks
+    for name in bench_gguf.COMPETITORS:
+        assert row[f"{name}_call_repeats"] == row[f"{name}_ttft_repeats"] == 1
+        assert len(row[f"{name}_tokens"]) == 9  # the first token and 8 decoded
+        assert row[f"{name}_decode_tok_s"] == pytest.approx(
+            8 / (row[f"{name}_decode_median_ms"] / 1e3))
+        assert row[f"{name}_weight_gbps"] == pytest.approx(
+            row["bytes_per_token"] * row[f"{name}_decode_tok_s"] / 1e9)
+        assert (row[f"{name}_ttft_median_ms"] + row[f"{name}_decode_median_ms"]
+                <= row[f"{name}_call_median_ms"])
+    assert row["decode_speedup"] == pytest.approx(row["fastllm_decode_tok_s"]
+                                                  / row["llama_cpp_decode_tok_s"])
+    assert row["ttft_speedup"] == pytest.approx(row["llama_cpp_ttft_median_ms"]
+                                                / row["fastllm_ttft_median_ms"])
+    assert 0 <= row["tokens_agree"] <= 8
+    assert row["copy_gbps"] > 0 and row["copy_1t_gbps"] > 0
+    # The decode step by part adds up to the measured step; the weights take time.
+    parts = row["fastllm_step_ms"]
+    assert list(parts) == [*bench_gguf.STEP_PARTS, "other ops", "Python and framework"]
+    assert sum(parts.values()) == pytest.approx(row["fastllm_decode_median_ms"] / 8)
+    assert parts["weights"] > 0
+    markdown = (tmp_path / "gguf.md").read_text()
+    assert "not measured in this run" in markdown and "\n| smollm2:Q4_1 |" in markdown
+    # The stored sample that tests/test_notebooks.py plots is still what a run writes.
+    sample = json.loads(SAMPLE.read_text())
+    assert sample["rows"][0].keys() == row.keys()
+    assert sample["config"].keys() == written["config"].keys()
+    assert sample["machine"].keys() == written["machine"].keys()

@@ -1,0 +1,136 @@
+"""rms_norm, add_rms_norm and silu_and_mul of every backend (conftest.py) against float64
+references, and against the eager compositions the model used before (HF's arithmetic): equal
+bits in float32 up to the sum's order, the eager form's roundings in bfloat16/float16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastllm import ops
+from fastllm.ops import reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Relative to the float64 result: float32 sums, and one rounding of each low-precision step.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def eager_rms_norm(x, weight, eps):
+    """HF's LlamaRMSNorm.forward, what the op replaces."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def assert_close_to(got, ref64, dtype):
+    torch.testing.assert_close(got.cpu().double(), ref64, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 4, 128), (5, 17), (1, 1), (0, 32)])
+def test_rms_norm(backend, dtype, shape):
+    x = torch.randn(shape, dtype=dtype, device=backend.device) * 3
+    weight = torch.randn(shape[-1], dtype=dtype, device=backend.device)
+    got = backend.ops.rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert_close_to(got, reference.rms_norm(x.cpu(), weight.cpu(), 1e-6), dtype)
+    eager = eager_rms_norm(x, weight, 1e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, eager, atol=1e-6, rtol=1e-6)
+    elif got.numel():  # one low-precision ulp at most: only the float32 sum's order differs
+        assert ((got.double() - eager.double()).abs() <= eager.double().abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_rms_norm_strided_heads(backend):
+    """q/k norms run on [tokens, heads, head_dim] views of a fused projection, no copy."""
+    fused = torch.randn(5, 3 * 64 + 32, device=backend.device)
+    q = fused[:, :192].view(5, 3, 64)
+    weight = torch.randn(64, device=backend.device)
+    got = backend.ops.rms_norm(q, weight, 1e-5)
+    assert_close_to(got, reference.rms_norm(q.cpu(), weight.cpu(), 1e-5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (9, 100), (0, 16)])
+def test_add_rms_norm(backend, dtype, rows, hidden):
+    x = torch.randn(rows, hidden, dtype=dtype, device=backend.device)
+    residual = torch.randn(rows, hidden, dtype=dtype, device=backend.device) * 4
+    weight = torch.randn(hidden, dtype=dtype, device=backend.device)
+    normed64, total64 = reference.add_rms_norm(x.cpu(), residual.cpu(), weight.cpu(), 1e-5)
+    eager_total = residual + x
+    eager = eager_rms_norm(eager_total, weight, 1e-5)
+    assert backend.ops.add_rms_norm(x, residual, weight, 1e-5) is None
+    assert torch.equal(residual, eager_total), "the residual add must round as the eager add"
+    assert_close_to(residual, total64, dtype)
+    if dtype == torch.float32:
+        assert_close_to(x, normed64, dtype)
+    elif x.numel():
+        assert ((x.double() - eager.double()).abs() <= eager.double().abs() * 2 ** -7 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, d", [(1, 1536), (6, 40), (3, 1), (0, 8)])
+def test_silu_and_mul(backend, dtype, rows, d):
+    x = torch.randn(rows, 2 * d, dtype=dtype, device=backend.device) * 4
+    got = backend.ops.silu_and_mul(x)
+    assert got.shape == (rows, d) and got.dtype == dtype
+    assert_close_to(got, reference.silu_and_mul(x.cpu()), dtype)
+    gate, up = x.split(d, dim=-1)
+    eager = F.silu(gate) * up
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, eager, atol=1e-6, rtol=1e-6)
+    elif got.numel():
+        assert ((got.double() - eager.double()).abs() <= eager.double().abs() * 2 ** -7 + 1e-6).all()
+
+
+def test_silu_and_mul_strided_rows(backend):
+    x = torch.randn(4, 70, device=backend.device)[:, :64]  # rows 70 apart
+    torch.testing.assert_close(backend.ops.silu_and_mul(x).double(),
+                               reference.silu_and_mul(x.cpu()), atol=2e-6, rtol=2e-6)
+
+
+def test_a_row_does_not_depend_on_the_others():
+    x = torch.randn(8, 576, dtype=torch.bfloat16)
+    weight = torch.randn(576, dtype=torch.bfloat16)
+    batch = ops.rms_norm(x, weight, 1e-6)
+    assert all(torch.equal(ops.rms_norm(x[i:i + 1], weight, 1e-6)[0], batch[i]) for i in range(8))
+    residual = torch.randn(8, 576, dtype=torch.bfloat16)
+    xb, rb = x.clone(), residual.clone()
+    ops.add_rms_norm(xb, rb, weight, 1e-6)
+    for i in range(8):
+        xi, ri = x[i:i + 1].clone(), residual[i:i + 1].clone()
+        ops.add_rms_norm(xi, ri, weight, 1e-6)
+        assert torch.equal(xi[0], xb[i]) and torch.equal(ri[0], rb[i])
+
+
+@pytest.mark.cpu_inputs
+def test_bad_inputs(backend):
+    o = backend.ops
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="weight has 7 elements"):
+        o.rms_norm(x, torch.randn(7), 1e-5)
+    with pytest.raises(TypeError, match="weight has dtype torch.float16"):
+        o.rms_norm(x, w.half(), 1e-5)
+    with pytest.raises(TypeError, match="x must be torch.float32"):
+        o.rms_norm(x.double(), w.double(), 1e-5)
+    with pytest.raises(ValueError, match="eps must be finite"):
+        o.rms_norm(x, w, float("nan"))
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        o.rms_norm(torch.randn(8, 4).t(), torch.randn(8), 1e-5)
+    with pytest.raises(ValueError, match="must not share memory"):
+        o.add_rms_norm(x, x, w, 1e-5)
+    with pytest.raises(ValueError, match="must not share memory"):
+        o.add_rms_norm(x[:, None].expand(4, 1, 8)[:, 0], x, w, 1e-5)
+    with pytest.raises(ValueError, match="residual has shape"):
+        o.add_rms_norm(x, torch.randn(3, 8), w, 1e-5)
+    with pytest.raises(ValueError, match="must be even"):
+        o.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match=r"x must be \[rows, 2 \* d\]"):
+        o.silu_and_mul(torch.randn(8))
+
+
+@pytest.mark.parametrize("op, args", [
+    ("rms_norm", lambda: (torch.randn(3, 16), torch.randn(16), 1e-6)),
+    ("add_rms_norm", lambda: (torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6)),
+    ("silu_and_mul", lambda: (torch.randn(3, 16),)),
+])
+def test_opcheck(op, args):
+    torch.library.opcheck(getattr(torch.ops.fastllm, op).default, args())
