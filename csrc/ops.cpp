@@ -2,9 +2,11 @@
 // Device implementations register themselves beside their code (*_cpu.cpp, *_cuda.cu,
 // *_composite.cpp).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include "common/cpu_isa.h"
 #include "common/trusted_inputs.h"
 #include "kv_cache/kv_cache_bindings.h"
 #include "mask_cache/mask_cache.h"
@@ -57,8 +59,8 @@ constexpr const char* kSchemas[] = {
     "Tensor? logit_bias=None) -> ()",
     // x [rows, in] times a block-quantized weight transposed, plus bias. The weight is ggml's
     // blocks row by row, uint8 [out, row bytes], weight_type a ggml type id (Q4_0 2, Q4_1 3,
-    // Q8_0 8). A few rows (decode) stream the blocks: integer dot products on the CPU, a GEMV
-    // decoding them in registers on CUDA.
+    // Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). A few rows (decode) stream the
+    // blocks: integer dot products on the CPU, a GEMV decoding them in registers on CUDA.
     "quantized_linear(Tensor x, Tensor weight, int weight_type, Tensor? bias=None) -> Tensor",
     // Rows of such a weight as floats [rows, in] of `dtype`.
     "dequantize(Tensor weight, int weight_type, ScalarType dtype) -> Tensor",
@@ -158,5 +160,26 @@ that raises ValueError. Safe to use from several threads.)doc")
         "Sets this thread's trusted-inputs flag (see fastllm.ops.trusted_inputs); returns the "
         "previous value.");
   m.def("trusted_inputs", &fastllm::trusted_inputs, "This thread's trusted-inputs flag.");
+  m.def(
+      "cpu_isas",
+      [] {
+        std::vector<std::string> names;
+        for (auto isa : fastllm::supported_cpu_isas()) names.push_back(fastllm::cpu_isa_name(isa));
+        return names;
+      },
+      "The instruction sets this CPU runs the per-ISA CPU kernels with, widest first.");
+  m.def(
+      "cpu_isa", [] { return std::string(fastllm::cpu_isa_name(fastllm::cpu_isa())); },
+      "The instruction set the per-ISA CPU kernels run with: the widest this CPU has, or the "
+      "environment variable FASTLLM_CPU_ISA (avx512, avx2 or scalar), read once.");
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& name) {
+        const auto previous = fastllm::set_cpu_isa(fastllm::parse_cpu_isa(name));
+        return std::string(fastllm::cpu_isa_name(previous));
+      },
+      py::arg("name"),
+      "Runs the per-ISA CPU kernels with instruction set `name` (one of cpu_isas()) from now on, "
+      "on every thread; returns the previous one.");
   fastllm::bind_kv_cache(m);
 }

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,9 @@ class Backend:
 # compositions MPS runs, here on CPU tensors. "cuda_sim": torch.ops.fastllm_sim, the CUDA host
 # code and kernels on CPU tensors through tests/cuda's simulator; it is slow, so only tests
 # marked `cuda_sim` (a representative subset of each grid) run on it. "cuda" is reported as
-# skipped where there is no GPU; "mps" only where it exists.
+# skipped where there is no GPU; "mps" only where it exists. Tests marked `cpu_isas` run "cpu"
+# once per instruction set this CPU runs the per-ISA kernels with ("cpu-avx512", "cpu-avx2",
+# "cpu-scalar": fastllm._C.cpu_isas()).
 BACKENDS = ["cpu", "composite", "cuda_sim", "cuda"] + (
     ["mps"] if torch.backends.mps.is_available() else [])
 CPU_TENSOR_BACKENDS = {"cpu", "composite", "cuda_sim"}
@@ -69,6 +72,8 @@ def pytest_configure(config):
                                        "simulator too")
     config.addinivalue_line("markers", "cpu_inputs: the test builds CPU tensors (bad-input "
                                        "cases); run it on the backends whose ops take them")
+    config.addinivalue_line("markers", "cpu_isas: run the test's `cpu` backend case once per "
+                                       "instruction set the CPU kernels dispatch to")
 
 
 def pytest_generate_tests(metafunc):
@@ -77,6 +82,11 @@ def pytest_generate_tests(metafunc):
         names = [b for b in BACKENDS if b != "cuda_sim" or marked("cuda_sim")]
         if marked("cpu_inputs"):
             names = [b for b in names if b in CPU_TENSOR_BACKENDS]
+        if marked("cpu_isas"):
+            from fastllm import _C
+
+            names = [name for b in names
+                     for name in ([f"cpu-{isa}" for isa in _C.cpu_isas()] if b == "cpu" else [b])]
         metafunc.parametrize("backend", names, indirect=True)
 
 
@@ -92,15 +102,24 @@ def cuda_sim_ops():
 
 
 @pytest.fixture
-def backend(request) -> Backend:
+def backend(request) -> Iterator[Backend]:
     """Each backend (see BACKENDS); tests taking it run once per backend."""
     name = request.param
     if name == "cuda_sim":
-        return Backend(name, request.getfixturevalue("cuda_sim_ops"), torch.device("cpu"))
-    if name == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    namespace = torch.ops.fastllm_composite if name == "composite" else torch.ops.fastllm
-    return Backend(name, namespace, torch.device("cpu" if name == "composite" else name))
+        yield Backend(name, request.getfixturevalue("cuda_sim_ops"), torch.device("cpu"))
+    elif name.startswith("cpu-"):  # the CPU kernels with one instruction set
+        from fastllm import _C
+
+        previous = _C.set_cpu_isa(name.removeprefix("cpu-"))
+        try:
+            yield Backend(name, torch.ops.fastllm, torch.device("cpu"))
+        finally:
+            _C.set_cpu_isa(previous)
+    else:
+        if name == "cuda" and not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        namespace = torch.ops.fastllm_composite if name == "composite" else torch.ops.fastllm
+        yield Backend(name, namespace, torch.device("cpu" if name == "composite" else name))
 
 
 @contextlib.contextmanager

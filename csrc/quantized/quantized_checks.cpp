@@ -6,17 +6,18 @@ namespace fastllm {
 BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type,
                                    int64_t& in_features) {
   TORCH_CHECK_VALUE(is_block_format(weight_type), "weight_type must be a ggml type id of Q4_0 "
-                    "(2), Q4_1 (3) or Q8_0 (8), got ", weight_type);
+                    "(2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K "
+                    "(14), got ", weight_type);
   const auto format = static_cast<BlockFormat>(weight_type);
   check_rank(weight, 2, "weight", "[out_features, row bytes]");
   check_dtype(weight, at::kByte, "weight");
-  const int64_t bytes = block_bytes(format);
-  TORCH_CHECK_VALUE(weight.size(1) % bytes == 0, "a ", block_format_name(format),
-                    " weight row is whole blocks of ", bytes, " bytes, got rows of ",
-                    weight.size(1), " bytes");
+  const BlockLayout layout = block_layout(format);
+  TORCH_CHECK_VALUE(weight.size(1) % layout.bytes == 0, "a ", layout.name,
+                    " weight row is whole blocks of ", layout.bytes, " bytes (",
+                    layout.values, " values), got rows of ", weight.size(1), " bytes");
   TORCH_CHECK_VALUE(weight.stride(1) == 1 || weight.size(1) <= 1,
                     "weight rows must be contiguous, got strides ", weight.strides());
-  in_features = weight.size(1) / bytes * kBlockValues;
+  in_features = weight.size(1) / layout.bytes * layout.values;
   return format;
 }
 
@@ -29,7 +30,7 @@ BlockFormat check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor&
   check_float_storage(x, "x");
   check_same_device(weight, "weight", x, "x");
   TORCH_CHECK_VALUE(x.size(1) == in_features, "x has ", x.size(1), " features but the ",
-                    block_format_name(format), " weight's rows hold ", in_features);
+                    block_layout(format).name, " weight's rows hold ", in_features);
   check_linear_bias(bias, x, weight.size(0));
   return format;
 }

@@ -17,14 +17,6 @@
 namespace fastllm {
 namespace {
 
-// Runs f for the weight's format; a format the CPU knows but no CUDA decoder does yet is an error,
-// never an unwritten output.
-template <typename Visitor>
-void with_decoder(BlockFormat format, Visitor&& f) {
-  TORCH_CHECK_NOT_IMPLEMENTED(cuda::visit_block_format(format, std::forward<Visitor>(f)),
-                              block_format_name(format), " weights have no CUDA kernel yet");
-}
-
 at::Tensor dequantize_cuda(const at::Tensor& weight, int64_t weight_type, at::ScalarType dtype) {
   int64_t in_features = 0;
   const BlockFormat format = check_quantized_weight(weight, weight_type, in_features);
@@ -37,7 +29,7 @@ at::Tensor dequantize_cuda(const at::Tensor& weight, int64_t weight_type, at::Sc
     const c10::cuda::CUDAGuard guard(weight.device());
     // Within the grid's 2^31 - 1 blocks for any weight under 2 TiB.
     const auto blocks = unsigned(ceil_div(parts, cuda::kDequantizeThreads));
-    with_decoder(format, [&](auto f) {
+    visit_block_format(format, [&](auto f) {
       constexpr BlockFormat F = decltype(f)::value;
       FASTLLM_DISPATCH_FLOAT_TYPES(out.scalar_type(), "fastllm::dequantize_cuda", [&] {
         launch_kernel(&cuda::dequantize_kernel<F, cuda_storage_t<scalar_t>>, blocks,
@@ -65,7 +57,7 @@ at::Tensor quantized_linear_cuda(const at::Tensor& x_in, const at::Tensor& weigh
   const auto x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const auto bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   const auto blocks = unsigned(ceil_div(n_out, cuda::kGemvWarps));
-  with_decoder(format, [&](auto f) {
+  visit_block_format(format, [&](auto f) {
     constexpr BlockFormat F = decltype(f)::value;
     cuda::visit_gemv_rows(rows, [&](auto m) {
       constexpr int M = decltype(m)::value;

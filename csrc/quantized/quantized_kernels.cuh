@@ -5,7 +5,8 @@
 // A format is one BlockDecoder specialization: it turns part `part` of a block (its values
 // 8 * part .. 8 * part + 7) into the small integers q the block stores, as floats, and the part's
 // affine map w = scale * q + offset; kOffset says whether the map has an offset at all. Every
-// kernel is a template over the format, and visit_block_format below names each one once.
+// kernel is a template over the format, and block_formats.h's visit_block_format names each one
+// once.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +27,14 @@ constexpr int kGemvWarps = 4;  // weight rows per thread block, one per warp
 constexpr int kDequantizeThreads = 256;
 
 template <BlockFormat F>
-constexpr int64_t kBlockBytes = block_bytes(F);
+constexpr int64_t kBlockBytes = block_layout(F).bytes;
 template <BlockFormat F>
-constexpr int64_t kBlockParts = kBlockValues / kPartValues;
+constexpr int64_t kBlockParts = block_layout(F).values / kPartValues;
+
+// A part's affine map: w = scale * q + offset.
+struct PartAffine {
+  float scale, offset;
+};
 
 // An fp16 field of a block, read byte by byte: a weight's rows may start at any byte (a view of
 // wider storage).
@@ -36,61 +42,88 @@ __host__ __device__ __forceinline__ float load_half(const uint8_t* p) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(p[0] | p[1] << 8)));
 }
 
+// Q4_x/Q5_x (fp16 d, [fp16 m], [32-bit qh], 16 bytes): value j in byte j's low nibble, value
+// j + 16 in its high one, bit j of qh its fifth bit; w = d (q - zero point), or d q + m.
 template <BlockFormat F>
-struct BlockDecoder;
-
-// fp16 d, 16 bytes: value j in byte j's low nibble, value j + 16 in its high one; w = d (q - 8).
-template <>
-struct BlockDecoder<BlockFormat::kQ4_0> {
-  static constexpr bool kOffset = false;
-  __host__ __device__ __forceinline__ static BlockAffine decode(const uint8_t* block, int part,
-                                                                float (&q)[kPartValues]) {
-    const uint8_t* bytes = block + 2 + (part % 2) * kPartValues;
+struct SmallBlockDecoder {
+  static constexpr bool kMin = F == BlockFormat::kQ4_1 || F == BlockFormat::kQ5_1;
+  static constexpr bool kFifthBit = F == BlockFormat::kQ5_0 || F == BlockFormat::kQ5_1;
+  static constexpr bool kOffset = kMin;
+  __host__ __device__ __forceinline__ static PartAffine decode(const uint8_t* block, int part,
+                                                               float (&q)[kPartValues]) {
+    const uint8_t* nibbles = block + 2 + (kMin ? 2 : 0) + (kFifthBit ? 4 : 0);
+    const uint8_t* bytes = nibbles + (part % 2) * kPartValues;
     const int shift = (part / 2) * 4;
-    for (int j = 0; j < kPartValues; ++j) q[j] = float(((bytes[j] >> shift) & 0x0f) - 8);
-    return {load_half(block), 0.f};
+    // The part's 8 fifth bits: byte `part` of the little-endian qh.
+    const int fifth = kFifthBit ? nibbles[part - 4] : 0;
+    constexpr int zero_point = kMin ? 0 : kFifthBit ? 16 : 8;
+    for (int j = 0; j < kPartValues; ++j)
+      q[j] = float((((bytes[j] >> shift) & 0x0f) | ((fifth >> j) & 1) << 4) - zero_point);
+    return {load_half(block), kMin ? load_half(block + 2) : 0.f};
   }
 };
 
-// fp16 d, fp16 m, 16 bytes of nibbles as Q4_0's; w = d q + m.
-template <>
-struct BlockDecoder<BlockFormat::kQ4_1> {
-  static constexpr bool kOffset = true;
-  __host__ __device__ __forceinline__ static BlockAffine decode(const uint8_t* block, int part,
-                                                                float (&q)[kPartValues]) {
-    const uint8_t* bytes = block + 4 + (part % 2) * kPartValues;
-    const int shift = (part / 2) * 4;
-    for (int j = 0; j < kPartValues; ++j) q[j] = float((bytes[j] >> shift) & 0x0f);
-    return {load_half(block), load_half(block + 2)};
-  }
-};
+template <BlockFormat F>
+struct BlockDecoder : SmallBlockDecoder<F> {};
 
 // fp16 d, 32 int8; w = d q.
 template <>
 struct BlockDecoder<BlockFormat::kQ8_0> {
   static constexpr bool kOffset = false;
-  __host__ __device__ __forceinline__ static BlockAffine decode(const uint8_t* block, int part,
-                                                                float (&q)[kPartValues]) {
+  __host__ __device__ __forceinline__ static PartAffine decode(const uint8_t* block, int part,
+                                                               float (&q)[kPartValues]) {
     const uint8_t* bytes = block + 2 + part * kPartValues;
     for (int j = 0; j < kPartValues; ++j) q[j] = float(static_cast<int8_t>(bytes[j]));
     return {load_half(block), 0.f};
   }
 };
 
+// Q4_K/Q5_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, [32 bytes of qh], 128 bytes
+// of nibbles; sub-block s (parts 4s .. 4s + 3): w = d sc[s] q - dmin m[s].
 template <BlockFormat F>
-using FormatConstant = std::integral_constant<BlockFormat, F>;
-
-// f(FormatConstant<format>()), the one list of the formats with a decoder; false, calling
-// nothing, for a format without one.
-template <typename Visitor>
-bool visit_block_format(BlockFormat format, Visitor&& f) {
-  switch (format) {
-    case BlockFormat::kQ4_0: f(FormatConstant<BlockFormat::kQ4_0>()); return true;
-    case BlockFormat::kQ4_1: f(FormatConstant<BlockFormat::kQ4_1>()); return true;
-    case BlockFormat::kQ8_0: f(FormatConstant<BlockFormat::kQ8_0>()); return true;
+struct KBlockDecoder {
+  static constexpr bool kOffset = true;
+  __host__ __device__ __forceinline__ static PartAffine decode(const uint8_t* block, int part,
+                                                               float (&q)[kPartValues]) {
+    constexpr bool kFifthBit = F == BlockFormat::kQ5_K;
+    const int s = part / 4, at = (part % 4) * kPartValues;  // sub-block, value within it
+    // Bytes 32c.. hold sub-block 2c in their low nibbles, 2c + 1 in their high ones.
+    const uint8_t* bytes = block + (kFifthBit ? 48 : 16) + 32 * (s / 2) + at;
+    const uint8_t* high = block + 16 + at;  // Q5_K: bit s of byte l, sub-block s's value l
+    for (int j = 0; j < kPartValues; ++j)
+      q[j] = float(((bytes[j] >> (4 * (s % 2))) & 0x0f) |
+                   (kFifthBit ? ((high[j] >> s) & 1) << 4 : 0));
+    // The 6-bit scale and min: scales 0-3 in bytes 4-7's low 6 bits, mins 0-3 in bytes 8-11's;
+    // 4-7 from bytes 12-15's nibbles, with the top 2 bits of bytes 4-7 (8-11) above them.
+    const uint8_t* packed = block + 4;
+    const int scale = s < 4 ? packed[s] & 63 : (packed[s + 4] & 15) | (packed[s - 4] >> 6) << 4;
+    const int min = s < 4 ? packed[s + 4] & 63 : (packed[s + 4] >> 4) | (packed[s] >> 6) << 4;
+    return {load_half(block) * float(scale), -(load_half(block + 2) * float(min))};
   }
-  return false;
-}
+};
+
+template <>
+struct BlockDecoder<BlockFormat::kQ4_K> : KBlockDecoder<BlockFormat::kQ4_K> {};
+template <>
+struct BlockDecoder<BlockFormat::kQ5_K> : KBlockDecoder<BlockFormat::kQ5_K> {};
+
+// Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one per 16 values), fp16 d;
+// per half h of 128 values, value 32k + l (k < 4) has its low bits in byte 64h + 32 (k % 2) + l
+// (the high nibble for k >= 2) and its high bits in bits 2k, 2k + 1 of byte 128 + 32h + l;
+// w = d sc (q - 32).
+template <>
+struct BlockDecoder<BlockFormat::kQ6_K> {
+  static constexpr bool kOffset = false;
+  __host__ __device__ __forceinline__ static PartAffine decode(const uint8_t* block, int part,
+                                                               float (&q)[kPartValues]) {
+    const int h = part / 16, k = (part % 16) / 4, l = (part % 4) * kPartValues;
+    const uint8_t* low = block + 64 * h + 32 * (k % 2) + l;
+    const uint8_t* high = block + 128 + 32 * h + l;
+    for (int j = 0; j < kPartValues; ++j)
+      q[j] = float((((low[j] >> (4 * (k / 2))) & 0x0f) | ((high[j] >> (2 * k)) & 3) << 4) - 32);
+    return {load_half(block + 208) * float(static_cast<int8_t>(block[192 + part / 2])), 0.f};
+  }
+};
 
 // f(std::integral_constant<int, rows>()) for 1 <= rows <= kMaxGemvRows.
 template <int kRows = 1, typename Visitor>
@@ -125,8 +158,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   const int64_t parts = k_len / kPartValues;
   for (int64_t p = lane; p < parts; p += 32) {
     float q[kPartValues];
-    const BlockAffine affine = Decoder::decode(row + p / kBlockParts<F> * kBlockBytes<F>,
-                                               int(p % kBlockParts<F>), q);
+    const PartAffine affine = Decoder::decode(row + p / kBlockParts<F> * kBlockBytes<F>,
+                                              int(p % kBlockParts<F>), q);
     for (int m = 0; m < kRows; ++m) {
       const scalar_t* xs = x + m * x_stride + p * kPartValues;
       float dot = 0.f, sum = 0.f;
@@ -160,8 +193,8 @@ __global__ void __launch_bounds__(kDequantizeThreads)
   if (i >= rows * row_parts) return;
   const int64_t r = i / row_parts, p = i % row_parts;
   float q[kPartValues];
-  const BlockAffine affine = Decoder::decode(w + r * w_stride + p / kBlockParts<F> * kBlockBytes<F>,
-                                             int(p % kBlockParts<F>), q);
+  const uint8_t* block = w + r * w_stride + p / kBlockParts<F> * kBlockBytes<F>;
+  const PartAffine affine = Decoder::decode(block, int(p % kBlockParts<F>), q);
   out_t* dst = out + r * k_len + p * kPartValues;
   for (int j = 0; j < kPartValues; ++j)
     dst[j] = from_float<out_t>(Decoder::kOffset ? fmaf(affine.scale, q[j], affine.offset)

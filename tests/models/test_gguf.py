@@ -51,12 +51,15 @@ CASES = {
     "qwen3": ("qwen3", dict(head_dim=128)),
 }
 
-# Types gguf.quants can quantize are made from the HF weights; Q4_K and Q6_K, which it can only
+# Types gguf.quants can quantize are made from the HF weights; the K-quants, which it can only
 # dequantize, are random blocks with sane scales, and the HF twin takes what they encode.
-QUANTIZED_FROM_HF = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
-RANDOM_BLOCKS = ("Q4_K", "Q6_K")
+QUANTIZED_FROM_HF = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0")
+RANDOM_BLOCKS = ("Q4_K", "Q5_K", "Q6_K")
+# A file of several types, as llama.cpp's Q4_K_M: each 2-D weight's type by its HF module.
+MIXED = {"Q4_K_M": lambda module: ("Q6_K" if module in ("v_proj", "down_proj") else
+                                   "Q5_0" if module == "embed_tokens" else "Q4_K")}
 # Every type on llama (whose q/k rows the file permutes), a few on the others.
-ROUND_TRIPS = [*(("llama", qtype) for qtype in (*QUANTIZED_FROM_HF, *RANDOM_BLOCKS)),
+ROUND_TRIPS = [*(("llama", qtype) for qtype in (*QUANTIZED_FROM_HF, *RANDOM_BLOCKS, *MIXED)),
                ("qwen2", "F32"), ("qwen2", "Q4_0"), ("qwen2", "Q6_K"),
                ("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K")]
 # Loose bound when the file holds HF's weights rounded: the least cosine similarity of a
@@ -84,10 +87,10 @@ def unpermute_by_index(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> np.ndarray:
-    """``[rows, cols]`` of random Q4_K / Q6_K blocks whose fp16 scales give values of ~0.1."""
+    """``[rows, cols]`` of random K-quant blocks whose fp16 scales give values of ~0.1."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    if qtype == QT.Q4_K:  # d, dmin (fp16) lead the block: value = d * sc * q - dmin * m
+    if qtype in (QT.Q4_K, QT.Q5_K):  # d, dmin (fp16) lead the block: d * sc * q - dmin * m
         data[..., 0:2] = np.array([4e-4], np.float16).view(np.uint8)
         data[..., 2:4] = np.array([3e-3], np.float16).view(np.uint8)
     else:  # Q6_K: d (fp16) ends the block: value = d * scale * q
@@ -110,7 +113,7 @@ def gguf_tensors(hf: torch.nn.Module, model_type: str, qtype: str, seed: int = 0
         module = hf_name.rsplit(".", 2)[-2]
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
         permuted = model_type == "llama" and module in heads
-        kind = QT.F32 if w.ndim == 1 else QT[qtype]
+        kind = QT.F32 if w.ndim == 1 else QT[MIXED[qtype](module) if qtype in MIXED else qtype]
         if kind.name in RANDOM_BLOCKS:
             data = random_blocks(*w.shape, kind, rng)
             w_file = gguf.quants.dequantize(data, kind)
@@ -266,6 +269,8 @@ def test_round_trip(hf_models, tmp_path, case, qtype):
     twin = copy.deepcopy(hf)
     twin.load_state_dict(encoded, strict=False)  # a tied lm_head follows embed_tokens
     twin_state, state = twin.state_dict(), model.state_dict()
+    if qtype not in ("F32", "F16", "BF16"):  # block formats stay in their blocks
+        assert state[next(n for n in state if n.endswith("down_proj.weight"))].dtype == torch.uint8
     for name, parts in hf_weight_map(model.config).items():
         weight = state[name]
         if weight.dtype == torch.uint8:  # kept in its blocks

@@ -72,8 +72,8 @@ def paged_args(dtype):
 
 def quantized_weight(rows, in_features, weight_type):
     """uint8 [rows, row bytes]: random blocks of ggml type ``weight_type``."""
-    block_bytes = ops.BLOCK_FORMATS[weight_type][1]
-    return torch.randint(0, 256, (rows, in_features // 32 * block_bytes), dtype=torch.uint8)
+    _, values, block_bytes = ops.BLOCK_FORMATS[weight_type]
+    return torch.randint(0, 256, (rows, in_features // values * block_bytes), dtype=torch.uint8)
 
 
 # op name: inputs (args, kwargs) for a dtype, built outside the mode.
@@ -93,10 +93,12 @@ CASES = {
     "rotary_embedding": lambda dtype: ((torch.tensor([3, 0, 9]), torch.randn(3, 4, 16, dtype=dtype),
                                         torch.randn(3, 2, 16, dtype=dtype),
                                         ops.rope_cos_sin_cache(16, 8)), dict(is_neox=True)),
-    # Random block bytes: the dtypes matter here, not the values. Q4_1 has both fp16 fields.
-    "quantized_linear": lambda dtype: ((torch.randn(3, 64, dtype=dtype), quantized_weight(5, 64, 3),
-                                        3, torch.randn(5, dtype=dtype)), {}),
-    "dequantize": lambda dtype: ((quantized_weight(5, 64, 8), 8, dtype), {}),
+    # Random block bytes: the dtypes matter here, not the values. Q6_K has int8 scales, Q5_K
+    # both fp16 fields, the packed 6-bit scales and the bits of qh.
+    "quantized_linear": lambda dtype: ((torch.randn(3, 256, dtype=dtype),
+                                        quantized_weight(5, 256, 14), 14,
+                                        torch.randn(5, dtype=dtype)), {}),
+    "dequantize": lambda dtype: ((quantized_weight(5, 256, 13), 13, dtype), {}),
     "rms_norm": lambda dtype: ((torch.randn(3, 4, 16, dtype=dtype), torch.randn(16, dtype=dtype),
                                 1e-6), {}),
     "add_rms_norm": lambda dtype: ((torch.randn(3, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype),

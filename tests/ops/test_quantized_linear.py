@@ -1,8 +1,12 @@
-"""fastllm.ops.quantized_linear and fastllm.ops.dequantize on every backend against a float64
-dequantize + matmul, with weights encoded by the gguf package (an independent encoder of ggml's
-block formats)."""
+"""fastllm.ops.quantized_linear and fastllm.ops.dequantize on every backend (the CPU kernels once
+per instruction set) against a float64 dequantize + matmul, with weights encoded by the gguf
+package (an independent encoder of ggml's block formats) where it can, and dequantized by it."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -10,33 +14,57 @@ import pytest
 import torch
 
 from conftest import assert_within_twice_plain_error
+from fastllm import _C, ops
 from fastllm.ops import reference
 
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+TYPES = {name: type_id for type_id, (name, _, _) in ops.BLOCK_FORMATS.items()}
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}  # gguf-py dequantizes these, but has no quantizer for them
+# Each fp16 field of a K-quant block: d (and dmin) lead Q4_K/Q5_K blocks, d ends Q6_K's.
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 CUDA_GEMV_ROWS = 8  # the most rows CUDA's GEMV takes (kMaxGemvRows, quantized_kernels.cuh)
 
 
-def quantized_weight(out: int, in_: int, weight_type: int, seed: int = 0) -> torch.Tensor:
-    """A random weight through gguf's own quantizer: uint8 [out, row bytes]."""
-    values = np.random.default_rng(seed).standard_normal((out, in_)).astype(np.float32)
-    return torch.from_numpy(gguf.quants.quantize(values, gguf.GGMLQuantizationType(weight_type)))
+def quantized_weight(out: int, blocks: int, weight_type: int, seed: int = 0) -> torch.Tensor:
+    """A random weight of ``blocks`` blocks per row: uint8 [out, row bytes].
+
+    Q4_x, Q5_x and Q8_0 go through gguf's own quantizer. A K-quant block is random bytes (any
+    bits are a valid block) with finite fp16 scales of either sign, bounded so values are ~0.1.
+    """
+    name, values, block_bytes = ops.BLOCK_FORMATS[weight_type]
+    rng = np.random.default_rng(seed)
+    if name not in K_QUANTS:
+        w = rng.standard_normal((out, blocks * values)).astype(np.float32)
+        return torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType(weight_type)))
+    data = rng.integers(0, 256, (out, blocks, block_bytes), dtype=np.uint8)
+    bound = 0.1 / (63 * 15) if name != "Q6_K" else 0.1 / (128 * 32)
+    for at in FP16_FIELDS[name]:
+        scale = rng.uniform(-bound, bound, (out, blocks)).astype(np.float16)
+        data[..., at:at + 2] = scale.view(np.uint8).reshape(out, blocks, 2)
+    return torch.from_numpy(data.reshape(out, -1))
+
+
+def in_features(weight: torch.Tensor, weight_type: int) -> int:
+    _, values, block_bytes = ops.BLOCK_FORMATS[weight_type]
+    return weight.shape[1] // block_bytes * values
 
 
 def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) -> torch.Tensor:
     """The most the kernel may differ from exact float64: its int16 activation blocks round each
-    value by at most half a step (block amax / 32767), plus float32 summation."""
+    value by at most half a step (block amax / 32639, the int16 range the kernels split into
+    two signed bytes), plus float32 summation."""
     w = reference.dequantize(weight, weight_type).abs()  # [out, in]
     xd = x.double()
-    step = xd.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32767  # [rows, blocks]
+    step = xd.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32639  # [rows, blocks]
     per_value = step.repeat_interleave(32, dim=1) / 2  # [rows, in]
     return per_value @ w.T + 1e-5 * (xd.abs() @ w.T) + 1e-6
 
 
+@pytest.mark.cpu_isas
 @pytest.mark.cuda_sim
 @pytest.mark.parametrize("type_name", TYPES)
 def test_dequantize_equals_gguf(type_name, backend):
     weight_type = TYPES[type_name]
-    weight = quantized_weight(37, 96, weight_type)
+    weight = quantized_weight(37, 3, weight_type)
     expected = torch.from_numpy(gguf.quants.dequantize(weight.numpy(),
                                                        gguf.GGMLQuantizationType(weight_type)))
     got = backend.ops.dequantize(weight.to(backend.device), weight_type, torch.float32).cpu()
@@ -47,11 +75,13 @@ def test_dequantize_equals_gguf(type_name, backend):
         assert torch.equal(low, expected.to(dtype))
 
 
-def check_float32(backend, type_name: str, rows: int, shape: tuple[int, int]) -> None:
+def check_quantized_linear(backend, type_name: str, rows: int, shape: tuple[int, int]) -> None:
+    """x [rows, in] (with an outlier) times a random weight [out, blocks of in] plus a bias,
+    within the kernel's error bound of the float64 reference."""
     weight_type = TYPES[type_name]
-    out, in_ = shape
-    weight = quantized_weight(out, in_, weight_type, seed=rows)
-    x = torch.randn(rows, in_) * 3
+    out, blocks = shape
+    weight = quantized_weight(out, blocks, weight_type, seed=rows)
+    x = torch.randn(rows, in_features(weight, weight_type)) * 3
     x[:, 0] = 40.0  # an outlier: its block's other values lose precision, as real activations do
     bias = torch.randn(out)
     got = backend.ops.quantized_linear(x.to(backend.device), weight.to(backend.device),
@@ -63,37 +93,43 @@ def check_float32(backend, type_name: str, rows: int, shape: tuple[int, int]) ->
     assert (err <= bound).all(), f"max error {err.max():.3g}, bound there {bound[err.argmax()]}"
 
 
-SHAPES = [(1, 32), (7, 96), (64, 576)]
-# Rows on either side of each kernel's switch: the CPU's 4-row tiles and its 16 stream rows,
-# the CUDA GEMV's 8 rows. The simulator runs the first set: the GEMV with 1, 3 and 8 rows, then
-# dequantize + matmul.
-ROWS = [1, 3, 8, 9]
-MORE_ROWS = [2, 4, 5, 16, 17, 64, 512]
+def case_ids(cases: list) -> list[str]:
+    return [f"{rows}x{out}x{blocks}" for rows, (out, blocks) in cases]
 
 
+# (activation rows, (weight rows, blocks per row)) on either side of each kernel's switch:
+# decode rows up to 16 on the CPU (AVX-512 tiles 4 rows and AVX2 2: full tiles and every
+# tail; weight rows in tiles of 4 and alone), up to 8 in CUDA's GEMV; past them tiles of 128
+# dequantized weight rows (each ISA's dequantization: test_dequantize_equals_gguf) for a GEMM.
+# The CPU's ISAs and the simulator run DECODE_CASES.
+DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 8, 9)), (1, (1, 1)), (3, (1, 1)),
+                (4, (64, 2))]
+MORE_CASES = [(5, (7, 3)), (16, (7, 3)), (17, (7, 3)), (17, (1, 1)), (40, (130, 1)),
+              (512, (7, 1))]
+
+
+@pytest.mark.cpu_isas
 @pytest.mark.cuda_sim
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows, shape", DECODE_CASES, ids=case_ids(DECODE_CASES))
 def test_quantized_linear_float32(type_name, rows, shape, backend):
-    check_float32(backend, type_name, rows, shape)
+    check_quantized_linear(backend, type_name, rows, shape)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("rows", MORE_ROWS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows, shape", MORE_CASES, ids=case_ids(MORE_CASES))
 def test_quantized_linear_float32_more_rows(type_name, rows, shape, backend):
-    check_float32(backend, type_name, rows, shape)
+    check_quantized_linear(backend, type_name, rows, shape)
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_quantized_linear_low_precision(type_name, rows, dtype, backend):
     weight_type = TYPES[type_name]
-    weight = quantized_weight(48, 128, weight_type, seed=rows)
-    x, bias = torch.randn(rows, 128, dtype=dtype), torch.randn(48, dtype=dtype)
+    weight = quantized_weight(48, 256 // ops.BLOCK_FORMATS[weight_type][1], weight_type, seed=rows)
+    x, bias = torch.randn(rows, 256, dtype=dtype), torch.randn(48, dtype=dtype)
     got = backend.ops.quantized_linear(x.to(backend.device), weight.to(backend.device),
                                        weight_type, bias.to(backend.device)).cpu()
     expected = reference.quantized_linear(x, weight, weight_type, bias)
@@ -110,49 +146,71 @@ def test_quantized_linear_low_precision(type_name, rows, dtype, backend):
         assert ((got.double() - expected).abs() <= bound).all()
 
 
+@pytest.mark.cpu_isas
 @pytest.mark.cuda_sim
 @pytest.mark.parametrize("type_name", TYPES)
 def test_a_row_does_not_depend_on_the_others(type_name, backend):
+    """On the decode path a row's result is bitwise the same alone or in any batch."""
     if backend.name == "composite":
         pytest.skip("ATen's matmul promises no batch invariance")
     weight_type = TYPES[type_name]
-    weight = quantized_weight(64, 256, weight_type).to(backend.device)
+    weight = quantized_weight(9, 512 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
+    weight = weight.to(backend.device)
     # float32: a low-precision output would round small differences away.
-    x = torch.randn(CUDA_GEMV_ROWS, 256, device=backend.device)
+    x = torch.randn(16, 512, device=backend.device)
+    batches = (2, 3, 7, 16) if backend.name.startswith("cpu") else (2, 3, CUDA_GEMV_ROWS)
 
     def linear(rows):
         return backend.ops.quantized_linear(rows, weight, weight_type)
 
-    alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
-    assert torch.equal(linear(x), alone)
-    assert torch.equal(linear(x[2:5]), alone[2:5])
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(16)])
+    for batch in batches:
+        together = torch.cat([linear(x[i:i + batch]) for i in range(0, 16, batch)])
+        assert torch.equal(together, alone), batch
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("rows", [3, 12])
-def test_strided_inputs(rows, backend):
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_K"])
+@pytest.mark.parametrize("rows", [3, 12, 20])
+def test_strided_inputs(type_name, rows, backend):
     device = backend.device
-    weight = quantized_weight(24, 64, 3)  # Q4_1: rows of 40 bytes
+    weight_type = TYPES[type_name]
+    weight = quantized_weight(24, 256 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
     # The weight's rows inside wider rows, at an odd byte offset.
-    wide = torch.zeros(24, 45, dtype=torch.uint8, device=device)
-    wide[:, 1:41] = weight.to(device)
-    strided_weight = wide[:, 1:41]
+    row_bytes = weight.shape[1]
+    wide = torch.zeros(24, row_bytes + 5, dtype=torch.uint8, device=device)
+    wide[:, 1:row_bytes + 1] = weight.to(device)
+    strided_weight = wide[:, 1:row_bytes + 1]
     bias = torch.randn(24)
     # x as a column slice of wider rows, and stored transposed.
-    for x in (torch.randn(rows, 80, device=device)[:, 7:71],
-              torch.randn(64, rows, device=device).T):
-        got = backend.ops.quantized_linear(x, strided_weight, 3, bias.to(device)).cpu()
-        expected = reference.quantized_linear(x.cpu(), weight, 3, bias)
-        bound = activation_error_bound(x.cpu(), weight, 3)
+    for x in (torch.randn(rows, 272, device=device)[:, 7:263],
+              torch.randn(256, rows, device=device).T):
+        got = backend.ops.quantized_linear(x, strided_weight, weight_type, bias.to(device)).cpu()
+        expected = reference.quantized_linear(x.cpu(), weight, weight_type, bias)
+        bound = activation_error_bound(x.cpu(), weight, weight_type)
         assert ((got.double() - expected).abs() <= bound).all()
+
+
+@pytest.mark.cpu_isas
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_a_nan_activation_makes_its_row_nan(type_name, rows, backend):
+    weight_type = TYPES[type_name]
+    weight = quantized_weight(5, 256 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
+    x = torch.randn(rows, 256)
+    x[1, 77] = float("nan")
+    got = backend.ops.quantized_linear(x.to(backend.device), weight.to(backend.device),
+                                       weight_type).cpu()
+    assert got[1].isnan().all() and not got[torch.arange(rows) != 1].isnan().any()
 
 
 @pytest.mark.cuda_sim
 def test_empty_inputs(backend):
     device = backend.device
-    weight = quantized_weight(8, 64, 2).to(device)
+    weight = quantized_weight(8, 2, 2).to(device)
     bias = torch.randn(8, device=device)
-    for rows in (0, 3, 12):
+    for rows in (0, 3, 12, 20):
         x = torch.randn(rows, 64, device=device)
         assert backend.ops.quantized_linear(x, weight, 2).shape == (rows, 8)
         assert backend.ops.quantized_linear(x, weight[:0], 2).shape == (rows, 0)
@@ -166,24 +224,63 @@ def test_empty_inputs(backend):
 @pytest.mark.cpu_inputs
 def test_bad_input(backend):
     op = backend.ops
-    weight = quantized_weight(8, 64, 2)
+    weight = quantized_weight(8, 2, 2)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="weight_type must be a ggml type id .* got 12"):
-        op.quantized_linear(x, weight, 12)
+    with pytest.raises(ValueError, match=r"weight_type must be a ggml type id .*Q6_K \(14\), "
+                                         "got 10"):
+        op.quantized_linear(x, weight, 10)  # Q2_K
     with pytest.raises(TypeError, match="weight must be torch.uint8, got torch.float32"):
         op.quantized_linear(x, weight.float(), 2)
-    with pytest.raises(ValueError, match="whole blocks of 18 bytes, got rows of 35 bytes"):
+    with pytest.raises(ValueError, match=r"whole blocks of 18 bytes \(32 values\), got rows of "
+                                         "35 bytes"):
         op.quantized_linear(x, weight[:, :35], 2)
+    k_quant = quantized_weight(8, 2, TYPES["Q4_K"])
+    with pytest.raises(ValueError, match=r"a Q4_K weight row is whole blocks of 144 bytes \(256 "
+                                         r"values\), got rows of 216 bytes"):
+        op.dequantize(k_quant[:, :216], TYPES["Q4_K"], torch.float32)
     with pytest.raises(ValueError, match="x has 32 features but the Q4_0 weight's rows hold 64"):
         op.quantized_linear(torch.randn(2, 32), weight, 2)
+    with pytest.raises(ValueError, match="x has 256 features but the Q6_K weight's rows hold 512"):
+        op.quantized_linear(torch.randn(2, 256), quantized_weight(3, 2, TYPES["Q6_K"]),
+                            TYPES["Q6_K"])
     with pytest.raises(ValueError, match="bias has 3 elements but weight has 8"):
         op.quantized_linear(x, weight, 2, torch.randn(3))
     with pytest.raises(TypeError, match="x must be torch.float32, torch.bfloat16"):
         op.quantized_linear(x.long(), weight, 2)
 
 
-def test_opcheck(backend):
-    weight = quantized_weight(16, 64, 3).to(backend.device)
-    x = torch.randn(3, 64, device=backend.device)
-    torch.library.opcheck(backend.ops.quantized_linear.default, (x, weight, 3, None))
-    torch.library.opcheck(backend.ops.dequantize.default, (weight, 3, torch.float32))
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
+def test_opcheck(type_name, backend):
+    weight_type = TYPES[type_name]
+    weight = quantized_weight(16, 2, weight_type).to(backend.device)
+    x = torch.randn(3, in_features(weight, weight_type), device=backend.device)
+    torch.library.opcheck(backend.ops.quantized_linear.default, (x, weight, weight_type, None))
+    torch.library.opcheck(backend.ops.dequantize.default, (weight, weight_type, torch.float32))
+
+
+def test_cpu_isa_choice():
+    """The widest instruction set is the default; set_cpu_isa switches and refuses what the CPU
+    lacks; FASTLLM_CPU_ISA is read at first use (a fresh process) and a bad value is refused."""
+    assert _C.cpu_isas()[-1] == "scalar" and _C.cpu_isa() in _C.cpu_isas()
+    with pytest.raises(ValueError, match="unknown CPU instruction set 'sse9'"):
+        _C.set_cpu_isa("sse9")
+    previous = _C.set_cpu_isa("scalar")
+    try:
+        assert _C.cpu_isa() == "scalar"
+    finally:
+        _C.set_cpu_isa(previous)
+    script = """
+import os, torch
+from fastllm import _C, ops
+try:
+    ops.quantized_linear(torch.randn(1, 32), torch.zeros(1, 34, dtype=torch.uint8), 8)
+except ValueError as e:
+    print(e)
+os.environ["FASTLLM_CPU_ISA"] = "scalar"
+print(_C.cpu_isa())
+"""
+    env = {**os.environ, "FASTLLM_CPU_ISA": "avx9"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["unknown CPU instruction set 'avx9'; expected avx512, avx2 or scalar",
+                   "scalar"]

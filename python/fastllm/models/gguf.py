@@ -50,8 +50,8 @@ __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
 
-# The tensor types fastllm reads: Q4_0, Q4_1 and Q8_0 weights stay quantized, the others are
-# dequantized at load (through gguf.quants.dequantize).
+# The tensor types fastllm reads: weights in ops.BLOCK_FORMATS (all of these but F32, F16 and
+# BF16) stay quantized, the others are dequantized at load (through gguf.quants.dequantize).
 GGUF_TENSOR_TYPES = tuple(GGMLQuantizationType[name] for name in
                           ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                            "Q4_K", "Q5_K", "Q6_K"))
@@ -268,8 +268,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", quantization: str | None = None) -> DecoderLM:
     """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
 
-    Weights in Q4_0, Q4_1 or Q8_0 stay in their blocks (run by the quantized ops); every other
-    tensor (types :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then cast to ``dtype``.
+    Weights in a block format of :data:`fastllm.ops.BLOCK_FORMATS` (Q4_0 ... Q8_0, Q4_K, Q5_K,
+    Q6_K) stay in their blocks (run by the quantized ops); every other tensor (types
+    :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then cast to ``dtype``.
     Everything is placed on ``device``. A bad file (truncated, corrupt, a tensor that is
     missing, unexpected, wrongly shaped or of another type) is a ``ValueError`` naming the file
     and the tensor or metadata key, raised before any tensor is read.

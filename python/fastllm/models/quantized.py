@@ -1,7 +1,7 @@
-"""Weights kept block-quantized (ggml's Q4_0, Q4_1, Q8_0) in the model: a linear layer and an
-embedding whose weight is the file's blocks, row by row, run by
+"""Weights kept block-quantized (ggml's formats, :data:`fastllm.ops.BLOCK_FORMATS`) in the
+model: a linear layer and an embedding whose weight is the file's blocks, row by row, run by
 :func:`fastllm.ops.quantized_linear` and :func:`fastllm.ops.dequantize`; and
-:func:`quantize_weight`, which writes float weights as those blocks (``load_model(...,
+:func:`quantize_weight`, which writes float weights as Q8_0 or Q4_1 blocks (``load_model(...,
 quantization="int8" | "int4")``).
 
 The quantizer lives here rather than in :mod:`fastllm.ops`: it is a load-time transform in
@@ -32,8 +32,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """The float weight's shape, ``(rows, values per row)``."""
-        _, block = ops.BLOCK_FORMATS[self.weight_type]
-        return self.data.shape[0], self.data.shape[1] // block * 32
+        _, values, block_bytes = ops.BLOCK_FORMATS[self.weight_type]
+        return self.data.shape[0], self.data.shape[1] // block_bytes * values
 
 
 class QuantizedLinear(nn.Module):
@@ -49,7 +49,7 @@ class QuantizedLinear(nn.Module):
         return ops.quantized_linear(x, self.weight, self.weight_type, self.bias)
 
     def extra_repr(self) -> str:
-        name, _ = ops.BLOCK_FORMATS[self.weight_type]
+        name, _, _ = ops.BLOCK_FORMATS[self.weight_type]
         rows, values = QuantizedWeight(self.weight, self.weight_type).shape
         return f"{name}, in_features={values}, out_features={rows}, bias={self.bias is not None}"
 

@@ -25,8 +25,10 @@ __all__ = ["BLOCK_FORMATS", "add_rms_norm", "apply_penalties", "attention", "deq
            "silu_and_mul", "trusted_inputs"]
 
 # The ggml block formats the quantized ops take (csrc/quantized/block_formats.h): type id ->
-# (name, bytes per block of 32 values).
-BLOCK_FORMATS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+# (name, values per block, bytes per block). A K-quant's block is a super-block of 256 values.
+BLOCK_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+                 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+                 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 
 
 @contextlib.contextmanager
@@ -184,17 +186,20 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
     Args:
         x: ``[rows, in_features]``, float32, bfloat16 or float16.
         weight: uint8 ``[out_features, row bytes]``: ggml's blocks of ``weight_type``, row by row
-            (:data:`BLOCK_FORMATS`: Q4_0, Q4_1, Q8_0; ``in_features`` values per row), on x's
-            device.
+            (:data:`BLOCK_FORMATS`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K;
+            ``in_features`` values per row, whole blocks: a multiple of 256 for the K-quants),
+            on x's device.
         weight_type: the ggml type id (``gguf.GGMLQuantizationType``).
         bias: ``[out_features]`` in x's dtype, or None.
 
     Returns ``[rows, out_features]`` in x's dtype. On the CPU a few rows (a decode step, up to
     16) quantize the activations to int16 blocks of 32 and take integer dot products with the
-    weight's blocks (AVX-512 VNNI, or AVX2), streaming the weight once in its own size; more
-    rows dequantize tiles of the weight and use ATen's GEMM. On CUDA up to 8 rows run a GEMV
-    that decodes the blocks in registers (float32 sums); more rows dequantize the weight to x's
-    dtype for cuBLAS. Within those decode rows a row's result does not depend on the others.
+    weight's blocks (AVX-512 VNNI, or AVX2, or plain C++: the widest the CPU has, or the
+    environment variable ``FASTLLM_CPU_ISA=avx512|avx2|scalar``), streaming the weight once in
+    its own size; more rows dequantize tiles of the weight and use ATen's GEMM. On CUDA up to 8
+    rows run a GEMV that decodes the blocks in registers (float32 sums); more rows dequantize
+    the weight to x's dtype for cuBLAS. Within those decode rows a row's result does not depend
+    on the others.
     """
     return torch.ops.fastllm.quantized_linear.default(x, weight, weight_type, bias)
 
@@ -448,10 +453,10 @@ def _quantized_linear_fake(x, weight, weight_type, bias=None):
 @_register_fake("dequantize")
 def _dequantize_fake(weight, weight_type, dtype):
     if weight_type not in BLOCK_FORMATS:
-        raise ValueError(f"weight_type must be a ggml type id of Q4_0 (2), Q4_1 (3) or Q8_0 (8), "
-                         f"got {weight_type}")
-    _, block = BLOCK_FORMATS[weight_type]
-    return weight.new_empty(weight.shape[0], weight.shape[1] // block * 32, dtype=dtype)
+        names = ", ".join(f"{name} ({type_id})" for type_id, (name, _, _) in BLOCK_FORMATS.items())
+        raise ValueError(f"weight_type must be a ggml type id of {names}, got {weight_type}")
+    _, values, block_bytes = BLOCK_FORMATS[weight_type]
+    return weight.new_empty(weight.shape[0], weight.shape[1] // block_bytes * values, dtype=dtype)
 
 
 @_register_fake("rotary_embedding")

@@ -241,23 +241,59 @@ def apply_penalties(logits: Tensor, prompt_mask: Tensor, output_counts: Tensor,
     return x
 
 
+def _bits(q: Tensor, shifts: list[int], width: int) -> Tensor:
+    """Bits ``[shift, shift + width)`` of each byte of ``q [..., n]``, for each shift:
+    ``[..., len(shifts), n]``."""
+    return (q.unsqueeze(-2) >> torch.tensor(shifts).view(-1, 1)) & ((1 << width) - 1)
+
+
 def dequantize(weight: Tensor, weight_type: int) -> Tensor:
     """Twin of :func:`fastllm.ops.dequantize`: the rows of a block-quantized weight
-    ``[out, row bytes]`` as float64 ``[out, in]``."""
-    _, block = BLOCK_FORMATS[weight_type]
-    start = 4 if weight_type == 3 else 2  # the values follow d (and Q4_1's m)
+    ``[out, row bytes]`` as float64 ``[out, in]`` (layouts: csrc/quantized/block_formats.h)."""
+    name, values, block_bytes = BLOCK_FORMATS[weight_type]
     rows = weight.shape[0]
-    blocks = weight.reshape(rows, -1, block).cpu()  # [R, B, bytes]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).double()  # [R, B, 1]
-    if weight_type == 8:
-        values = blocks[..., start:].contiguous().view(torch.int8).double() * d
-    else:
-        q = blocks[..., start:start + 16].long()
-        nibbles = torch.cat([q & 0x0F, q >> 4], dim=-1).double()  # values 0..15, then 16..31
-        offset = blocks[..., 2:4].contiguous().view(torch.float16).double() if weight_type == 3 \
-            else -8 * d
-        values = nibbles * d + offset
-    return values.reshape(rows, -1)
+    blocks = weight.reshape(rows, -1, block_bytes).cpu()  # [R, B, bytes] uint8
+    q = blocks.long()
+
+    def half(start: int) -> Tensor:  # the fp16 at byte `start`: [R, B, 1]
+        return blocks[..., start:start + 2].contiguous().view(torch.float16).double()
+
+    def int8(start: int, n: int) -> Tensor:  # [R, B, n]
+        return blocks[..., start:start + n].contiguous().view(torch.int8).double()
+
+    if name == "Q8_0":
+        return (half(0) * int8(2, 32)).reshape(rows, -1)
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        has_min, five_bits = name.endswith("_1"), name.startswith("Q5")
+        start = 2 + 2 * has_min + 4 * five_bits  # after d, m and qh
+        ints = _bits(q[..., start:start + 16], [0, 4], 4).flatten(-2)  # low nibbles, then high
+        if five_bits:  # bit j of the little-endian qh is value j's fifth bit
+            fifth = _bits(q[..., start - 4:start], list(range(8)), 1)  # [R, B, bit, byte]
+            ints |= fifth.transpose(-1, -2).flatten(-2) << 4
+        if has_min:
+            return (half(0) * ints + half(2)).reshape(rows, -1)
+        return (half(0) * (ints - (16 if five_bits else 8))).reshape(rows, -1)
+    if name in ("Q4_K", "Q5_K"):
+        # 6-bit scales and mins of the 8 sub-blocks: bytes 4-7 hold scales 0-3 and the top 2
+        # bits of scales 4-7, bytes 8-11 the same for mins, bytes 12-15 the low 4 bits of
+        # scales 4-7 (low nibbles) and mins 4-7 (high nibbles).
+        first, second, low = q[..., 4:8], q[..., 8:12], q[..., 12:16]
+        scales = torch.cat([first & 63, (low & 15) | (first >> 6) << 4], dim=-1)  # [R, B, 8]
+        mins = torch.cat([second & 63, (low >> 4) | (second >> 6) << 4], dim=-1)
+        # 32-byte runs: sub-block 2c in the low nibbles, 2c + 1 in the high ones.
+        start = 16 if name == "Q4_K" else 48
+        ints = _bits(q[..., start:start + 128].reshape(rows, -1, 4, 32), [0, 4], 4)
+        ints = ints.reshape(rows, -1, 8, 32)
+        if name == "Q5_K":  # bit s of qh byte l: the fifth bit of sub-block s's value l
+            ints |= _bits(q[..., 16:48], list(range(8)), 1) << 4
+        w = (half(0) * scales).unsqueeze(-1) * ints - (half(2) * mins).unsqueeze(-1)
+        return w.reshape(rows, -1)
+    # Q6_K, per half of 128 values: the low 4 bits of values j and 64 + j in byte j of 64, the
+    # high 2 bits of value 32k + l in bits 2k, 2k + 1 of byte l of 32; an int8 scale per 16.
+    low = _bits(q[..., :128].reshape(rows, -1, 2, 64), [0, 4], 4).flatten(-2)  # [R, B, 2, 128]
+    high = _bits(q[..., 128:192].reshape(rows, -1, 2, 32), [0, 2, 4, 6], 2).flatten(-2)
+    ints = ((low | high << 4) - 32).reshape(rows, -1, 16, 16)
+    return ((half(208) * int8(192, 16)).unsqueeze(-1) * ints).reshape(rows, -1)
 
 
 def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,

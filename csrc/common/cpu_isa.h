@@ -1,0 +1,29 @@
+// The instruction set that the CPU kernels built once per instruction set run with (the
+// quantized decode kernels, quantized/quantized_cpu_<isa>.cpp): the widest this CPU has, or
+// the one the environment variable FASTLLM_CPU_ISA names (avx512, avx2 or scalar), read once,
+// at first use. Those kernels are compiled with their own flags whatever the build targets,
+// so one build serves every x86-64 CPU, and tests run every variant on one machine.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace fastllm {
+
+enum class CpuIsa { kScalar, kAvx2, kAvx512 };
+
+// As FASTLLM_CPU_ISA spells it: "avx512" (AVX-512 F/BW/VL/VNNI with FMA and F16C), "avx2"
+// (AVX2, FMA, F16C) or "scalar" (plain C++).
+const char* cpu_isa_name(CpuIsa isa);
+// The name's ISA; ValueError naming it if there is none.
+CpuIsa parse_cpu_isa(const std::string& name);
+// The ISAs this CPU runs, widest first (scalar always).
+std::vector<CpuIsa> supported_cpu_isas();
+
+// The ISA in use; ValueError if FASTLLM_CPU_ISA names one this CPU lacks, or none.
+CpuIsa cpu_isa();
+// Uses `isa` from now on, on every thread; returns the previous one. ValueError if this CPU
+// lacks it.
+CpuIsa set_cpu_isa(CpuIsa isa);
+
+}  // namespace fastllm

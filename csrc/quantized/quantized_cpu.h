@@ -1,0 +1,49 @@
+// The CPU's kernels for a format, one set per instruction set, each compiled in its own
+// translation unit with that set's flags (quantized_cpu_<isa>.cpp) and picked at run time
+// (common/cpu_isa.h): the decode path (a few activation rows against streamed weight rows) and
+// the dequantization of weight rows (the prefill path's tiles, ops.dequantize). Torch-free.
+#pragma once
+
+#include <cstdint>
+
+#include "quantized/block_formats.h"
+
+namespace fastllm {
+
+// Largest magnitude of the activations' int16: the largest x whose bytes split as
+// x = 256 * high + low with both signed bytes (the form 8-bit dot products take).
+constexpr int kActivationMax = 127 * 256 + 127;
+
+// Activation rows quantized per sub-block of 32 values to int16 (|x| <= kActivationMax) with
+// one float scale each, also split into bytes.
+struct ActivationBlocks {
+  int64_t rows = 0, blocks = 0;   // blocks of 32 per row
+  const int16_t* values;          // [rows, blocks * 32]
+  const int8_t* high;             // [rows, blocks * 32]: x = 256 * high + low
+  const int8_t* low;
+  const float* scales;            // [rows, blocks]
+  const float* sums;              // [rows, blocks]: scale * the sum of the block's values
+};
+
+// y[m * ldy + n] = (activation row m) . (weight row n) + bias[n] (bias may be null), for every
+// activation row m and the weight rows n in [begin, end) (w: rows of ldw bytes).
+using DecodeRowsFn = void (*)(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
+                              int64_t begin, int64_t end, const float* bias, float* y,
+                              int64_t ldy);
+
+// Weight rows [begin, end) as float32, in_features values each, from out on.
+using DequantizeRowsFn = void (*)(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
+                                  int64_t in_features, float* out);
+
+struct CpuKernels {
+  DecodeRowsFn decode_rows;
+  DequantizeRowsFn dequantize_rows;
+};
+
+// The kernels for `format`; null where the translation unit was built without its instruction
+// set (a build for another architecture).
+CpuKernels cpu_kernels_avx512(BlockFormat format);
+CpuKernels cpu_kernels_avx2(BlockFormat format);
+CpuKernels cpu_kernels_scalar(BlockFormat format);
+
+}  // namespace fastllm

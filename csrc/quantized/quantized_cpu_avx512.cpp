@@ -1,0 +1,107 @@
+// The quantized CPU kernels with AVX-512 (BW, VL, VNNI): this file is compiled with those flags
+// whatever the build targets (CMakeLists.txt) and runs only on CPUs that have them
+// (common/cpu_isa.h).
+//
+// A sub-block's unsigned 8-bit integers u meet the activations split into signed bytes,
+// x = 256 * high + low, in two vpdpbusd: u . x = 256 (u . high) + u . low, exact in int32,
+// without widening the weights. Each int32 lane holds 4 values' products, so Q6_K's int8
+// scale (one per 16 values) and zero point apply to its lanes: (u - 32) . x times the scale.
+#include "quantized/quantized_cpu.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+#include "quantized/block_bytes_avx2.h"
+#include "quantized/quantized_cpu_kernel.h"
+
+namespace fastllm {
+namespace {
+
+struct Avx512 {
+  static constexpr int kActRows = 4, kTileRows = 4;
+  using Acc = __m256;
+  struct SplitBytes {
+    __m256i high, low;
+  };
+  // Q6_K's: each lane's 4 values' sum times 32, the zero point's share of u . x.
+  struct SplitBytesAndZero {
+    __m256i high, low, zero;
+  };
+  struct Q6KWeights {
+    __m256i u, scales;  // the 6-bit integers; the int8 scale of each lane's 16 values
+  };
+
+  template <BlockFormat F, int kSub>
+  static auto weights(const uint8_t* block) {
+    const __m256i u = sub_block_bytes<F, kSub>(block);
+    if constexpr (F != BlockFormat::kQ6_K) {
+      return u;
+    } else {  // lanes 0-3: scale 2 kSub (values 0..15), lanes 4-7: scale 2 kSub + 1
+      const __m128i pick = _mm_set_epi64x(0, 0x0101010100000000 + 0x0202020202020202 * kSub);
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+      return Q6KWeights{u, _mm256_cvtepi8_epi32(_mm_shuffle_epi8(scales, pick))};
+    }
+  }
+  template <BlockFormat F>
+  static auto activations(const ActivationBlocks& x, int64_t i) {
+    const int64_t at = i * kSubBlockValues;
+    const SplitBytes split{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.high + at)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.low + at))};
+    if constexpr (F != BlockFormat::kQ6_K)
+      return split;
+    else
+      return SplitBytesAndZero{split.high, split.low,
+                               _mm256_slli_epi32(dot(_mm256_set1_epi8(1), split), 5)};
+  }
+  static Acc zero() { return _mm256_setzero_ps(); }
+  // u . x per lane of 4 values: |256 (u . high) + u . low| <= 4 * 255 * 32767, an int32.
+  static __m256i dot(__m256i u, SplitBytes x) {
+    const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x.high);
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), u, x.low);
+  }
+  static Acc dot_fma(__m256i u, SplitBytes x, float scale, Acc acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u, x)), _mm256_set1_ps(scale), acc);
+  }
+  // |(u - 32) . x| <= 4 * 32 * 32767 per lane, times an int8 scale: an int32.
+  static Acc dot_fma(Q6KWeights w, SplitBytesAndZero x, float scale, Acc acc) {
+    const __m256i dots = _mm256_sub_epi32(dot(w.u, {x.high, x.low}), x.zero);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(dots, w.scales)),
+                           _mm256_set1_ps(scale), acc);
+  }
+  static void store_values(__m256i u, float scale, float offset, float* out) {
+    const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = half ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+      _mm512_storeu_ps(out + 16 * half, _mm512_fmadd_ps(q, s, o));
+    }
+  }
+  static void store_values(Q6KWeights w, float scale, float offset, float* out) {
+    for (int half = 0; half < 2; ++half) {  // (u - 32) times the half's int8 scale (lane 4 half)
+      const __m128i bytes = half ? _mm256_extracti128_si256(w.u, 1) : _mm256_castsi256_si128(w.u);
+      const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), _mm512_set1_epi32(32));
+      const __m512i scales = _mm512_permutexvar_epi32(_mm512_set1_epi32(4 * half),
+                                                      _mm512_castsi256_si512(w.scales));
+      const __m512 values = _mm512_cvtepi32_ps(_mm512_mullo_epi32(q, scales));
+      _mm512_storeu_ps(out + 16 * half,
+                       _mm512_fmadd_ps(values, _mm512_set1_ps(scale), _mm512_set1_ps(offset)));
+    }
+  }
+  static float sum(Acc acc) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+  }
+};
+
+}  // namespace
+
+CpuKernels cpu_kernels_avx512(BlockFormat format) { return cpu_kernels_for<Avx512>(format); }
+
+}  // namespace fastllm
+#else
+namespace fastllm {
+CpuKernels cpu_kernels_avx512(BlockFormat) { return {}; }
+}  // namespace fastllm
+#endif

@@ -1,0 +1,194 @@
+// The quantized CPU kernels (decode rows, dequantization), written once over an instruction
+// set's primitives `Isa` and compiled per instruction set: quantized_cpu_<isa>.cpp defines its
+// Isa and includes this. Torch-free.
+//
+// Decode rows: each sub-block of 32 values is an integer dot product of the weight's integers
+// with the activations' int16, scaled by one float (the weight's scale times the
+// activations'), plus the weight's offset times the activations' block sum. Scales and offsets
+// are decoded once per weight row and unit of 8 sub-blocks (a K-quant's super-block: once per
+// block), and multiplied by the activations' as vectors of 8.
+//
+// A row's result never depends on the other rows in the batch: every (activation row, weight
+// row) pair takes the same operations in the same order whatever the tile around it. The
+// kernels' files are compiled with -ffp-contract=off (CMakeLists.txt), so the compiler fuses
+// no multiply-add on its own (it could do so in one tile size and not another).
+//
+// What an Isa provides:
+//   kActRows, kTileRows         activation rows and weight rows of a register tile
+//   Acc                         float lanes of partial sums
+//   weights<F, kSub>(block)     sub-block kSub's integers (block_formats.h's sub_block_ints),
+//                               in the form the Isa multiplies format F's in
+//   activations<F>(x, i)        activation sub-block i in the matching form
+//   zero(), sum(acc)            an empty accumulator; the sum of its lanes, in a fixed order
+//   dot_fma(w, x, scale, acc)   acc + scale * (w . x), spread over the lanes
+//   store_values(w, scale, offset, out)   out[j] = scale * w_j + offset, the 32 values (the
+//                               product is exact, so a fused multiply-add rounds as ggml does)
+#pragma once
+
+#include <utility>
+
+#include "quantized/quantized_cpu.h"
+
+namespace fastllm {
+namespace {
+
+// One float per sub-block of a unit: 8 as a vector (GCC's and Clang's vector extension: one
+// instruction whatever the ISA).
+template <int S>
+struct SubBlockFloatsOf {
+  using type = float;
+};
+template <>
+struct SubBlockFloatsOf<8> {
+  typedef float type __attribute__((vector_size(8 * sizeof(float))));
+};
+template <int S>
+using SubBlockFloats = typename SubBlockFloatsOf<S>::type;
+
+template <int S>
+inline SubBlockFloats<S> load_floats(const float* p) {
+  SubBlockFloats<S> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int S>
+inline float lane(const SubBlockFloats<S>& v, int s) {
+  if constexpr (S == 1) return v;
+  else return v[s];
+}
+
+// Sub-blocks are taken in units of 8: a K-quant's block, or 8 blocks of the other formats,
+// whose scales are handled as vectors; a row's last blocks of those, fewer than 8, one by one.
+constexpr int kUnit = 8;
+
+// Adds sub-blocks [first, first + U) of activation rows row0.. and weight rows 0..R - 1 to the
+// accumulators and, per position in the unit, to the offset sums.
+template <class Isa, BlockFormat F, int M, int R, int U>
+inline void dot_unit(const ActivationBlocks& x, int64_t row0, const uint8_t* w, int64_t ldw,
+                     int64_t first, typename Isa::Acc (&acc)[M][R],
+                     SubBlockFloats<U> (&offsets)[M][R]) {
+  constexpr int S = kSubBlocks<F>;
+  constexpr int64_t bytes = block_layout(F).bytes;
+  using Floats = SubBlockFloats<U>;
+  const uint8_t* blocks[R];  // the unit's first block in each weight row
+  Floats scale[R], offset[R];
+  for (int r = 0; r < R; ++r) {
+    blocks[r] = w + r * ldw + first / S * bytes;
+    float s[U], o[U];
+    unit_affine<F, U>(blocks[r], s, o);
+    scale[r] = load_floats<U>(s);
+    offset[r] = load_floats<U>(o);
+  }
+  Floats combined[M][R];  // weight scale * activation scale
+  for (int m = 0; m < M; ++m) {
+    const int64_t i = (row0 + m) * x.blocks + first;  // the activations' first sub-block
+    const Floats x_scale = load_floats<U>(x.scales + i);
+    for (int r = 0; r < R; ++r) combined[m][r] = scale[r] * x_scale;
+    if constexpr (kHasOffset<F>) {
+      const Floats x_sum = load_floats<U>(x.sums + i);
+      for (int r = 0; r < R; ++r) offsets[m][r] += offset[r] * x_sum;
+    }
+  }
+  // The sub-blocks, unrolled: each one's place is a constant to the decoding.
+  [&]<int... kSub>(std::integer_sequence<int, kSub...>) {
+    ([&] {
+      decltype(Isa::template activations<F>(x, 0)) xs[M];
+      for (int m = 0; m < M; ++m)
+        xs[m] = Isa::template activations<F>(x, (row0 + m) * x.blocks + first + kSub);
+      for (int r = 0; r < R; ++r) {
+        const auto wq = Isa::template weights<F, kSub % S>(blocks[r] + kSub / S * bytes);
+        for (int m = 0; m < M; ++m)
+          acc[m][r] = Isa::dot_fma(wq, xs[m], lane<U>(combined[m][r], kSub), acc[m][r]);
+      }
+    }(), ...);
+  }(std::make_integer_sequence<int, U>());
+}
+
+// out[m][r] = (activation row row0 + m) . (weight row r), for M activation and R weight rows.
+template <class Isa, BlockFormat F, int M, int R>
+inline void dot_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* w, int64_t ldw,
+                     float (&out)[M][R]) {
+  typename Isa::Acc acc[M][R];
+  SubBlockFloats<kUnit> offsets[M][R];
+  SubBlockFloats<1> last_offsets[M][R];
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      acc[m][r] = Isa::zero();
+      offsets[m][r] = SubBlockFloats<kUnit>{};
+      last_offsets[m][r] = 0.f;
+    }
+  }
+  const int64_t units = x.blocks / kUnit;  // a K-quant row is whole units
+  for (int64_t u = 0; u < units; ++u)
+    dot_unit<Isa, F, M, R, kUnit>(x, row0, w, ldw, u * kUnit, acc, offsets);
+  if constexpr (kSubBlocks<F> == 1)
+    for (int64_t i = units * kUnit; i < x.blocks; ++i)
+      dot_unit<Isa, F, M, R, 1>(x, row0, w, ldw, i, acc, last_offsets);
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float offset = last_offsets[m][r];
+      for (int s = 0; s < kUnit; ++s) offset += offsets[m][r][s];
+      out[m][r] = Isa::sum(acc[m][r]) + offset;
+    }
+  }
+}
+
+// Every activation row against weight rows [n, n + R).
+template <class Isa, BlockFormat F, int R>
+inline void tile_all_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
+                          const float* bias, float* y, int64_t ldy, int64_t n) {
+  const auto run = [&](auto rows, int64_t m) {
+    float sums[rows][R];
+    dot_tile<Isa, F, rows, R>(x, m, w, ldw, sums);
+    for (int i = 0; i < rows; ++i)
+      for (int r = 0; r < R; ++r)
+        y[(m + i) * ldy + n + r] = sums[i][r] + (bias ? bias[n + r] : 0.f);
+  };
+  int64_t m = 0;
+  for (; m + Isa::kActRows <= x.rows; m += Isa::kActRows)
+    run(std::integral_constant<int, Isa::kActRows>(), m);
+  // The last rows, fewer than a tile: a tile of their number.
+  [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
+    ((x.rows - m == kRows + 1 ? run(std::integral_constant<int, kRows + 1>(), m) : void()), ...);
+  }(std::make_integer_sequence<int, Isa::kActRows - 1>());
+}
+
+template <class Isa, BlockFormat F>
+void decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, int64_t begin,
+                 int64_t end, const float* bias, float* y, int64_t ldy) {
+  int64_t n = begin;
+  for (; n + Isa::kTileRows <= end; n += Isa::kTileRows)
+    tile_all_rows<Isa, F, Isa::kTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
+  for (; n < end; ++n) tile_all_rows<Isa, F, 1>(x, w + n * ldw, ldw, bias, y, ldy, n);
+}
+
+template <class Isa, BlockFormat F>
+void dequantize_rows(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
+                     int64_t in_features, float* out) {
+  constexpr BlockLayout layout = block_layout(F);
+  constexpr int S = kSubBlocks<F>;
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t b = 0; b < in_features / layout.values; ++b) {
+      const uint8_t* block = w + n * ldw + b * layout.bytes;
+      float* values = out + (n - begin) * in_features + b * layout.values;
+      float scale[S], offset[S];
+      block_affine<F>(block, scale, offset);
+      [&]<int... kSub>(std::integer_sequence<int, kSub...>) {
+        (Isa::store_values(Isa::template weights<F, kSub>(block), scale[kSub], offset[kSub],
+                           values + kSub * kSubBlockValues), ...);
+      }(std::make_integer_sequence<int, S>());
+    }
+  }
+}
+
+template <class Isa>
+CpuKernels cpu_kernels_for(BlockFormat format) {
+  return visit_block_format(format, [](auto f) {
+    return CpuKernels{&decode_rows<Isa, decltype(f)::value>,
+                      &dequantize_rows<Isa, decltype(f)::value>};
+  });
+}
+
+}  // namespace
+}  // namespace fastllm

@@ -1,0 +1,43 @@
+// The quantized CPU kernels in plain C++: any CPU, compiled with the build's own flags. The
+// reference for the SIMD kernels' structure, and what runs where they cannot.
+#include <cmath>
+
+#include "quantized/quantized_cpu_kernel.h"
+
+namespace fastllm {
+namespace {
+
+struct Scalar {
+  static constexpr int kActRows = 4, kTileRows = 4;
+  struct Ints {
+    int16_t v[kSubBlockValues];
+  };
+  using Acc = float;
+
+  template <BlockFormat F, int kSub>
+  static Ints weights(const uint8_t* block) {
+    Ints q;
+    sub_block_ints<F>(block, kSub, q.v);
+    return q;
+  }
+  template <BlockFormat F>
+  static const int16_t* activations(const ActivationBlocks& x, int64_t i) {
+    return x.values + i * kSubBlockValues;
+  }
+  static Acc zero() { return 0.f; }
+  static Acc dot_fma(const Ints& w, const int16_t* x, float scale, Acc acc) {
+    int64_t dot = 0;  // 32 products of up to 4096 * 32639 would overflow an int32
+    for (int j = 0; j < kSubBlockValues; ++j) dot += int32_t(w.v[j]) * x[j];
+    return std::fma(float(dot), scale, acc);
+  }
+  static void store_values(const Ints& w, float scale, float offset, float* out) {
+    for (int j = 0; j < kSubBlockValues; ++j) out[j] = std::fma(float(w.v[j]), scale, offset);
+  }
+  static float sum(Acc acc) { return acc; }
+};
+
+}  // namespace
+
+CpuKernels cpu_kernels_scalar(BlockFormat format) { return cpu_kernels_for<Scalar>(format); }
+
+}  // namespace fastllm
