@@ -25,6 +25,7 @@ from fastllm.kv_cache import PagedKVCache
 from fastllm.models import DecoderLM, hf_weight_map, load_model
 from fastllm.models.gguf import gguf_tensor_name, load_gguf
 from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
+from fastllm.models.quantized import SegmentedQuantizedLinear
 from tiny_hf import randomize_
 
 transformers.logging.set_verbosity_error()
@@ -272,11 +273,20 @@ def test_round_trip(hf_models, tmp_path, case, qtype):
     if qtype not in ("F32", "F16", "BF16"):  # block formats stay in their blocks
         assert state[next(n for n in state if n.endswith("down_proj.weight"))].dtype == torch.uint8
     for name, parts in hf_weight_map(model.config).items():
-        weight = state[name]
-        if weight.dtype == torch.uint8:  # kept in its blocks
-            module = model.get_submodule(name.rsplit(".", 1)[0])
-            weight = ops.dequantize(weight, module.weight_type)
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, SegmentedQuantizedLinear) and name.endswith(".weight"):
+            # parts in different formats
+            weight = torch.cat([ops.dequantize(getattr(module, f"segment{i}"), weight_type)
+                                for i, weight_type in enumerate(module.weight_types)])
+        else:
+            weight = state[name]
+            if weight.dtype == torch.uint8:  # kept in its blocks
+                weight = ops.dequantize(weight, module.weight_type)
         assert torch.equal(weight, torch.cat([twin_state[n] for n, _ in parts])), name
+    if qtype in MIXED:  # q and k in Q4_K, v in Q6_K: each part streams in its own format
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, SegmentedQuantizedLinear)
+        assert [ops.BLOCK_FORMATS[t][0] for t in qkv.weight_types] == ["Q4_K", "Q6_K"]
 
     tokens = prompt(model.config.vocab_size, n=17)
     got = prefill_logits(model, tokens)

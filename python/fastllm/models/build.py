@@ -17,7 +17,8 @@ from fastllm import ops
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
 from fastllm.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight,
-                                      Quantization, check_quantization, quantize_weight)
+                                      Quantization, SegmentedQuantizedLinear, check_quantization,
+                                      quantize_weight)
 
 __all__ = ["HFTensor", "build_model", "hf_weight_map"]
 
@@ -72,9 +73,11 @@ def build_model(config: ModelConfig,
 
     ``read(hf_name, shape)`` returns the checkpoint's tensor ``hf_name``, already checked to
     have ``shape``, as floats or as a :class:`QuantizedWeight`; the parts of each fused parameter
-    are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all blocks of
-    one format stays quantized (its layer becomes a :class:`QuantizedLinear` or
-    :class:`QuantizedEmbedding`); the others are cast to ``dtype``. Everything is placed on
+    are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all blocks
+    stays quantized: its layer becomes a :class:`QuantizedLinear` or
+    :class:`QuantizedEmbedding`, or, when its parts are in different formats (a Q4_K_M file's
+    Q6_K ``attn_v`` beside Q4_K q and k), a :class:`SegmentedQuantizedLinear`. The others are
+    cast to ``dtype``. Everything is placed on
     ``device``. On the CPU, float32 models keep 16-bit projection, embedding and LM-head
     weights (a float16 GGUF, a bfloat16 checkpoint) in 16 bits: the linear op converts them
     exactly as it reads them, so the sums are the upcast weights' from half the bytes.
@@ -89,13 +92,17 @@ def build_model(config: ModelConfig,
     scheme = check_quantization(quantization)
     state: dict[str, Tensor] = {}
     quantized: dict[str, int] = {}  # parameter name -> ggml type of its blocks
+    segmented: dict[str, list[tuple[Tensor, int]]] = {}  # parameter name -> its format runs
     for name, parts in hf_weight_map(config).items():
         tensors = [read(hf_name, shape) for hf_name, shape in parts]
-        types = {t.weight_type for t in tensors if isinstance(t, QuantizedWeight)}
-        if len(types) == 1 and all(isinstance(t, QuantizedWeight) for t in tensors) \
-                and _QUANTIZABLE.search(name):
-            state[name] = torch.cat([t.data for t in tensors]).to(device)
-            quantized[name] = types.pop()
+        if all(isinstance(t, QuantizedWeight) for t in tensors) and _QUANTIZABLE.search(name):
+            runs = _format_runs(tensors, device)
+            if len(runs) == 1:
+                state[name], quantized[name] = runs[0]
+            else:  # parts in different formats: each run of rows stays in its own
+                segmented[name] = runs
+                module = name.rsplit(".", 1)[0]
+                state.update({f"{module}.segment{i}": data for i, (data, _) in enumerate(runs)})
             continue
         tensors = [ops.dequantize(t.data, t.weight_type, torch.float32)
                    if isinstance(t, QuantizedWeight) else t for t in tensors]
@@ -115,6 +122,8 @@ def build_model(config: ModelConfig,
         model = DecoderLM(config)
         for name, weight_type in quantized.items():
             _quantize_module(model, name, state[name], weight_type, dtype)
+        for name, runs in segmented.items():
+            _segment_module(model, name, runs)
     model.load_state_dict(state, strict=True, assign=True)
     model.init_rope_cache()
     return model.eval()
@@ -144,6 +153,30 @@ def _quantized_type(name: str, scheme: Quantization, config: ModelConfig) -> int
 
 def _block_values(weight_type: int) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(weight_type)][0]
+
+
+def _format_runs(parts: list[QuantizedWeight],
+                 device: torch.device | str) -> list[tuple[Tensor, int]]:
+    """Consecutive parts of one format concatenated: ``(blocks, ggml type)`` per run."""
+    runs: list[tuple[list[Tensor], int]] = []
+    for part in parts:
+        if runs and runs[-1][1] == part.weight_type:
+            runs[-1][0].append(part.data)
+        else:
+            runs.append(([part.data], part.weight_type))
+    return [(torch.cat(data).to(device), weight_type) for data, weight_type in runs]
+
+
+def _segment_module(model: DecoderLM, name: str, runs: list[tuple[Tensor, int]]) -> None:
+    """Swaps the float linear owning ``name`` for a :class:`SegmentedQuantizedLinear` of
+    ``runs`` (on the meta device, as :func:`_quantize_module`)."""
+    parent_path, _, attr = name.rsplit(".", 1)[0].rpartition(".")
+    parent = model.get_submodule(parent_path)
+    module = getattr(parent, attr)
+    bias = None if module.bias is None else torch.empty_like(module.bias)
+    placeholders = [(torch.empty(data.shape, dtype=torch.uint8), weight_type)
+                    for data, weight_type in runs]
+    setattr(parent, attr, SegmentedQuantizedLinear(placeholders, bias))
 
 
 def _quantize_module(model: DecoderLM, name: str, weight: Tensor, weight_type: int,

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from fastllm import ops
 
 __all__ = ["QUANTIZATIONS", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight",
-           "Quantization", "check_quantization", "quantize_weight"]
+           "Quantization", "SegmentedQuantizedLinear", "check_quantization", "quantize_weight"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,33 @@ class QuantizedLinear(nn.Module):
         name, _, _ = ops.BLOCK_FORMATS[self.weight_type]
         rows, values = QuantizedWeight(self.weight, self.weight_type).shape
         return f"{name}, in_features={values}, out_features={rows}, bias={self.bias is not None}"
+
+
+class SegmentedQuantizedLinear(nn.Module):
+    """A fused projection whose parts are blocks of different formats (a Q4_K_M file keeps
+    ``attn_v`` in Q6_K beside Q4_K q and k): each run of output rows in one format is its own
+    buffer (``segment0``, ``segment1``, ...) and :func:`fastllm.ops.quantized_linear` call, the
+    outputs side by side, so every part streams in its own bits."""
+
+    def __init__(self, segments: list[tuple[Tensor, int]], bias: Tensor | None = None) -> None:
+        super().__init__()
+        for i, (weight, _) in enumerate(segments):
+            self.register_buffer(f"segment{i}", weight)
+        self.weight_types = tuple(weight_type for _, weight_type in segments)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        outputs, start = [], 0
+        for i, weight_type in enumerate(self.weight_types):
+            weight = getattr(self, f"segment{i}")
+            bias = None if self.bias is None else self.bias[start:start + weight.shape[0]]
+            outputs.append(ops.quantized_linear(x, weight, weight_type, bias))
+            start += weight.shape[0]
+        return torch.cat(outputs, dim=1)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{ops.BLOCK_FORMATS[t][0]} x {getattr(self, f'segment{i}').shape[0]}"
+                         for i, t in enumerate(self.weight_types))
 
 
 class QuantizedEmbedding(nn.Module):
