@@ -28,10 +28,12 @@ namespace {
 
 constexpr int64_t kTileRows = 256;  // query rows (positions x group heads) per tile
 constexpr int64_t kTileKeys = 256;  // keys per inner step
-constexpr int64_t kMinKeysPerSplit = 512;
+// A decode step reads every cached K/V row once, so from a few hundred keys on it is bound by
+// memory bandwidth, which one thread does not saturate: split the keys from there.
+constexpr int64_t kMinKeysPerSplit = 128;
 // Below this many multiply-adds a call runs on the calling thread: waking OpenMP workers that
 // went to sleep costs more than the work (decode of short sequences, tiny prefills).
-constexpr int64_t kMinParallelWork = int64_t(1) << 20;
+constexpr int64_t kMinParallelWork = int64_t(1) << 17;
 // Tiles of at most this many rows (decode: one position x the GQA group) read K and V rows in
 // place instead of packing them for the tile GEMM, which needs many rows to pay off.
 constexpr int64_t kDirectMaxRows = 8;
