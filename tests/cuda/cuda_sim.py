@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+import threading
 from pathlib import Path
 
 import torch
@@ -90,10 +91,13 @@ def build() -> Path:
     library = out / "libfastllm_cuda_sim.so"
     if library.exists():
         return library
-    out.mkdir(parents=True, exist_ok=True)
+    # Objects go to this build's own folder: a concurrent or interrupted build of the same
+    # content (another pytest process) never deletes or half-writes the objects this one links.
+    work = out / f"build-{os.getpid()}-{threading.get_ident()}"
+    work.mkdir(parents=True, exist_ok=True)
 
     def compile_unit(unit: Path) -> Path:
-        obj = out / (str(unit.relative_to(ROOT)).replace("/", "_") + ".o")
+        obj = work / (str(unit.relative_to(ROOT)).replace("/", "_") + ".o")
         result = subprocess.run([compiler, *flags, "-x", "c++", "-c", str(unit), "-o", str(obj)],
                                 capture_output=True, text=True)
         if result.returncode != 0:
@@ -103,7 +107,7 @@ def build() -> Path:
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         objects = list(pool.map(compile_unit, UNITS))
     torch_lib = Path(torch.__file__).parent / "lib"
-    partial = out / "partial.so"
+    partial = work / "partial.so"
     result = subprocess.run(
         [compiler, "-shared", "-o", str(partial), *map(str, objects), f"-L{torch_lib}",
          f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-Wl,--no-undefined"],
@@ -114,8 +118,7 @@ def build() -> Path:
     for stale in BUILDS.iterdir():  # one build is kept: older contents are never loaded again
         if stale != out:
             shutil.rmtree(stale, ignore_errors=True)
-    for obj in objects:
-        obj.unlink()
+    shutil.rmtree(work, ignore_errors=True)
     return library
 
 
