@@ -40,6 +40,9 @@ constexpr int64_t kMaxUpcastStreamRows = 16;
 // bandwidth (four reached about 80% of it).
 constexpr int kActRows = 4;
 constexpr int kTileRows = 8;
+// The float path asks for the next tile's weights as it reads this one's (as the quantized
+// kernel does): SmolLM2's F16 projections, 2 threads, 15.8 -> 18.3 GB/s.
+constexpr int kPrefetchRows = 8;
 
 // out[m][r] = dot(x[m], w[r]) for M activation rows and R weight rows, float32 sums.
 template <int M, int R, typename scalar_t>
@@ -52,7 +55,10 @@ inline void dot_tile(const float* x, const scalar_t* w, int64_t ldw, int64_t k_l
   int64_t k = 0;
   for (; k + W <= k_len; k += W) {
     VecF wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load_as_float(w + r * ldw + k);
+    for (int r = 0; r < R; ++r) {
+      __builtin_prefetch(w + (r + kPrefetchRows) * ldw + k);
+      wv[r] = load_as_float(w + r * ldw + k);
+    }
     for (int m = 0; m < M; ++m) {
       const VecF xv = VecF::loadu(x + m * k_len + k);
       for (int r = 0; r < R; ++r) acc[m][r] = at::vec::fmadd(xv, wv[r], acc[m][r]);
