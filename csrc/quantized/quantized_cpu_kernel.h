@@ -165,6 +165,11 @@ template <class Isa, BlockFormat F>
 void decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, int64_t begin,
                  int64_t end, const float* bias, float* y, int64_t ldy) {
   int64_t n = begin;
+  // One activation row leaves registers for twice the weight rows: twice the streams in flight
+  // (a Qwen3-0.6B shape's Q8_0 products, 2 threads: 13 -> 17.6 GB/s).
+  if (x.rows == 1)
+    for (; n + 2 * Isa::kTileRows <= end; n += 2 * Isa::kTileRows)
+      tile_all_rows<Isa, F, 2 * Isa::kTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
   for (; n + Isa::kTileRows <= end; n += Isa::kTileRows)
     tile_all_rows<Isa, F, Isa::kTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
   for (; n < end; ++n) tile_all_rows<Isa, F, 1>(x, w + n * ldw, ldw, bias, y, ldy, n);
