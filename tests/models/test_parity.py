@@ -334,3 +334,35 @@ def test_attention_metadata_layout():
                                                                torch.int64)
     with pytest.raises(ValueError, match="holds 3 tokens, so it cannot have 4 new ones"):
         metadata_for(cache, [6], [4])
+
+
+def test_layers_rebind_after_load_and_by_hand(tmp_path):
+    """The model runs its layers as functions bound to the weights (DecoderLayer.bind): loading
+    new weights rebinds them, and so does unbind_layers after a parameter replaced by hand; the
+    logits then equal those of a model loaded with the new weights."""
+    hf = AutoModelForCausalLM.from_config(hf_config("qwen3-qk-norm"), attn_implementation="eager",
+                                          dtype=torch.float32)
+    randomize_(hf, seed=1, bias_scale=0.1)
+    hf.save_pretrained(tmp_path / "a")
+    randomize_(hf, seed=2, bias_scale=0.1)
+    hf.save_pretrained(tmp_path / "b")
+    model, other = load_model(tmp_path / "a"), load_model(tmp_path / "b")
+    tokens = prompts(model, [9], seed=3)
+
+    def logits(m: DecoderLM) -> torch.Tensor:
+        cache = shuffled_cache(m)
+        cache.block_manager.allocate(0, tokens[0])
+        return run_step(m, cache, [0], tokens)[0]
+
+    before, expected = logits(model), logits(other)
+    assert not torch.allclose(before, expected)
+    model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+    torch.testing.assert_close(logits(model), expected, atol=0, rtol=0)
+
+    down = model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.zeros_like(down.weight), requires_grad=False)
+    model.unbind_layers()
+    changed = logits(model)
+    assert not torch.allclose(changed, expected)
+    other.layers[1].mlp.down_proj.weight.zero_()
+    torch.testing.assert_close(changed, logits(other), atol=0, rtol=0)

@@ -10,6 +10,7 @@ plain matmuls, with q/k/v fused into one and gate/up into another.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -32,12 +33,22 @@ DEFAULT_ROPE_POSITIONS = 8192
 _ROPE_TABLE_LOCK = threading.Lock()
 
 
+# A layer bound to its weights: a plain function (see DecoderLayer.bind).
+LayerStep = Callable[[Tensor, "Tensor | None", Tensor, AttentionMetadata, Tensor, Tensor, Tensor,
+                      bool], "tuple[Tensor, Tensor]"]
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` through :func:`fastllm.ops.linear` (a decode step streams its weights
     at memory bandwidth); parameters and names as ``nn.Linear``'s. Inputs ``[tokens, in]``."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.bind()(x)
+
+    def bind(self) -> Callable[[Tensor], Tensor]:
+        """This layer as a function of ``x`` over its current weights."""
+        weight, bias = self.weight, self.bias
+        return lambda x: ops.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -51,10 +62,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        ops.add_rms_norm(x, residual, self.weight, self.eps)
-        return x, residual
+        return self.bind()(x, residual)
+
+    def bind(self) -> Callable[..., Tensor | tuple[Tensor, Tensor]]:
+        """This norm as a function of ``(x, residual=None)`` over its current weight."""
+        weight, eps = self.weight, self.eps
+
+        def norm(x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+            if residual is None:
+                return ops.rms_norm(x, weight, eps)
+            ops.add_rms_norm(x, residual, weight, eps)
+            return x, residual
+        return norm
 
 
 class Attention(nn.Module):
@@ -75,37 +94,50 @@ class Attention(nn.Module):
         self.use_rope = config.rope_layers[layer]
         self.window_left = config.window_left(layer)
 
-    def rotate(self, positions: Tensor, q: Tensor, k: Tensor, cos_sin_cache: Tensor,
-               pre_rope: bool) -> Tensor | None:
-        """Applies RoPE in place to q, and to k unless the cache holds keys before RoPE; then
-        returns the table attention rotates the cached keys with. NoPE layers rotate nothing."""
-        if not self.use_rope:
-            return None
-        ops.rotary_embedding(positions, q, None if pre_rope else k, cos_sin_cache, is_neox=True)
-        return cos_sin_cache if pre_rope else None
-
     def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
                 v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)  # strided views of one matmul
-        q = q.view(tokens, self.n_heads, self.head_dim)  # [T, n_heads, head_dim]
-        k = k.view(tokens, self.n_kv_heads, self.head_dim)  # [T, n_kv_heads, head_dim]
-        v = v.view(tokens, self.n_kv_heads, self.head_dim)  # [T, n_kv_heads, head_dim]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        key_rotation = self.rotate(positions, q, k, cos_sin_cache, pre_rope)
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.keys_are_new and key_rotation is None:
-            # The packed prefill kernel on the step's own (rotated) K/V: on a GPU the tensor-core
-            # one; on the CPU the same kernel paged attention runs, so the same bits.
-            out = ops.attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
-                                meta.max_seqlen_q, causal=True, window_left=self.window_left)
-        else:
-            out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.cu_seqlens_q, meta.max_seqlen_q, causal=True,
-                                      window_left=self.window_left,
-                                      rotary_cos_sin_cache=key_rotation)  # [T, n_heads, head_dim]
-        return self.o_proj(out.view(tokens, -1))  # [T, hidden]
+        return self.bind()(x, positions, meta, k_cache, v_cache, cos_sin_cache, pre_rope)
+
+    def bind(self) -> Callable[..., Tensor]:
+        """This block as a function of :meth:`forward`'s arguments over its current weights."""
+        qkv_proj, o_proj = self.qkv_proj.bind(), self.o_proj.bind()
+        q_norm, k_norm = (self.q_norm.bind(), self.k_norm.bind()) if self.qk_norm else (None, None)
+        n_heads, n_kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
+        split_sizes, use_rope, window_left = list(self.split_sizes), self.use_rope, self.window_left
+
+        def attend(x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
+                   v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
+            tokens = x.shape[0]
+            # Strided views of one matmul: q [T, n_heads, head_dim], k and v [T, n_kv_heads, ..].
+            q, k, v = qkv_proj(x).split_with_sizes(split_sizes, dim=-1)
+            q = q.view(tokens, n_heads, head_dim)
+            k = k.view(tokens, n_kv_heads, head_dim)
+            v = v.view(tokens, n_kv_heads, head_dim)
+            if q_norm is not None:
+                q, k = q_norm(q), k_norm(k)
+            # RoPE in place on q, and on k unless the cache holds keys before RoPE: then
+            # attention rotates the cached keys with the table as it reads them. NoPE layers
+            # rotate nothing.
+            key_rotation = None
+            if use_rope:
+                ops.rotary_embedding(positions, q, None if pre_rope else k, cos_sin_cache,
+                                     is_neox=True)
+                key_rotation = cos_sin_cache if pre_rope else None
+            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            if meta.keys_are_new and key_rotation is None:
+                # The packed prefill kernel on the step's own (rotated) K/V: on a GPU the
+                # tensor-core one; on the CPU the same kernel paged attention runs, so the same
+                # bits.
+                out = ops.attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q,
+                                    meta.max_seqlen_q, meta.max_seqlen_q, causal=True,
+                                    window_left=window_left)
+            else:
+                out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                          meta.cu_seqlens_q, meta.max_seqlen_q, causal=True,
+                                          window_left=window_left,
+                                          rotary_cos_sin_cache=key_rotation)
+            return o_proj(out.view(tokens, -1))  # [T, hidden]
+        return attend
 
 
 class MLP(nn.Module):
@@ -120,7 +152,12 @@ class MLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # gate|up [T, 2 * inter]
+        return self.bind()(x)
+
+    def bind(self) -> Callable[[Tensor], Tensor]:
+        """This block as a function of ``x`` over its current weights."""
+        gate_up_proj, down_proj = self.gate_up_proj.bind(), self.down_proj.bind()
+        return lambda x: down_proj(ops.silu_and_mul(gate_up_proj(x)))  # gate|up [T, 2 * inter]
 
 
 class DecoderLayer(nn.Module):
@@ -139,13 +176,28 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None, positions: Tensor,
                 meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
                 pre_rope: bool) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, meta, k_cache, v_cache, cos_sin_cache, pre_rope)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.bind()(x, residual, positions, meta, k_cache, v_cache, cos_sin_cache,
+                           pre_rope)
+
+    def bind(self) -> LayerStep:
+        """This layer as a plain function of :meth:`forward`'s arguments over its current
+        weights: its parts' :meth:`bind` functions, called without ``nn.Module``'s call and
+        attribute lookups (a decode step makes about ten calls a layer, each wrapping an op
+        that takes a few microseconds)."""
+        input_norm, attend = self.input_layernorm.bind(), self.self_attn.bind()
+        post_norm, mlp = self.post_attention_layernorm.bind(), self.mlp.bind()
+
+        def step(x: Tensor, residual: Tensor | None, positions: Tensor, meta: AttentionMetadata,
+                 k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
+                 pre_rope: bool) -> tuple[Tensor, Tensor]:
+            if residual is None:
+                x, residual = input_norm(x), x
+            else:
+                x, residual = input_norm(x, residual)
+            x = attend(x, positions, meta, k_cache, v_cache, cos_sin_cache, pre_rope)
+            x, residual = post_norm(x, residual)
+            return mlp(x), residual
+        return step
 
 
 class DecoderLM(nn.Module):
@@ -154,11 +206,20 @@ class DecoderLM(nn.Module):
     Parameter names are fastllm's own (``layers.{i}.self_attn.qkv_proj.weight``, ...);
     :func:`fastllm.models.loader.load_model` maps HF checkpoints onto them. With tied
     embeddings there is no ``lm_head``: :meth:`compute_logits` reads ``embed_tokens.weight``.
+
+    :meth:`forward` runs the layers as plain functions bound to their weights
+    (:meth:`DecoderLayer.bind`), bound at the first forward and again after ``load_state_dict``
+    or a move (``.to()`` and the like): nn.Module calls and attribute lookups cost more than the
+    small ops of a decode step (SmolLM2's 30 layers: 3.3 -> 1.7 ms of Python a token). Forward
+    hooks on the layers therefore do not run; after replacing a submodule or parameter by hand,
+    call :meth:`unbind_layers`.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self._layer_steps: list[LayerStep] | None = None
+        self.register_load_state_dict_post_hook(lambda module, _: module.unbind_layers())
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -197,6 +258,15 @@ class DecoderLM(nn.Module):
                 self.init_rope_cache(max_model_len)
                 self._replaced_rope_tables.append(replaced)
 
+    def unbind_layers(self) -> None:
+        """Forgets the layers' bound functions: the next forward binds them to the weights
+        then in place."""
+        self._layer_steps = None
+
+    def _apply(self, fn, recurse: bool = True):  # every move or cast (.to, .cuda, to_empty...)
+        self.unbind_layers()
+        return super()._apply(fn, recurse)
+
     @property
     def dtype(self) -> torch.dtype:
         """The activations' dtype (the norms' weights', which are never quantized)."""
@@ -225,9 +295,12 @@ class DecoderLM(nn.Module):
         """
         # [T, hidden]; an embedding stored in 16 bits (models/build.py) looks up in its dtype.
         x, residual = self.embed_tokens(input_ids).to(self.dtype), None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache.layers):
-            x, residual = layer(x, residual, positions, meta, k_cache, v_cache,
-                                self.cos_sin_cache, kv_cache.pre_rope)
+        if self._layer_steps is None:
+            self._layer_steps = [layer.bind() for layer in self.layers]
+        cos_sin_cache, pre_rope = self.cos_sin_cache, kv_cache.pre_rope
+        for step, (k_cache, v_cache) in zip(self._layer_steps, kv_cache.layers):
+            x, residual = step(x, residual, positions, meta, k_cache, v_cache, cos_sin_cache,
+                               pre_rope)
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
