@@ -8,6 +8,8 @@ the scheduler decided everything about KV placement before, and learns what was 
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import torch
@@ -87,11 +89,11 @@ class StepLogits:
 
 def attention_metadata(batch: ScheduledBatch, device: torch.device | str) -> AttentionMetadata:
     """The batch's metadata on ``device`` (copied once, without waiting for the device)."""
-    counts = torch.tensor([len(s.token_ids) for s in batch.sequences], dtype=torch.int64)
-    cu_seqlens_q = torch.nn.functional.pad(torch.cumsum(counts, 0), (1, 0)).to(torch.int32)
+    counts = [len(s.token_ids) for s in batch.sequences]
+    cu_seqlens_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
     return AttentionMetadata(
         cu_seqlens_q=to_device(cu_seqlens_q, device),
-        max_seqlen_q=max((len(s.token_ids) for s in batch.sequences), default=0),
+        max_seqlen_q=max(counts, default=0),
         seq_lens=to_device(batch.seq_lens, device),
         block_tables=to_device(batch.block_tables, device),
         slot_mapping=to_device(batch.slot_mapping, device),

@@ -369,17 +369,21 @@ def layout_batch(block_manager: BlockManager,
                  sequences: list[ScheduledSequence]) -> ScheduledBatch:
     """The batch of ``sequences`` (which hold their new tokens in the block manager): block
     tables, slot mapping, positions and key counts."""
-    new = torch.tensor([len(s.token_ids) for s in sequences], dtype=torch.int64)
-    starts = torch.tensor([s.start for s in sequences], dtype=torch.int64)
     block_tables = block_manager.block_tables([s.seq_id for s in sequences])  # [B, W]
-    seq_index = torch.repeat_interleave(torch.arange(len(sequences)), new)  # [T]
-    first_rows = torch.cumsum(new, 0) - new  # [B] first packed row of each sequence
-    positions = starts[seq_index] + torch.arange(int(new.sum())) - first_rows[seq_index]
     block_size = block_manager.block_size
-    blocks = block_tables[seq_index, positions // block_size].long()  # [T]
+    # Plain Python over the host lists: a decode step's batch is a few values, where each tensor
+    # op would cost microseconds.
+    positions: list[int] = []
+    slots: list[int] = []
+    for table, sequence in zip(block_tables.tolist(), sequences):
+        span = range(sequence.start, sequence.start + len(sequence.token_ids))
+        positions.extend(span)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+    seq_lens = [s.start + len(s.token_ids) for s in sequences]
     return ScheduledBatch(sequences=sequences, block_tables=block_tables,
-                          slot_mapping=blocks * block_size + positions % block_size,
-                          positions=positions, seq_lens=(starts + new).to(torch.int32))
+                          slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                          positions=torch.tensor(positions, dtype=torch.int64),
+                          seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
 
 
 def batch_of_sequences(block_manager: BlockManager, seq_ids: Sequence[int],
