@@ -72,6 +72,15 @@ std::vector<CpuIsa> supported_cpu_isas() {
   return isas;
 }
 
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 CpuIsa cpu_isa() {
   int isa = current.load(std::memory_order_relaxed);
   if (isa < 0) {

@@ -26,4 +26,8 @@ CpuIsa cpu_isa();
 // lacks it.
 CpuIsa set_cpu_isa(CpuIsa isa);
 
+// Whether the CPU has AVX512-BF16: bfloat16 dot products at twice float32's multiply rate, which
+// oneDNN's bfloat16 GEMM (ATen's bfloat16 matmul) uses.
+bool cpu_has_avx512_bf16();
+
 }  // namespace fastllm

@@ -22,7 +22,8 @@ namespace fastllm {
 namespace {
 
 // Up to this many activation rows the integer kernel streams the weights once for all of them;
-// past it the product is compute-bound and the dequantize + GEMM path wins.
+// past it the product is compute-bound and the dequantize + GEMM path wins (decode rows and
+// prefill rows differ in their last bits: int16 activations against a GEMM's).
 constexpr int64_t kMaxStreamRows = 16;
 // Weight rows dequantized at a time on the GEMM path (a tile of a few hundred KiB stays in L2).
 constexpr int64_t kGemmTileRows = 128;
@@ -132,6 +133,11 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   if (rows > kMaxStreamRows) {
     // Compute-bound: dequantized tiles of weight rows through ATen's GEMM, tile by tile, so the
     // float copy never exceeds a tile.
+    // Where the CPU multiplies bfloat16 natively, the tiles and the activations go through the
+    // bfloat16 GEMM (float32 sums, a bfloat16 result): about 1.7x the float32 GEMM's speed,
+    // within 2^-7 of the sum of |x w| (llama.cpp's 8-bit activations err about as much).
+    const bool bf16 = cpu_isa() == CpuIsa::kAvx512 && cpu_has_avx512_bf16();
+    const auto x_bf16 = bf16 ? x_float.to(at::kBFloat16) : at::Tensor();
     auto tile = at::empty({std::min(kGemmTileRows, n_out), k_len}, x_float.options());
     for (int64_t n = 0; n < n_out; n += kGemmTileRows) {
       const int64_t end = std::min(n_out, n + kGemmTileRows);
@@ -141,7 +147,10 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
         cpu.dequantize_rows(w, ldw, begin, stop, k_len, dst + (begin - n) * k_len);
       });
       auto y_tile = y_float.narrow(1, n, end - n);
-      at::mm_out(y_tile, x_float, w_tile.t());
+      if (bf16)
+        y_tile.copy_(at::mm(x_bf16, w_tile.to(at::kBFloat16).t()));
+      else
+        at::mm_out(y_tile, x_float, w_tile.t());
     }
     if (bias.has_value()) y_float.add_(bias->to(at::kFloat));
   } else {
