@@ -35,7 +35,8 @@ constexpr const char* kSchemas[] = {
     "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, *, bool causal=True, "
     "float? scale=None, int window_left=-1, Tensor? rotary_cos_sin_cache=None, "
     "bool rotary_is_neox=True) -> Tensor",
-    // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips).
+    // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips),
+    // rounded to the caches' dtype where it is narrower.
     "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor slot_mapping) -> ()",
     // x [rows, in] times weight [out, in] transposed, plus bias: F.linear for 2-D inputs. On

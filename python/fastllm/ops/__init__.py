@@ -150,8 +150,10 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
     """Writes new tokens' K and V rows into their cache slots, in place.
 
     Args:
-        key, value: ``[tokens, n_kv_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, n_kv_heads, head_dim]``, key's dtype.
+        key, value: ``[tokens, n_kv_heads, head_dim]``, one dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, n_kv_heads, head_dim]``, in key's dtype
+            or, under float32 key and value, in bfloat16 or float16: each value is then rounded
+            to nearest even, as ``Tensor.to`` rounds.
         slot_mapping: int64 ``[tokens]``; token ``t`` goes to block ``slot // block_size``,
             offset ``slot % block_size``; a negative slot skips the token (padding). A slot past
             the cache is a ``ValueError`` and nothing is written.

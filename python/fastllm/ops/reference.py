@@ -89,7 +89,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 
 def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-    """Twin of :func:`fastllm.ops.reshape_and_cache`; returns updated copies of the caches."""
+    """Twin of :func:`fastllm.ops.reshape_and_cache`; returns updated copies of the caches (rows
+    rounded to the caches' dtype by the assignment, as ``Tensor.to`` rounds)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
