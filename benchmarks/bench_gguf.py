@@ -26,8 +26,9 @@ llama.cpp, fastllm, ...) after a warm-up call each; every call generates ``1 +
 DL19 passages (``--models-dir``) tokenized once by fastllm's tokenizer for the file, the ids
 fed to both.
 
-- fastllm: ``fastllm.LLM(path, dtype=--dtype, max_model_len=..., enable_prefix_caching=False)``
-  then ``generate([ids], SamplingParams(temperature=0, max_tokens=1 + n, ignore_eos=True))``,
+- fastllm: ``fastllm.LLM(path, dtype=--dtype, max_model_len=..., enable_prefix_caching=False,
+  kv_cache_dtype="float16")`` (the KV precision of llama.cpp's default F16 cache) then
+  ``generate([ids], SamplingParams(temperature=0, max_tokens=1 + n, ignore_eos=True))``,
   torch at ``--threads`` threads; TTFT and decode times from the request's metrics;
 - llama.cpp: ``Llama(path, n_threads=--threads, n_threads_batch=--threads, n_ctx=1024,
   n_batch=512, verbose=False)``; per call ``reset()`` (so no KV is reused from the last call)
@@ -88,6 +89,8 @@ from eval_rerank_dl19 import load_dl19
 COMPETITORS = {"fastllm": "fastllm", "llama_cpp": "llama.cpp"}
 GOAL_DECODE_SPEEDUP = 1.0  # fastllm decode tokens/s over llama.cpp's, at least (1.3 hoped for)
 GOAL_TTFT_SPEEDUP = 1.0  # llama.cpp's TTFT over fastllm's, at least
+# fastllm's KV cache stores what llama.cpp's does by default (type_k = type_v = F16).
+FASTLLM_KV_CACHE_DTYPE = "float16"
 SMOLLM2, QWEN3 = "smollm2", "qwen3-0.6b"
 FILES = ("smollm2:Q4_1", "smollm2:F16", "smollm2:Q8_0", "smollm2:Q4_0", "smollm2:Q4_K_M",
          "qwen3-0.6b:Q8_0", "qwen3-0.6b:Q4_K_M")
@@ -330,6 +333,12 @@ def prompt_text(config: GGUFBenchConfig) -> str:
     return "\n\n".join(hit["content"] for hit in load_dl19(config.models_dir)[0]["hits"])
 
 
+def fastllm_kv_cache_dtype(config: GGUFBenchConfig) -> str:
+    """float16, as llama.cpp's cache, under float32 activations; a 16-bit --dtype's own (a
+    cache of another dtype serves float32 activations only)."""
+    return FASTLLM_KV_CACHE_DTYPE if config.dtype == "float32" else config.dtype
+
+
 def file_row(name: str, config: GGUFBenchConfig, text: str) -> dict[str, object]:
     """Loads both engines on the file ``name``, times them interleaved; returns the row."""
     llama_cpp = _llama_cpp()
@@ -345,7 +354,7 @@ def file_row(name: str, config: GGUFBenchConfig, text: str) -> dict[str, object]
     row.update(copy_bandwidths(config))
     llm = fastllm.LLM(path, dtype=config.dtype,
                       max_model_len=config.prompt_len + 1 + config.decode_tokens,
-                      enable_prefix_caching=False)
+                      enable_prefix_caching=False, kv_cache_dtype=fastllm_kv_cache_dtype(config))
     prompt = llm.tokenizer.encode(text, add_special_tokens=False)[:config.prompt_len]
     if len(prompt) < config.prompt_len:
         raise ValueError(f"the prompt text has {len(prompt)} tokens, fewer than "
@@ -437,8 +446,9 @@ def tables(config: GGUFBenchConfig, rows: list[dict[str, object]]) -> dict[str, 
     traffic |= {"fastllm_streamed_gbps": "fastllm's own GB/s",
                 "copy_1t_gbps": "copy GB/s, 1 thread",
                 "copy_gbps": f"copy GB/s, {config.threads} threads"}
-    about = (f"{config.threads} threads each, fastllm in {config.dtype}; a {config.prompt_len}-"
-             f"token prompt, then 1 + {config.decode_tokens} greedy tokens; "
+    about = (f"{config.threads} threads each, fastllm in {config.dtype} with its KV cache in "
+             f"{fastllm_kv_cache_dtype(config)} (llama.cpp's default cache: F16); a "
+             f"{config.prompt_len}-token prompt, then 1 + {config.decode_tokens} greedy tokens; "
              f"the Qwen3-0.6B shape with {config.qwen3_layers} layers, random weights. Speedups "
              "above 1: fastllm faster.")
     bandwidth = ("MB/token: weight bytes a decode step reads from the file (all tensors but the "

@@ -30,12 +30,13 @@ constexpr const char* kSchemas[] = {
     // Attention of packed queries over K/V read through block tables from paged caches
     // [num_blocks, block_size, n_kv_heads, head_dim]: decode and chunked prefill, same
     // semantics. With a cos|sin table the cached keys are pre-RoPE and rotated on read by their
-    // position.
+    // position. Under float32 q the caches may be bfloat16 / float16.
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, *, bool causal=True, "
     "float? scale=None, int window_left=-1, Tensor? rotary_cos_sin_cache=None, "
     "bool rotary_is_neox=True) -> Tensor",
-    // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips).
+    // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips),
+    // rounded to the caches' dtype where it is narrower.
     "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor slot_mapping) -> ()",
     // x [rows, in] times weight [out, in] transposed, plus bias: F.linear for 2-D inputs. On

@@ -22,7 +22,8 @@ AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
                                      int64_t max_seqlen_k, int64_t window_left);
 
 // Metadata checks of paged attention: q as in attention, caches [num_blocks, block_size,
-// n_kv_heads, head_dim], block_tables int32 [batch, max_blocks], seq_lens int32 [batch].
+// n_kv_heads, head_dim] of q's dtype or, under float32 q, of bfloat16 / float16 (read back as
+// float32), block_tables int32 [batch, max_blocks], seq_lens int32 [batch].
 AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache,
                                            const at::Tensor& block_tables,

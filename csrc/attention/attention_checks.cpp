@@ -72,7 +72,8 @@ AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor
   check_float_storage(q, "q");
   for (const auto& [cache, name] :
        {std::pair(&k_cache, "k_cache"), std::pair(&v_cache, "v_cache")}) {
-    check_same_dtype(*cache, name, q, "q");
+    check_float_storage(*cache, name);
+    check_kv_cache_dtype(*cache, name, q, "q");
     check_same_device(*cache, name, q, "q");
   }
   check_paged_caches(k_cache, v_cache);

@@ -71,7 +71,8 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
   const auto lens = seq_lens.to(at::kCPU).contiguous();
   check_block_table_values(tables, lens, k_cache.size(0), k_cache.size(1));
   if (rotate_keys) check_key_rotary_positions(*rotary_cos_sin_cache, lens);
-  // Gather each sequence's keys into the packed layout, then attend as usual.
+  // Gather each sequence's keys into the packed layout in q's dtype (a cache of another dtype
+  // is read back exactly, as the CPU kernel reads it), then attend as usual.
   const int64_t block_size = k_cache.size(1);
   std::vector<at::Tensor> keys, values;
   std::vector<int32_t> cu_k{0};
@@ -80,21 +81,23 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
     const int64_t len = lens.const_data_ptr<int32_t>()[b];
     const int64_t n_blocks = (len + block_size - 1) / block_size;
     const auto blocks = tables[b].narrow(0, 0, n_blocks).to(at::kLong).to(q.device());
-    auto key = k_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len);
+    auto key = k_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len)
+                   .to(q.scalar_type());
     if (rotate_keys) {  // pre-RoPE cache: key j sits at position j of its sequence
       const auto positions = at::arange(len, q.options().dtype(at::kLong));
       rotary_embedding_composite(positions, key, std::nullopt, *rotary_cos_sin_cache,
                                  rotary_is_neox, std::nullopt);
     }
     keys.push_back(key);
-    values.push_back(v_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len));
+    values.push_back(
+        v_cache.index_select(0, blocks).flatten(0, 1).narrow(0, 0, len).to(q.scalar_type()));
     cu_k.push_back(cu_k.back() + int32_t(len));
     max_seqlen_k = std::max(max_seqlen_k, len);
   }
   const auto cu_seqlens_k = at::tensor(cu_k, at::kInt).to(q.device());
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   auto cat = [&](const std::vector<at::Tensor>& parts) {
-    return parts.empty() ? k_cache.new_empty({0, dims.n_kv_heads, dims.head_dim}) : at::cat(parts);
+    return parts.empty() ? q.new_empty({0, dims.n_kv_heads, dims.head_dim}) : at::cat(parts);
   };
   attention_out_composite(q, cat(keys), cat(values), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, causal, scale, window_left, out);

@@ -6,7 +6,10 @@
 // and run two small GEMMs per key block on packed K/V; decode-like tiles (few rows per kv head)
 // take every kv head and read K/V rows in place, so memory is streamed in order. The causal
 // (bottom-right) and sliding-window masks are computed from positions; key blocks no row can see
-// are never visited. Few tiles with long key ranges are split over the keys (split-KV).
+// are never visited. Few tiles with long key ranges are split over the keys (split-KV). Paged
+// caches may hold K/V in a narrower dtype than q (bfloat16 / float16 under float32 q): rows are
+// converted to float32 as they are read, like rows of q's dtype, so a decode step streams half
+// the bytes through the same code.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -281,11 +284,12 @@ void key_block_scores(const Problem& pb, const Tile& t, int64_t k0, int64_t nk, 
   });
 }
 
-// Unnormalized output (o), running max (m) and sum (l) of one tile over keys [k_begin, k_end).
-template <typename scalar_t>
+// Unnormalized output (o), running max (m) and sum (l) of one tile over keys [k_begin, k_end);
+// q in scalar_t, K and V rows in cache_t.
+template <typename scalar_t, typename cache_t>
 void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_end,
-                 const scalar_t* q, Strides3 qs, const scalar_t* k, const KeyLayout& kl,
-                 const scalar_t* v, const KeyLayout& vl, Scratch& sc) {
+                 const scalar_t* q, Strides3 qs, const cache_t* k, const KeyLayout& kl,
+                 const cache_t* v, const KeyLayout& vl, Scratch& sc) {
   const int64_t D = pb.head_dim, Dp = pb.head_dim_padded, hp = t.heads_per_pos(pb);
   const int64_t rows = t.rows(pb);
   float* qf = sc.q;
@@ -309,8 +313,8 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
     const int64_t nk_padded = round_up_to_vec(nk);
     float* s = sc.s;  // [rows, nk_padded]
     // Key c's K and V rows at the tile's first kv head (packed or paged alike).
-    const scalar_t* k_rows[kTileKeys];
-    const scalar_t* v_rows[kTileKeys];
+    const cache_t* k_rows[kTileKeys];
+    const cache_t* v_rows[kTileKeys];
     kl.fill_rows(t.seq, k0, nk, k + t.kv_head0 * kl.head, k_rows);
     vl.fill_rows(t.seq, k0, nk, v + t.kv_head0 * vl.head, v_rows);
     if (pb.rope_dim > 0) {
@@ -361,7 +365,7 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
       float* vf = sc.v;  // [nk, Dp]
       for (int64_t c = 0; c < nk; ++c) {
         float* dst = vf + c * Dp;
-        const scalar_t* src = v_rows[c];
+        const cache_t* src = v_rows[c];
         if (vl.dim == 1)
           at::vec::convert(src, dst, D);
         else
@@ -434,13 +438,13 @@ void parallel_dynamic(int64_t n, int64_t threads, const Problem& pb, int64_t max
   });
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const at::Tensor& q,
                       const at::Tensor& k, const KeyLayout& kl, const at::Tensor& v,
                       const KeyLayout& vl, const at::Tensor& out) {
   const scalar_t* qp = q.const_data_ptr<scalar_t>();
-  const scalar_t* kp = k.const_data_ptr<scalar_t>();
-  const scalar_t* vp = v.const_data_ptr<scalar_t>();
+  const cache_t* kp = k.const_data_ptr<cache_t>();
+  const cache_t* vp = v.const_data_ptr<cache_t>();
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const Strides3 qs(q), os(out);
   const int64_t n_tiles = tiles.size();
@@ -536,8 +540,9 @@ void run_attention(const Problem& pb, const at::Tensor& cu_seqlens_q,
                    const KeyLayout& vl, const at::Tensor& out) {
   const auto cu_q = cu_seqlens_q.contiguous();
   const auto tiles = make_tiles(pb, cu_q.const_data_ptr<int32_t>(), key_lens);
-  FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::attention_cpu", [&] {
-    attention_kernel<scalar_t>(pb, tiles, q, k, kl, v, vl, out);
+  // Packed K/V are in q's dtype; paged caches may be narrower (check_kv_cache_dtype).
+  FASTLLM_DISPATCH_KV_CACHE_TYPES(q.scalar_type(), k.scalar_type(), "fastllm::attention_cpu", [&] {
+    attention_kernel<scalar_t, cache_t>(pb, tiles, q, k, kl, v, vl, out);
   });
 }
 

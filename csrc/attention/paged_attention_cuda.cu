@@ -10,6 +10,7 @@
 
 #include "attention/attention.h"
 #include "attention/paged_attention_kernels.cuh"
+#include "common/checks.h"
 #include "common/cuda_host.h"
 #include "common/cuda_launch.cuh"
 #include "common/dispatch.h"
@@ -112,6 +113,12 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                 bool rotary_is_neox) {
   const AttentionDims dims = check_paged_attention_inputs(
       q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+  // The kernels stage K/V tiles in q's storage type; a cache of another dtype runs on the CPU
+  // (and in the composite), not here.
+  TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type(),
+                   "paged_attention on CUDA needs caches of q's dtype, got k_cache ",
+                   dtype_name(k_cache.scalar_type()), " and q ", dtype_name(q.scalar_type()),
+                   "; caches of another dtype are read on the CPU only");
   if (dims.head_dim > cuda::kPagedMaxHeadDim) {
     // No kernel shape holds such rows; the ATen composition is exact, if slow (and reads
     // seq_lens on the host, so it cannot be captured in a CUDA graph).

@@ -45,6 +45,19 @@ inline void check_float_storage(const at::Tensor& t, const char* name) {
                    " must be torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(dt));
 }
 
+// A KV cache against the activations it serves (q, or the key/value written into it): the same
+// dtype, or bfloat16/float16 under float32 activations (vLLM's kv_cache_dtype: converted as it
+// is written, read back as float32). A cache wider than the activations is refused.
+inline void check_kv_cache_dtype(const at::Tensor& cache, const char* name, const at::Tensor& act,
+                                 const char* act_name) {
+  const auto dt = cache.scalar_type(), act_dt = act.scalar_type();
+  const bool narrower = act_dt == at::kFloat && (dt == at::kBFloat16 || dt == at::kHalf);
+  TORCH_CHECK_TYPE(dt == act_dt || narrower, name, " has dtype ", dtype_name(dt), " but ",
+                   act_name, " has dtype ", dtype_name(act_dt), "; a cache of another dtype "
+                   "than ", act_name, "'s must be torch.bfloat16 or torch.float16 under "
+                   "torch.float32 ", act_name);
+}
+
 // An optional linear-layer bias [out_features] of x's dtype and device.
 inline void check_linear_bias(const std::optional<at::Tensor>& bias, const at::Tensor& x,
                               int64_t out_features) {

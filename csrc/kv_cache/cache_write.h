@@ -5,8 +5,9 @@
 
 namespace fastllm {
 
-// Metadata checks: key/value [tokens, n_kv_heads, head_dim], caches
-// [num_blocks, block_size, n_kv_heads, head_dim] of the same dtype, slot_mapping int64 [tokens].
+// Metadata checks: key/value [tokens, n_kv_heads, head_dim] of one dtype, caches
+// [num_blocks, block_size, n_kv_heads, head_dim] of key's dtype or, under float32 key/value, of
+// bfloat16 / float16 (rows converted as they are written), slot_mapping int64 [tokens].
 void check_cache_write_inputs(const at::Tensor& key, const at::Tensor& value,
                               const at::Tensor& k_cache, const at::Tensor& v_cache,
                               const at::Tensor& slot_mapping);

@@ -9,8 +9,9 @@ void check_cache_write_inputs(const at::Tensor& key, const at::Tensor& value,
   check_rank(key, 3, "key", "[tokens, n_kv_heads, head_dim]");
   check_rank(value, 3, "value", "[tokens, n_kv_heads, head_dim]");
   check_paged_caches(k_cache, v_cache);
-  check_same_dtype(key, "key", k_cache, "k_cache");
-  check_same_dtype(value, "value", k_cache, "k_cache");
+  check_float_storage(key, "key");
+  check_same_dtype(value, "value", key, "key");
+  check_kv_cache_dtype(k_cache, "k_cache", key, "key");
   for (const auto& [t, name] : {std::pair(&key, "key"), std::pair(&value, "value"),
                                 std::pair(&slot_mapping, "slot_mapping")})
     check_same_device(*t, name, k_cache, "k_cache");

@@ -17,8 +17,9 @@ void reshape_and_cache_composite(const at::Tensor& key, const at::Tensor& value,
   const auto slots = slot_mapping.masked_select(keep);
   const auto block = slots.div(k_cache.size(1), "floor"), offset = slots.remainder(k_cache.size(1));
   const auto rows = keep.nonzero().squeeze(1);
-  k_cache.index_put_({block, offset}, key.index_select(0, rows));
-  v_cache.index_put_({block, offset}, value.index_select(0, rows));
+  // Rounded to the cache's dtype first (a no-op where it is key's): index_put_ takes one dtype.
+  k_cache.index_put_({block, offset}, key.index_select(0, rows).to(k_cache.scalar_type()));
+  v_cache.index_put_({block, offset}, value.index_select(0, rows).to(v_cache.scalar_type()));
 }
 
 FASTLLM_COMPOSITE_IMPL(m) { m.impl("reshape_and_cache", &reshape_and_cache_composite); }

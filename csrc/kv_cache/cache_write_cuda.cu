@@ -31,10 +31,12 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   const auto slots = slot_mapping.contiguous();
   const int elements = int(key.size(1) * key.size(2));
   const int threads = int(std::min<int64_t>(512, ceil_div(elements, 32) * 32));
-  FASTLLM_DISPATCH_FLOAT_TYPES(k_cache.scalar_type(), "fastllm::reshape_and_cache_cuda", [&] {
-    launch_kernel(&cuda::reshape_and_cache_kernel<cuda_storage_t<scalar_t>>, unsigned(tokens),
-                  threads, 0, cuda_ptr<scalar_t>(k), cuda_ptr<scalar_t>(v),
-                  cuda_mutable_ptr<scalar_t>(k_cache), cuda_mutable_ptr<scalar_t>(v_cache),
+  FASTLLM_DISPATCH_KV_CACHE_TYPES(key.scalar_type(), k_cache.scalar_type(),
+                                  "fastllm::reshape_and_cache_cuda", [&] {
+    launch_kernel(&cuda::reshape_and_cache_kernel<cuda_storage_t<scalar_t>,
+                                                  cuda_storage_t<cache_t>>,
+                  unsigned(tokens), threads, 0, cuda_ptr<scalar_t>(k), cuda_ptr<scalar_t>(v),
+                  cuda_mutable_ptr<cache_t>(k_cache), cuda_mutable_ptr<cache_t>(v_cache),
                   slots.const_data_ptr<int64_t>(), k.stride(0), k.stride(1), v.stride(0),
                   v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   int(key.size(1)), int(key.size(2)), int(k_cache.size(1)), num_slots);

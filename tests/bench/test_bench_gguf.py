@@ -4,6 +4,7 @@ the stored sample the notebook test plots."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -64,6 +65,18 @@ def test_goal_summary_judges_every_file() -> None:
                                                          "scaled down).")
 
 
+def test_fastllm_keeps_kv_in_float16_as_llama_cpp_does() -> None:
+    config = bench_gguf.GGUFBenchConfig()
+    assert bench_gguf.fastllm_kv_cache_dtype(config) == "float16"
+    caption = bench_gguf.tables(config, [])[
+        "Batch-1 generation from GGUF files, fastllm against llama.cpp"]
+    assert "fastllm in float32 with its KV cache in float16 (llama.cpp's default cache: F16)" \
+        in caption
+    # A 16-bit --dtype keeps its own: a cache of another dtype serves float32 activations only.
+    bf16 = dataclasses.replace(config, dtype="bfloat16")
+    assert bench_gguf.fastllm_kv_cache_dtype(bf16) == "bfloat16"
+
+
 def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
     pytest.importorskip("llama_cpp")
     models_dir = find_model("rerank_eval").parent
@@ -101,6 +114,7 @@ def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
     assert parts["weights"] > 0
     markdown = (tmp_path / "gguf.md").read_text()
     assert "not measured in this run" in markdown and "\n| smollm2:Q4_1 |" in markdown
+    assert "with its KV cache in float16" in markdown
     # The stored sample that tests/test_notebooks.py plots is still what a run writes.
     sample = json.loads(SAMPLE.read_text())
     assert sample["rows"][0].keys() == row.keys()

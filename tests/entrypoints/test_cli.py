@@ -75,6 +75,18 @@ def test_errors_exit_with_a_message(model_path, capsys):
     assert "--model" in capsys.readouterr().err
 
 
+def test_kv_cache_dtype_reaches_the_cache(model_path, capsys):
+    folder = str(model_path("stories260K_hf"))
+    # Refused for a bfloat16 model: the error names the cache dtype the option asked for.
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", folder, "--prompt", PROMPT, "--dtype", "bfloat16",
+              "--kv-cache-dtype", "float16"])
+    assert "or torch.float16; got torch.float16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", folder, "--prompt", PROMPT, "--kv-cache-dtype", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
 def test_python_dash_m_runs_the_cli(model_path):
     result = subprocess.run([sys.executable, "-m", "fastllm", "generate", "--model",
                              str(model_path("stories260K_hf")), "--prompt", PROMPT,

@@ -179,3 +179,21 @@ def test_cli_prints_the_ranking(folder, reranker, tmp_path, capsys):
     assert [(r["index"], r["document"]) for r in lines] == \
         [(r.index, r.document) for r in expected]
     assert_close([r["score"] for r in lines], [r.score for r in expected])
+
+
+def test_kv_cache_dtype_float16(folder, reranker, tmp_path, capsys):
+    # K/V kept in float16 under the float32 model: scores move by rounding only, and the CLI's
+    # --kv-cache-dtype reaches the cache (its scores are the float16 reranker's, bit for bit).
+    rounded = Reranker(folder, max_length=MAX_LENGTH, max_num_batched_tokens=512,
+                       kv_cache_dtype="float16")
+    assert rounded.client.kv_cache.k_cache.dtype == torch.float16
+    documents = ["Paris is the capital of France.", "Bananas are yellow.", "café"]
+    scores = rounded.score("capital of France", documents)
+    exact = reranker.score("capital of France", documents)
+    assert scores != exact and max(abs(a - b) for a, b in zip(scores, exact)) < 1e-3
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(documents) + "\n")
+    main(["rerank", "--model", str(folder), "--query", "capital of France", "--docs", str(docs),
+          "--max-length", str(MAX_LENGTH), "--kv-cache-dtype", "float16"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted((r["index"], r["score"]) for r in lines) == sorted(enumerate(scores))

@@ -46,7 +46,7 @@ class PagedCase:
     seq_lens: Tensor  # int32 [batch]
     cu_seqlens_q: Tensor  # int32 [batch + 1]
     max_seqlen_q: int
-    k: Tensor  # the packed keys [sum(seq_lens), n_kv_heads, head_dim] written into k_cache
+    k: Tensor  # the packed keys [sum(seq_lens), n_kv_heads, head_dim] k_cache holds (its dtype)
     v: Tensor
 
     def args(self):
@@ -75,25 +75,28 @@ def random_block_tables(seq_lens, block_size, *, extra_blocks=3, extra_columns=2
 
 
 def make_case(lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, *,
-              dtype=torch.float32, device="cpu", extra_blocks=3, extra_columns=2) -> PagedCase:
+              dtype=torch.float32, cache_dtype=None, device="cpu", extra_blocks=3,
+              extra_columns=2) -> PagedCase:
     """Random q and a NaN-filled pool whose owned slots hold random K/V rows; the last block of
-    a sequence is partial unless its length is a multiple of block_size."""
+    a sequence is partial unless its length is a multiple of block_size. The pool is in
+    ``cache_dtype`` (default: q's ``dtype``), its rows random values of ``dtype`` rounded."""
     # Small ops: on one thread they do not wait on descheduled workers when cores are shared.
     with num_threads(1):
         return _make_case(lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype,
-                          device, extra_blocks, extra_columns)
+                          cache_dtype or dtype, device, extra_blocks, extra_columns)
 
 
-def _make_case(lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype, device,
-               extra_blocks, extra_columns):
+def _make_case(lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype, cache_dtype,
+               device, extra_blocks, extra_columns):
     rows, num_blocks = random_block_tables(seq_lens, block_size, extra_blocks=extra_blocks,
                                            extra_columns=extra_columns)
     q = torch.randn(sum(lens_q), n_heads, head_dim, dtype=dtype, device=device)
     k = torch.randn(sum(seq_lens), n_kv_heads, head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
+    k, v = k.to(cache_dtype), v.to(cache_dtype)
     shape = (num_blocks, block_size, n_kv_heads, head_dim)
-    k_cache = torch.full(shape, math.nan, dtype=dtype, device=device)
-    v_cache = torch.full(shape, math.nan, dtype=dtype, device=device)
+    k_cache = torch.full(shape, math.nan, dtype=cache_dtype, device=device)
+    v_cache = torch.full(shape, math.nan, dtype=cache_dtype, device=device)
     owned = torch.tensor([s for row, n in zip(rows, seq_lens) for s in slots(row, range(n),
                                                                                 block_size)],
                          dtype=torch.long, device=device)

@@ -2,7 +2,8 @@
 
 The caches start as NaN, so a result equal to the reference (NaN where the reference left NaN)
 shows that exactly the mapped slots were written, with exactly the token's rows: a copy is
-exact in every dtype. Negative slots (padding) write nothing.
+exact in every dtype, and float32 rows written into a bfloat16 / float16 cache are rounded as
+``Tensor.to`` rounds them. Negative slots (padding) write nothing.
 """
 
 import math
@@ -119,6 +120,39 @@ def test_strided_rows_and_caches(backend, dtype, layout):
         torch.testing.assert_close(s[~inside], b[~inside], **EXACT)
 
 
+def rounding_rows(tokens, n_kv_heads, head_dim, device):
+    """float32 rows [tokens, n_kv_heads, head_dim] that exercise rounding to 16 bits: ties,
+    values past float16's range and below its normal range, signed zeros, inf and NaN."""
+    rows = torch.randn(tokens, n_kv_heads, head_dim, device=device)
+    rows *= torch.logspace(-9, 6, head_dim, device=device)  # subnormal to overflowing
+    special = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 65520.0,
+                            -0.0, math.inf, -math.inf, math.nan], device=device)
+    rows.view(-1)[:len(special)] = special
+    return rows
+
+
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "fused_kv_pool", "head_dim_stride_2"])
+def test_float32_rows_into_narrower_cache(backend, cache_dtype, layout):
+    device = backend.device
+    # kv_cache_dtype: float32 K/V (slices of a fused QKV output) rounded into 16-bit caches.
+    tokens, n_heads, n_kv_heads, head_dim, block_size = 37, 4, 2, 32, 4
+    qkv = torch.cat([torch.randn(tokens, n_heads, head_dim, device=device),
+                     rounding_rows(tokens, 2 * n_kv_heads, head_dim, device)], dim=1)
+    _, key, value = qkv.split([n_heads, n_kv_heads, n_kv_heads], dim=1)
+    k_cache, v_cache, _ = make_caches(layout, 12, block_size, n_kv_heads, head_dim, cache_dtype,
+                                      device)
+    slot_mapping = random_slots(tokens, 12 * block_size, 4, device)
+    if layout == "head_dim_stride_2" and backend.name in ("cuda", "cuda_sim"):
+        return  # the CUDA layout contract (test_strided_rows_and_caches)
+    check(backend, key, value, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0  # and independently of the reference: the rows as .to rounds them
+    slots = slot_mapping[keep]
+    written = k_cache[slots // block_size, slots % block_size]
+    torch.testing.assert_close(written, key[keep].to(cache_dtype), **EXACT)
+
+
 @pytest.mark.cuda_sim
 def test_overwrites_and_keeps_previous_values(backend):
     device = backend.device
@@ -154,17 +188,21 @@ OPCHECK_CASES = {
     "f32": (7, 2, 16, 4, 4, torch.float32, 0, "contiguous"),
     "bf16_padding": (9, 1, 24, 3, 16, torch.bfloat16, 3, "contiguous"),
     "f16_block_size_1_strided": (5, 2, 8, 12, 1, torch.float16, 1, "fused_kv_pool"),
+    "f32_into_f16": (7, 2, 16, 4, 4, (torch.float32, torch.float16), 2, "contiguous"),
+    "f32_into_bf16_strided": (6, 2, 8, 5, 2, (torch.float32, torch.bfloat16), 1,
+                              "fused_kv_pool"),
 }
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck_reshape_and_cache(backend, case):
     device = backend.device
-    tokens, n_kv_heads, head_dim, num_blocks, block_size, dtype, padding, layout = \
+    tokens, n_kv_heads, head_dim, num_blocks, block_size, dtypes, padding, layout = \
         OPCHECK_CASES[case]
+    dtype, cache_dtype = dtypes if isinstance(dtypes, tuple) else (dtypes, dtypes)
     key = torch.randn(tokens, n_kv_heads, head_dim, dtype=dtype, device=device)
     k_cache, v_cache, _ = make_caches(layout, num_blocks, block_size, n_kv_heads, head_dim,
-                                      dtype, device)
+                                      cache_dtype, device)
     k_cache.zero_(), v_cache.zero_()  # opcheck compares caches with ==, which NaN never passes
     slot_mapping = random_slots(tokens, num_blocks * block_size, padding, device)
     torch.library.opcheck(backend.ops.reshape_and_cache.default,
@@ -207,9 +245,24 @@ WRITE_ERRORS = {
                           r"key rows \[n_kv_heads, head_dim\] = \[2, 4\] do not match the "
                           r"cache's \[2, 8\]"),
     "key_dtype": (dict(key=torch.randn(5, 2, 8, dtype=torch.bfloat16)), TypeError,
-                  "key has dtype torch.bfloat16 but k_cache has dtype torch.float32"),
+                  "value has dtype torch.float32 but key has dtype torch.bfloat16"),
     "value_dtype": (dict(value=torch.randn(5, 2, 8, dtype=torch.float16)), TypeError,
-                    "value has dtype torch.float16 but k_cache has dtype torch.float32"),
+                    "value has dtype torch.float16 but key has dtype torch.float32"),
+    # Another cache dtype than key's is a narrower one under float32 rows, nothing else.
+    "cache_wider_than_key": (dict(key=torch.randn(5, 2, 8, dtype=torch.bfloat16),
+                                  value=torch.randn(5, 2, 8, dtype=torch.bfloat16)), TypeError,
+                             "k_cache has dtype torch.float32 but key has dtype torch.bfloat16; "
+                             "a cache of another dtype than key's must be torch.bfloat16 or "
+                             "torch.float16 under torch.float32 key"),
+    "bf16_rows_into_f16_cache": (dict(key=torch.randn(5, 2, 8, dtype=torch.bfloat16),
+                                      value=torch.randn(5, 2, 8, dtype=torch.bfloat16),
+                                      k_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16),
+                                      v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16)),
+                                 TypeError, "k_cache has dtype torch.float16 but key has dtype "
+                                            "torch.bfloat16"),
+    "key_float64": (dict(key=torch.randn(5, 2, 8).double(), value=torch.randn(5, 2, 8).double()),
+                    TypeError, "key must be torch.float32, torch.bfloat16 or torch.float16, got "
+                               "torch.float64"),
     "v_cache_dtype": (dict(v_cache=torch.zeros(4, 16, 2, 8, dtype=torch.float16)), TypeError,
                       "v_cache has dtype torch.float16 but k_cache has dtype torch.float32"),
     "float64": (dict(key=torch.randn(5, 2, 8).double(), value=torch.randn(5, 2, 8).double(),

@@ -1,5 +1,7 @@
 """fastllm.kv_cache: pool sizing, StaticKVCache and PagedKVCache."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,6 +90,19 @@ def test_static_cache_writes_in_place(device):
     assert cache.lengths == [5, 8] and torch.equal(cache.keys(0, 1), k[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_narrower_caches_take_float32_rows_rounded(dtype):
+    spec = dataclasses.replace(SMALL, dtype=dtype)
+    assert spec.bytes_per_token * 2 == SMALL.bytes_per_token  # twice the tokens per byte
+    cache = StaticKVCache(spec, max_batch=1, max_len=8)
+    k, v = torch.randn(4, 2, 5) * 1e3, torch.randn(4, 2, 5)
+    cache.write(2, 0, 0, k, v)
+    assert torch.equal(cache.keys(2, 0), k.to(dtype)) and torch.equal(cache.values(2, 0),
+                                                                        v.to(dtype))
+    with pytest.raises(TypeError, match=f"the {dtype} cache serves"):
+        cache.write(2, 0, 0, k.double(), v.double())
+
+
 def test_static_cache_errors():
     cache = StaticKVCache(SMALL, max_batch=2, max_len=8)
     kv = torch.zeros(3, 2, 5)
@@ -103,8 +118,13 @@ def test_static_cache_errors():
         cache.write(0, 0, 0, kv, kv[:2])
     with pytest.raises(ValueError, match=r"got \(2, 5\)"):
         cache.write(0, 0, 0, kv[0], kv[0])
-    with pytest.raises(TypeError, match="torch.float32 like the cache, got torch.float64"):
+    with pytest.raises(TypeError, match=r"share a dtype the torch.float32 cache serves \(its own, "
+                                        r"or float32 for a 16-bit cache\), got torch.float64"):
         cache.write(0, 0, 0, kv.double(), kv.double())
+    with pytest.raises(TypeError, match="got torch.bfloat16 and torch.bfloat16"):
+        cache.write(0, 0, 0, kv.bfloat16(), kv.bfloat16())  # wider cache: no
+    with pytest.raises(TypeError, match="got torch.float32 and torch.float16"):
+        cache.write(0, 0, 0, kv, kv.half())
     with pytest.raises(ValueError, match=r"layer 3 is not in \[0, 3\)"):
         cache.write(3, 0, 0, kv, kv)
     with pytest.raises(ValueError, match=r"batch_index 2 is not in \[0, 2\)"):

@@ -5,7 +5,8 @@ Every pool is built by ``paged_util.make_case``: shuffled block ids, extra block
 owns, partial last blocks, NaN in every slot no sequence owns and junk (-1, +-2**31, ids of NaN
 blocks) in the table columns past each sequence's blocks. Reading any of it shows up as NaN or
 a crash. ``check`` then asserts: no NaN; bit-equal to the same backend's ``attention`` on the
-gathered contiguous K/V (the paged kernel is that attention with a different key layout);
+gathered contiguous K/V in q's dtype (the paged kernel is that attention with a different key
+layout, and reads a narrower cache back exactly);
 queries that see no key are exactly 0; and float64-reference agreement, tight in float32,
 flash-attention's 2x rule in bfloat16/float16.
 """
@@ -40,8 +41,8 @@ def check(backend, case, *, exact=True, **kwargs):
         exact = exact and backend.name not in ("cuda", "cuda_sim")
         if exact:  # with the op's thread count: the kernel's key splits depend on it
             with num_threads(1):
-                k = reference.gather_paged(case.k_cache, case.block_tables, case.seq_lens)
-                v = reference.gather_paged(case.v_cache, case.block_tables, case.seq_lens)
+                k, v = (reference.gather_paged(cache, case.block_tables, case.seq_lens)
+                        .to(case.q.dtype) for cache in (case.k_cache, case.v_cache))
             contiguous = backend.ops.attention(case.q, k, v, case.cu_seqlens_q,
                                                cu_seqlens(seq_lens, k.device), case.max_seqlen_q,
                                                max(seq_lens, default=0), **kwargs)
@@ -254,6 +255,36 @@ def test_long_decode_splits_keys_across_threads(backend, window_left):
                                    msg=lambda m: f"{threads} threads vs the default: {m}")
 
 
+NARROWER_CACHE = {  # (lens_q, seq_lens, head_dim): decode tiles read rows in place, others pack
+    "decode": ([1, 1, 1], [600, 1, 77], 64),  # 600 keys: split over 2 threads
+    "chunked_prefill": ([7, 0, 20, 1], [57, 9, 20, 33], 64),
+    "odd_head_dim": ([1, 5], [300, 40], 67),
+}
+
+
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", NARROWER_CACHE)
+def test_narrower_cache(backend, cache_dtype, shape):
+    device = backend.device
+    # float32 q over bfloat16 / float16 caches (kv_cache_dtype): the result is float32 attention
+    # on the stored values (check: bit-equal to attention on them converted, float32-tight
+    # against the float64 reference on them), whatever the thread count. GQA 4.
+    lens_q, seq_lens, head_dim = NARROWER_CACHE[shape]
+    case = make_case(lens_q, seq_lens, 8, 2, head_dim, 16, cache_dtype=cache_dtype,
+                     device=device)
+    if backend.name in ("cuda", "cuda_sim"):
+        with pytest.raises(TypeError, match="paged_attention on CUDA needs caches of q's dtype"):
+            backend.ops.paged_attention(*case.args())
+        return
+    outs = {}
+    for threads in [1, 2] if backend.name == "cpu" else [None]:
+        with num_threads(threads):
+            outs[threads] = check(backend, case)
+    if len(outs) == 2:
+        torch.testing.assert_close(outs[1], outs[2], atol=F32_TOL, rtol=F32_TOL)
+
+
 # id: (lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype, keyword arguments)
 OPCHECK_CASES = {
     "gqa_decode": ([1, 1, 1], [9, 17, 1], 4, 2, 16, 16, torch.float32, {}),
@@ -261,16 +292,22 @@ OPCHECK_CASES = {
                              dict(window_left=2, scale=0.3)),
     "non_causal_block_size_1": ([3, 2], [5, 2], 2, 2, 8, 1, torch.float32, dict(causal=False)),
     "bf16_gqa_window": ([5, 1], [5, 20], 6, 3, 24, 16, torch.bfloat16, dict(window_left=3)),
+    "f16_cache_decode": ([1, 1], [40, 3], 4, 2, 32, 16, (torch.float32, torch.float16), {}),
+    "bf16_cache_chunked": ([4, 2], [9, 2], 4, 1, 16, 4, (torch.float32, torch.bfloat16),
+                           dict(window_left=5)),
 }
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck_paged_attention(backend, case):
     device = backend.device
-    lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype, kwargs = \
+    lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtypes, kwargs = \
         OPCHECK_CASES[case]
+    dtype, cache_dtype = dtypes if isinstance(dtypes, tuple) else (dtypes, dtypes)
+    if cache_dtype != dtype and backend.name in ("cuda", "cuda_sim"):
+        pytest.skip("paged_attention on CUDA reads caches of q's dtype only")
     paged = make_case(lens_q, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype=dtype,
-                      device=device)
+                      cache_dtype=cache_dtype, device=device)
     torch.library.opcheck(backend.ops.paged_attention.default, paged.args(), kwargs)
 
 
@@ -360,9 +397,23 @@ PAGED_ERRORS = {
     "block_tables_rows": (dict(block_tables=i32([0, 1], [2, 3], [4, 5])), ValueError,
                           "block_tables has 3 rows but seq_lens has 2"),
     "k_cache_dtype": (dict(k_cache=torch.randn(8, 16, 2, 16, dtype=torch.bfloat16)), TypeError,
-                      "k_cache has dtype torch.bfloat16 but q has dtype torch.float32"),
+                      "v_cache has dtype torch.float32 but k_cache has dtype torch.bfloat16"),
     "v_cache_dtype": (dict(v_cache=torch.randn(8, 16, 2, 16, dtype=torch.float16)), TypeError,
-                      "v_cache has dtype torch.float16 but q has dtype torch.float32"),
+                      "v_cache has dtype torch.float16 but k_cache has dtype torch.float32"),
+    # A cache of another dtype than q's is a narrower one under float32 q, nothing else.
+    "cache_wider_than_q": (dict(q=torch.randn(4, 4, 16, dtype=torch.bfloat16)), TypeError,
+                           "k_cache has dtype torch.float32 but q has dtype torch.bfloat16; a "
+                           "cache of another dtype than q's must be torch.bfloat16 or "
+                           "torch.float16 under torch.float32 q"),
+    "f16_cache_under_bf16_q": (dict(q=torch.randn(4, 4, 16, dtype=torch.bfloat16),
+                                    k_cache=torch.randn(8, 16, 2, 16, dtype=torch.float16),
+                                    v_cache=torch.randn(8, 16, 2, 16, dtype=torch.float16)),
+                               TypeError, "k_cache has dtype torch.float16 but q has dtype "
+                                          "torch.bfloat16"),
+    "f64_cache": (dict(k_cache=torch.randn(8, 16, 2, 16, dtype=torch.float64),
+                       v_cache=torch.randn(8, 16, 2, 16, dtype=torch.float64)), TypeError,
+                  "k_cache must be torch.float32, torch.bfloat16 or torch.float16, got "
+                  "torch.float64"),
     "q_float64": (dict(q=torch.randn(4, 4, 16, dtype=torch.float64),
                        k_cache=torch.randn(8, 16, 2, 16, dtype=torch.float64),
                        v_cache=torch.randn(8, 16, 2, 16, dtype=torch.float64)), TypeError,

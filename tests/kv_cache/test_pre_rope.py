@@ -85,6 +85,29 @@ def test_pre_rope_low_precision(backend, dtype, shape):
     assert_within_twice_plain_error(got.double(), plain.double(), oracle)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["decode", "chunked_prefill"])
+def test_pre_rope_narrower_cache(backend, cache_dtype, shape):
+    device = backend.device
+    # float32 q over 16-bit pre-RoPE caches: each stored key is rotated in float32 as it is read,
+    # never rounded again, so the result is float32-tight against the float64 oracle.
+    lens_q, seq_lens = SHAPES[shape]
+    case = make_case(lens_q, seq_lens, 8, 2, 64, 16, cache_dtype=cache_dtype, device=device)
+    cos_sin = ops.rope_cos_sin_cache(400, 64, device=device)
+    if backend.name in ("cuda", "cuda_sim"):
+        with pytest.raises(TypeError, match="paged_attention on CUDA needs caches of q's dtype"):
+            backend.ops.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin)
+        return
+    with num_threads(1 if backend.name == "composite" else None):
+        got = backend.ops.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin)
+    with num_threads(1):
+        doubled = [t.double() if t.is_floating_point() else t for t in case.args()[:6]]
+        oracle = reference.paged_attention(*doubled, case.max_seqlen_q,
+                                           rotary_cos_sin_cache=cos_sin.double())
+    assert not got.isnan().any(), "NaN: a key was read from an unowned slot"
+    torch.testing.assert_close(got.double(), oracle, atol=F32_TOL, rtol=F32_TOL)
+
+
 def test_pre_rope_with_window_and_long_split_decode(backend):
     device = backend.device
     # 3000 keys, one query: the native kernel splits the keys over threads; each split must

@@ -27,6 +27,14 @@ def test_the_shipped_file_chats_correctly(llm):
     assert out.outputs[0].finish_reason == "stop"
 
 
+def test_a_float16_kv_cache_still_answers(smollm2_path):
+    # llama.cpp's default cache precision: K/V rounded to float16 under the float32 activations.
+    llm = LLM(smollm2_path, max_model_len=1024, kv_cache_memory=32 << 20,
+              kv_cache_dtype="float16")
+    [out] = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in out.outputs[0].text, out.outputs[0].text
+
+
 def test_the_command_line_chat(smollm2_path):
     done = subprocess.run(
         [sys.executable, "-m", "fastllm", "generate", "--model", str(smollm2_path), "--prompt",

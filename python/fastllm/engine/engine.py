@@ -25,6 +25,7 @@ from fastllm.engine.request import Request
 from fastllm.engine.scheduler import Scheduler, SchedulerConfig
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
+from fastllm.models.pool import resolve_dtype
 from fastllm.ops.host_to_device import device_tensor, to_device
 from fastllm.sampling import SampleOutput, SamplingTensors, draw, penalize
 from fastllm.tokenizer import Tokenizer
@@ -36,7 +37,7 @@ logger = logging.getLogger("fastllm")
 
 @dataclass
 class EngineConfig:
-    """Scheduling limits.
+    """Scheduling limits and the KV cache's dtype.
 
     Attributes:
         max_num_seqs: most requests in a step's batch.
@@ -45,12 +46,21 @@ class EngineConfig:
             as the token budget leaves.
         enforce_eager: on CUDA, run decode steps op by op instead of replaying CUDA graphs
             (:mod:`fastllm.engine.decode_graphs`); other devices always run eagerly.
+        kv_cache_dtype: what the KV cache stores, as vLLM's option: "auto" (the model's
+            dtype), or "float32", "bfloat16", "float16" (or a torch dtype). A float32 model may
+            keep K/V in bfloat16 or float16, half the memory and half the bytes decode
+            attention reads (as llama.cpp's default F16 cache); K/V are rounded once as they
+            are cached and attention always reads them back from the cache, so whether a
+            sequence's keys came from this step or an earlier one (chunked prefill, prefix
+            hits, preemption) moves its result no more than rounding noise. Not on CUDA, whose
+            cache is in the model's dtype.
     """
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None
     enforce_eager: bool = False
+    kv_cache_dtype: str | torch.dtype = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -61,6 +71,17 @@ class EngineConfig:
                 not isinstance(self.max_prefill_chunk, int) or self.max_prefill_chunk < 1):
             raise ValueError(f"max_prefill_chunk must be None or an int >= 1, got "
                              f"{self.max_prefill_chunk!r}")
+        self.cache_dtype(torch.float32)  # a bad name fails here, before anything is loaded
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's storage dtype for a model whose activations are ``model_dtype``."""
+        if isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype == "auto":
+            return model_dtype
+        try:
+            return resolve_dtype(self.kv_cache_dtype)
+        except ValueError:
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or "
+                             f"'float16', got {self.kv_cache_dtype!r}") from None
 
 
 @dataclass
@@ -94,6 +115,17 @@ class Engine:
         self.max_model_len = max_model_len
         self.vocab_size = model.config.vocab_size
         self.device = kv_cache.k_cache.device
+        # The model's spec for the configured dtype: a pairing the ops refuse fails here.
+        cache_dtype = model.kv_cache_spec(kv_cache.spec.block_size,
+                                          config.cache_dtype(model.dtype)).dtype
+        if kv_cache.spec.dtype != cache_dtype:
+            raise ValueError(f"the KV cache stores {kv_cache.spec.dtype} but kv_cache_dtype="
+                             f"{config.kv_cache_dtype!r} asks for {cache_dtype} (model: "
+                             f"{model.dtype})")
+        if self.device.type == "cuda" and cache_dtype != model.dtype:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: on CUDA the KV cache "
+                             f"must be in the model's dtype ({model.dtype}); paged attention's "
+                             f"CUDA kernels read no other")
         self.stats = EngineStats()
         self.scheduler = Scheduler(
             kv_cache, SchedulerConfig(max_num_seqs=config.max_num_seqs,

@@ -35,8 +35,16 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="quantize a float checkpoint's weights at load (weight-only)")
+    _add_kv_cache_dtype(parser)
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(run=_generate)
+
+
+def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="what the KV cache stores (auto: the model's dtype; a float32 "
+                             "model may keep K/V in 16 bits)")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -44,7 +52,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     prompt = (llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat
               else args.prompt)
     for delta in llm.stream(prompt, params):
@@ -68,6 +77,7 @@ def _add_rerank(subparsers: argparse._SubParsersAction) -> None:
                         help="the task instruction (default: the model card's web search one)")
     parser.add_argument("--max-length", type=int, default=8192)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    _add_kv_cache_dtype(parser)
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(run=_rerank)
 
@@ -81,7 +91,8 @@ def _rerank(args: argparse.Namespace) -> None:
     else:
         documents = [line for line in text.splitlines() if line.strip()]
     reranker = Reranker(args.model, dtype=args.dtype, device=args.device,
-                        instruction=args.instruction, max_length=args.max_length)
+                        instruction=args.instruction, max_length=args.max_length,
+                        kv_cache_dtype=args.kv_cache_dtype)
     for result in reranker.rerank(args.query, documents, top_n=args.top_n):
         print(json.dumps({"index": result.index, "score": result.score,
                           "document": result.document}, ensure_ascii=False))

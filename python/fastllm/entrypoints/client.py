@@ -66,11 +66,12 @@ class EngineClient:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int | None = None, enforce_eager: bool = False,
-                 chunk_store_memory: int | None = None, quantization: str | None = None) -> None:
+                 chunk_store_memory: int | None = None, quantization: str | None = None,
+                 kv_cache_dtype: str | torch.dtype = "auto") -> None:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_prefill_chunk=max_prefill_chunk,
-                                     enforce_eager=enforce_eager)
+                                     enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype)
         if chunk_store_memory is not None and (not isinstance(chunk_store_memory, int)
                                                or chunk_store_memory < 0):
             raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "
@@ -87,7 +88,7 @@ class EngineClient:
                              f"] (the model's max_position_embeddings), got {max_model_len!r}")
         self.max_model_len = max_model_len
         self.model.reserve_positions(max_model_len)
-        spec = self.model.kv_cache_spec(block_size)
+        spec = self.model.kv_cache_spec(block_size, engine_config.cache_dtype(self.model.dtype))
         one_sequence = -(-max_model_len // block_size) * spec.bytes_per_block
         if kv_cache_memory is None:
             # A share of the free memory, no more than max_num_seqs full-length sequences need,

@@ -66,13 +66,15 @@ class Reranker:
         max_num_batched_tokens: tokens computed per forward step (a longer pair is prefilled
             over several).
         block_size: tokens per KV-cache block; the shared part is reused in whole blocks.
-        kv_cache_memory: bytes for the KV pool, as in :class:`fastllm.LLM`.
+        kv_cache_memory, kv_cache_dtype: the KV pool's bytes and storage dtype, as in
+            :class:`fastllm.LLM`.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", instruction: str | None = None,
                  max_length: int = 8192, max_num_batched_tokens: int = 4096,
-                 block_size: int = 16, kv_cache_memory: int | None = None) -> None:
+                 block_size: int = 16, kv_cache_memory: int | None = None,
+                 kv_cache_dtype: str | torch.dtype = "auto") -> None:
         context = load(model, dtype, device).config.max_position_embeddings
         valid_length = isinstance(max_length, int) and max_length >= 2  # checked fully below
         if valid_length and max_length > context:
@@ -81,7 +83,8 @@ class Reranker:
                                    max_model_len=max_length if valid_length else None,
                                    kv_cache_memory=kv_cache_memory, block_size=block_size,
                                    max_num_seqs=_MAX_PAIRS_PER_STEP,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   kv_cache_dtype=kv_cache_dtype)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
         if not isinstance(self.instruction, str):

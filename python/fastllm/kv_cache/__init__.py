@@ -12,11 +12,12 @@ from fastllm.kv_cache.paged_cache import (
     KVPoolPlan,
     PagedKVCache,
     StaticKVCache,
+    cache_dtype_serves,
     default_kv_cache_memory,
     plan_pool,
     zeros_pool,
 )
 
 __all__ = ["BlockManager", "ChunkKVStore", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan",
-           "PagedKVCache", "StaticKVCache", "default_kv_cache_memory", "plan_pool",
-           "zeros_pool"]
+           "PagedKVCache", "StaticKVCache", "cache_dtype_serves", "default_kv_cache_memory",
+           "plan_pool", "zeros_pool"]

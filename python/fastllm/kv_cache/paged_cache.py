@@ -21,11 +21,20 @@ from fastllm import _C
 from fastllm.ops.host_to_device import device_tensor
 
 __all__ = ["BlockManager", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan", "PagedKVCache",
-           "StaticKVCache", "default_kv_cache_memory", "plan_pool",
+           "StaticKVCache", "cache_dtype_serves", "default_kv_cache_memory", "plan_pool",
            "zeros_pool"]
 
 BlockManager = _C.BlockManager
 KVCacheFullError = _C.KVCacheFullError
+
+
+def cache_dtype_serves(cache_dtype: torch.dtype, activation_dtype: torch.dtype) -> bool:
+    """Whether a KV cache stored in ``cache_dtype`` can serve activations of
+    ``activation_dtype``: the same dtype, or bfloat16 / float16 under float32 activations
+    (rounded as K/V are written, read back as float32: the rule of
+    :func:`fastllm.ops.reshape_and_cache` and :func:`fastllm.ops.paged_attention`)."""
+    return cache_dtype == activation_dtype or (
+        activation_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16))
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,8 @@ class KVCacheSpec:
         num_layers: decoder layers, each with its own K and V.
         n_kv_heads: key/value heads per layer (fewer than query heads under GQA).
         head_dim: size of one head.
-        dtype: storage dtype of the cache.
+        dtype: storage dtype of the cache: the model's activations' dtype, or a narrower one
+            (:func:`cache_dtype_serves`).
         block_size: tokens per block of a paged pool (unused by :class:`StaticKVCache`).
     """
 
@@ -197,15 +207,16 @@ class StaticKVCache:
             raise ValueError(f"batch_index {batch_index} is not in [0, {self.max_batch})")
 
     def write(self, layer: int, batch_index: int, start: int, k: Tensor, v: Tensor) -> None:
-        """Copies ``k, v [n, n_kv_heads, head_dim]`` into positions ``[start, start + n)``."""
+        """Copies ``k, v [n, n_kv_heads, head_dim]`` into positions ``[start, start + n)``,
+        rounded to the cache's dtype where it is narrower (:func:`cache_dtype_serves`)."""
         self._check_row(layer, batch_index)
         expected = (self.spec.n_kv_heads, self.spec.head_dim)
         if k.dim() != 3 or k.shape[1:] != expected or v.shape != k.shape:
             raise ValueError(f"k and v must be [n, {expected[0]}, {expected[1]}] alike, got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        if k.dtype != self.spec.dtype or v.dtype != self.spec.dtype:
-            raise TypeError(f"k and v must be {self.spec.dtype} like the cache, got {k.dtype} and "
-                            f"{v.dtype}")
+        if v.dtype != k.dtype or not cache_dtype_serves(self.spec.dtype, k.dtype):
+            raise TypeError(f"k and v must share a dtype the {self.spec.dtype} cache serves (its "
+                            f"own, or float32 for a 16-bit cache), got {k.dtype} and {v.dtype}")
         length = self._lengths[batch_index]
         if not 0 <= start <= length:
             raise ValueError(f"start={start} must be in [0, {length}] (row {batch_index} holds "

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from fastllm import ops
-from fastllm.kv_cache import KVCacheSpec, PagedKVCache
+from fastllm.kv_cache import KVCacheSpec, PagedKVCache, cache_dtype_serves
 from fastllm.models.attention_metadata import AttentionMetadata
 from fastllm.models.config import ModelConfig
 from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear
@@ -124,7 +124,12 @@ class Attention(nn.Module):
                                      is_neox=True)
                 key_rotation = cos_sin_cache if pre_rope else None
             ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            if meta.keys_are_new and key_rotation is None:
+            # A cache narrower than the activations (kv_cache_dtype) is always read back:
+            # attention must see K/V as stored, or a sequence's result would depend on whether
+            # its keys came from this step or from the cache (chunked prefill, prefix hits,
+            # preemption). On the CPU the paged kernel is the packed one reading cache rows, so
+            # this costs no rounding copy.
+            if meta.keys_are_new and key_rotation is None and k_cache.dtype == q.dtype:
                 # The packed prefill kernel on the step's own (rotated) K/V: on a GPU the
                 # tensor-core one; on the CPU the same kernel paged attention runs, so the same
                 # bits.
@@ -272,11 +277,18 @@ class DecoderLM(nn.Module):
         """The activations' dtype (the norms' weights', which are never quantized)."""
         return self.norm.weight.dtype
 
-    def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
-        """The KV cache this model needs, in its parameters' dtype."""
+    def kv_cache_spec(self, block_size: int = 16,
+                      dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """The KV cache this model needs, stored in ``dtype``: None for the activations' dtype,
+        or bfloat16 / float16 under float32 activations (K/V rounded as they are cached, read
+        back as float32; a cache wider than the activations is a ValueError)."""
+        if dtype is None:
+            dtype = self.dtype
+        if not isinstance(dtype, torch.dtype) or not cache_dtype_serves(dtype, self.dtype):
+            raise ValueError(f"a KV cache dtype must be the model's dtype ({self.dtype}) or, for "
+                             f"a float32 model, torch.bfloat16 or torch.float16; got {dtype!r}")
         return KVCacheSpec(num_layers=self.config.num_layers, n_kv_heads=self.config.n_kv_heads,
-                           head_dim=self.config.head_dim, dtype=self.dtype,
-                           block_size=block_size)
+                           head_dim=self.config.head_dim, dtype=dtype, block_size=block_size)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 kv_cache: PagedKVCache) -> Tensor:

@@ -119,7 +119,10 @@ def paged_attention(
         q: ``[total_q, n_heads, head_dim]``, packed as in :func:`attention`.
         k_cache, v_cache: ``[num_blocks, block_size, n_kv_heads, head_dim]``; key ``j`` of
             sequence ``b`` is in block ``block_tables[b, j // block_size]`` at offset
-            ``j % block_size`` (written there by :func:`reshape_and_cache`).
+            ``j % block_size`` (written there by :func:`reshape_and_cache`). In q's dtype, or,
+            under float32 q, in bfloat16 or float16 (vLLM's ``kv_cache_dtype``): read back as
+            float32, exactly, so the result is that of float32 K/V holding the stored values
+            (the CPU kernel and the composite; on CUDA the caches must be in q's dtype).
         block_tables: int32 ``[batch, max_blocks_per_seq]``; entries past a sequence's length
             are never read.
         seq_lens: int32 ``[batch]``, each sequence's number of keys, its new queries' own tokens
@@ -150,8 +153,10 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
     """Writes new tokens' K and V rows into their cache slots, in place.
 
     Args:
-        key, value: ``[tokens, n_kv_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, n_kv_heads, head_dim]``, key's dtype.
+        key, value: ``[tokens, n_kv_heads, head_dim]``, one dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, n_kv_heads, head_dim]``, in key's dtype
+            or, under float32 key and value, in bfloat16 or float16: each value is then rounded
+            to nearest even, as ``Tensor.to`` rounds.
         slot_mapping: int64 ``[tokens]``; token ``t`` goes to block ``slot // block_size``,
             offset ``slot % block_size``; a negative slot skips the token (padding). A slot past
             the cache is a ``ValueError`` and nothing is written.

@@ -70,7 +70,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                     window_left: int = -1, rotary_cos_sin_cache: Tensor | None = None,
                     rotary_is_neox: bool = True) -> Tensor:
     """Twin of :func:`fastllm.ops.paged_attention`: gather the keys (rotating pre-RoPE keys by
-    their positions in their sequences), then :func:`attention`."""
+    their positions in their sequences), then :func:`attention` in q's dtype (a cache of
+    another dtype converted to it)."""
     cu_seqlens_k = torch.nn.functional.pad(seq_lens.cumsum(0), (1, 0)).to(torch.int32)
     keys = gather_paged(k_cache, block_tables, seq_lens)
     if rotary_cos_sin_cache is not None:
@@ -80,16 +81,16 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         keys, _ = rotary_embedding(positions, keys.to(torch.promote_types(keys.dtype,
                                                                           torch.float32)),
                                    None, rotary_cos_sin_cache, is_neox=rotary_is_neox)
-        keys = keys.to(k_cache.dtype)
-    return attention(q, keys,
-                     gather_paged(v_cache, block_tables, seq_lens), cu_seqlens_q, cu_seqlens_k,
+    values = gather_paged(v_cache, block_tables, seq_lens)
+    return attention(q, keys.to(q.dtype), values.to(q.dtype), cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, int(seq_lens.max()) if len(seq_lens) else 0, causal=causal,
                      scale=scale, window_left=window_left)
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
-    """Twin of :func:`fastllm.ops.reshape_and_cache`; returns updated copies of the caches."""
+    """Twin of :func:`fastllm.ops.reshape_and_cache`; returns updated copies of the caches (rows
+    rounded to the caches' dtype by the assignment, as ``Tensor.to`` rounds)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
