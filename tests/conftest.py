@@ -200,6 +200,16 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path: Path):
+    """One :class:`fastllm.LLM` of the real SmolLM2 for the session (reading the GGUF file's
+    49k-token vocabulary costs seconds each time), with a KV pool of 64 MiB: 1024-token
+    sequences of 45 KiB a token."""
+    from fastllm import LLM
+
+    return LLM(smollm2_path, max_model_len=1024, kv_cache_memory=64 << 20)
+
+
+@pytest.fixture(scope="session")
 def bench_run(tmp_path_factory: pytest.TempPathFactory):
     """``bench_run(name, args)`` -> ``(document, out)``: ``benchmarks/bench_{name}.py`` run with
     ``args`` into a folder of its own, once per session for the same arguments: a benchmark's

@@ -4,21 +4,22 @@ transformers' own GGUF loading of the same file."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import functools
 
+import gguf
 import pytest
 import torch
 import transformers
 
 from fastllm import LLM, SamplingParams
+from fastllm.entrypoints.cli import main
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_path) -> LLM:
-    return LLM(smollm2_path, max_model_len=1024)
+@pytest.fixture
+def llm(smollm2_llm) -> LLM:
+    return smollm2_llm
 
 
 def test_the_shipped_file_chats_correctly(llm):
@@ -27,12 +28,14 @@ def test_the_shipped_file_chats_correctly(llm):
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_the_command_line_chat(smollm2_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "fastllm", "generate", "--model", str(smollm2_path), "--prompt",
-         QUESTION[0]["content"], "--chat", "--max-tokens", "24", "--temperature", "0"],
-        capture_output=True, text=True, timeout=300, check=True)
-    assert "Paris" in done.stdout, done.stdout + done.stderr
+def test_the_command_line_chat(smollm2_path, llm, capsys):
+    """In this process (tests/entrypoints/test_cli.py runs ``python -m fastllm``), where the
+    model ``llm`` loaded is pooled: the command's own LLM reads the file's tokenizer and plans
+    its KV pool as a user's does."""
+    main(["generate", "--model", str(smollm2_path), "--prompt", QUESTION[0]["content"], "--chat",
+          "--max-tokens", "24", "--temperature", "0"])
+    out = capsys.readouterr().out
+    assert "Paris" in out, out
 
 
 def test_tokenizer_splits_as_llama_cpp_does(llm):
@@ -47,8 +50,11 @@ def test_tokenizer_splits_as_llama_cpp_does(llm):
         "<|im_start|>assistant\n")
 
 
-def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, llm):
+def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, llm, monkeypatch):
     """Teacher-forced: HF's argmax at every position of fastllm's greedy continuation."""
+    # transformers builds gguf's tensor-name map anew for each of the model's ~400 modules
+    # (seconds); the map is a pure function of (architecture, blocks), so build it once.
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     prompt = llm.client.make_requests([llm.chat_prompt(QUESTION)], None)[0].prompt_token_ids
     [out] = llm.generate([{"prompt_token_ids": prompt}],
                          SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
