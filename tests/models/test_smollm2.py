@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+import fastllm
 from fastllm import LLM, SamplingParams
 from fastllm.entrypoints.cli import main
 
@@ -28,12 +29,21 @@ def test_the_shipped_file_chats_correctly(llm):
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_the_command_line_chat(smollm2_path, llm, capsys):
-    """In this process (tests/entrypoints/test_cli.py runs ``python -m fastllm``), where the
-    model ``llm`` loaded is pooled: the command's own LLM reads the file's tokenizer and plans
-    its KV pool as a user's does."""
+def test_the_command_line_chat(smollm2_path, llm, capsys, monkeypatch):
+    """``fastllm generate --chat`` on the shipped file, in this process. The command's
+    ``LLM(path)`` is answered with the session's LLM of that file: loading it again (the
+    vocabulary, a default KV pool of 2 GiB) costs seconds, and tests/entrypoints/test_cli.py runs
+    the command's own loading and ``python -m fastllm``."""
+    calls = []
+
+    def session_llm(model, **kwargs):
+        calls.append((model, kwargs))
+        return llm
+
+    monkeypatch.setattr(fastllm, "LLM", session_llm)
     main(["generate", "--model", str(smollm2_path), "--prompt", QUESTION[0]["content"], "--chat",
           "--max-tokens", "24", "--temperature", "0"])
+    assert calls == [(str(smollm2_path), dict(dtype="float32", device="cpu", quantization=None))]
     out = capsys.readouterr().out
     assert "Paris" in out, out
 
@@ -52,8 +62,10 @@ def test_tokenizer_splits_as_llama_cpp_does(llm):
 
 def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, llm, monkeypatch):
     """Teacher-forced: HF's argmax at every position of fastllm's greedy continuation."""
-    # transformers builds gguf's tensor-name map anew for each of the model's ~400 modules
-    # (seconds); the map is a pure function of (architecture, blocks), so build it once.
+    # transformers parses the file twice (its config, then its tensors) and builds gguf's
+    # tensor-name map anew for each of the model's ~400 modules, seconds each: both are pure
+    # reads, so each is made once here.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     prompt = llm.client.make_requests([llm.chat_prompt(QUESTION)], None)[0].prompt_token_ids
     [out] = llm.generate([{"prompt_token_ids": prompt}],
