@@ -277,32 +277,32 @@ STEP_PARTS = {"weights": ("fastllm::linear", "fastllm::quantized_linear"),
               "sampling": ("fastllm::sample", "fastllm::apply_penalties")}
 
 
-def _op_times_us(llm: fastllm.LLM, prompt: list[int], new_tokens: int) -> dict[str, float]:
-    """Self CPU time (µs) of the top-level ops of one greedy generation, summed by part (and
-    "other ops")."""
-    from torch.profiler import ProfilerActivity, profile
-
-    params = fastllm.SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        llm.generate([prompt], params, use_tqdm=False)
-    parts = dict.fromkeys([*STEP_PARTS, "other ops"], 0.0)
-    for event in prof.events():
-        if event.cpu_parent is not None:  # counted in its top-level op's total
-            continue
-        part = next((p for p, names in STEP_PARTS.items() if event.name in names), "other ops")
-        parts[part] += event.cpu_time_total
-    return parts
-
-
 def decode_step_profile(llm: fastllm.LLM, prompt: list[int], decode_tokens: int,
                         step_ms: float) -> dict[str, float]:
-    """Milliseconds of one decode step per part: the ops' time (a profiled generation of
-    ``1 + decode_tokens`` tokens minus one of the prompt alone, per token), and "Python and
-    framework", the rest of the unprofiled step time ``step_ms``. The profiler's own cost per
-    op lands in the ops' parts."""
-    prefill = _op_times_us(llm, prompt, 1)
-    full = _op_times_us(llm, prompt, 1 + decode_tokens)
-    parts = {part: (full[part] - prefill[part]) / decode_tokens / 1e3 for part in full}
+    """Milliseconds of one decode step per part: the CPU time of the top-level ops (summed
+    by part, and "other ops") of the decode steps of one profiled greedy generation of
+    ``1 + decode_tokens`` tokens, the ops between the prompt's sampling and the last token's,
+    per token; and "Python and framework", the rest of the unprofiled step time ``step_ms``.
+    The profiler's own cost per op lands in the ops' parts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = fastllm.SamplingParams(temperature=0, max_tokens=1 + decode_tokens, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+    # Top-level ops only: a nested op is counted in its parent's total.
+    events = sorted((e for e in prof.events() if e.cpu_parent is None),
+                    key=lambda e: e.time_range.start)
+    samples = [e for e in events if e.name == "fastllm::sample"]  # one a step, each step's end
+    if len(samples) != 1 + decode_tokens:
+        raise RuntimeError(f"the profiled generation sampled {len(samples)} times, expected "
+                           f"{1 + decode_tokens}")
+    first, last = samples[0].time_range.end, samples[-1].time_range.end
+    parts = dict.fromkeys([*STEP_PARTS, "other ops"], 0.0)
+    for event in events:
+        if first <= event.time_range.start < last:
+            part = next((p for p, names in STEP_PARTS.items() if event.name in names),
+                        "other ops")
+            parts[part] += event.cpu_time_total / decode_tokens / 1e3
     parts["Python and framework"] = step_ms - sum(parts.values())
     return parts
 
@@ -461,9 +461,10 @@ def tables(config: GGUFBenchConfig, rows: list[dict[str, object]]) -> dict[str, 
               **{part: row["fastllm_step_ms"][part] for part in parts}} for row in rows]
     step = {"file": "file", "step_ms": "fastllm step (ms)"} | {part: f"{part} (ms)"
                                                                 for part in parts}
-    where = ("A fastllm decode step by part: the ops' self time from the profiler (a generation "
-             "of 1 + n tokens minus the prompt's, per token; the profiler's cost per op counts "
-             "here), and the rest of the unprofiled step: Python, the engine and dispatch.")
+    where = ("A fastllm decode step by part: the ops' self time from the profiler (the decode "
+             "steps of a generation of 1 + n tokens, per token; the profiler's cost per op "
+             "counts here), and the rest of the unprofiled step: Python, the engine and "
+             "dispatch.")
     return {"Batch-1 generation from GGUF files, fastllm against llama.cpp":
             goal_summary(config, rows) + "\n\n" + about + "\n\n" + markdown_table(rows, speed),
             "Weight traffic per decoded token": bandwidth + "\n\n"

@@ -199,6 +199,35 @@ def smollm2_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path: Path):
+    """One :class:`fastllm.LLM` of the real SmolLM2 for the session (reading the GGUF file's
+    49k-token vocabulary costs seconds each time), with a KV pool of 64 MiB: 1024-token
+    sequences of 45 KiB a token."""
+    from fastllm import LLM
+
+    return LLM(smollm2_path, max_model_len=1024, kv_cache_memory=64 << 20)
+
+
+@pytest.fixture(scope="session")
+def bench_run(tmp_path_factory: pytest.TempPathFactory):
+    """``bench_run(name, args)`` -> ``(document, out)``: ``benchmarks/bench_{name}.py`` run with
+    ``args`` into a folder of its own, once per session for the same arguments: a benchmark's
+    test and the notebook that plots its JSON share one tiny run (tests/tiny_bench.py)."""
+    from tiny_bench import import_benchmark
+
+    runs: dict[tuple, tuple[dict, Path]] = {}
+
+    def run(name: str, args: list[str]) -> tuple[dict, Path]:
+        key = (name, tuple(args))
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"bench_{name}")
+            runs[key] = (import_benchmark(f"bench_{name}").main(["--out", str(out), *args]), out)
+        return runs[key]
+
+    return run
+
+
 def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     """``[len(tokens), vocab]`` logits of one sequence's prefill through ``model`` (a
     :class:`fastllm.models.DecoderLM`), in a paged cache of its own."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
@@ -12,49 +11,34 @@ from conftest import find_model
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
+from tiny_bench import engine_args, rerank_args
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
-def run_benchmark(name: str, out: Path, args: list[str]) -> Path:
-    """Runs ``benchmarks/bench_{name}.py`` with ``args`` into ``out``; returns its JSON path."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        module = importlib.import_module(f"bench_{name}")
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    module.main(["--out", str(out), *args])
-    return out / f"{name}.json"
-
-
 @pytest.fixture(scope="module")
-def tiny_mask_cache_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_mask_cache_json(bench_run) -> Path:
     """``mask_cache.json`` from the real benchmark at tiny sizes."""
-    return run_benchmark("mask_cache", tmp_path_factory.mktemp("bench"),
-                         ["--lengths", "1", "8", "32", "--repeats", "1", "--warmup", "0"])
+    _, out = bench_run("mask_cache", ["--lengths", "1", "8", "32", "--repeats", "1",
+                                      "--warmup", "0"])
+    return out / "mask_cache.json"
 
 
 @pytest.fixture(scope="module")
-def tiny_engine_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``engine.json`` from the real benchmark at tiny sizes."""
-    return run_benchmark("engine", tmp_path_factory.mktemp("bench"), [
-        "--models-dir", str(find_model("qwen3_tokenizer").parent),
-        "--dtypes", "float32", "--layers", "1", "--hidden-size", "64", "--intermediate-size",
-        "192", "--num-requests", "4", "--min-prompt-len", "4", "--max-prompt-len", "16",
-        "--output-tokens", "3", "--hf-batch-size", "2", "--prefix-len", "16", "--suffix-len",
-        "4", "--prefix-requests", "2", "--prefix-rounds", "1", "--repeats", "1", "--warmup", "0",
-        "--mixed-requests", "5", "--mixed-min-prompt-len", "10", "--mixed-max-prompt-len", "40",
-        "--mixed-output-tokens", "3", "--mixed-layers", "1"])
+def tiny_engine_json(bench_run) -> Path:
+    """``engine.json`` from the real benchmark at tiny sizes: the run
+    tests/bench/test_bench_engine.py checks."""
+    _, out = bench_run("engine", engine_args(find_model("qwen3_tokenizer").parent))
+    return out / "engine.json"
 
 
 @pytest.fixture(scope="module")
-def tiny_rerank_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``rerank.json`` from the real benchmark at tiny sizes."""
-    return run_benchmark("rerank", tmp_path_factory.mktemp("bench"), [
-        "--models-dir", str(find_model("qwen3_tokenizer").parent),
-        "--layers", "1", "--hidden-size", "64", "--intermediate-size", "96", "--queries", "2",
-        "--top-k", "3", "--repeats", "1", "--warmup", "0"])
+def tiny_rerank_json(bench_run) -> Path:
+    """``rerank.json`` from the real benchmark at tiny sizes: the run
+    tests/bench/test_bench_rerank.py checks."""
+    _, out = bench_run("rerank", rerank_args(find_model("qwen3_tokenizer").parent))
+    return out / "rerank.json"
 
 
 @pytest.fixture(scope="module")

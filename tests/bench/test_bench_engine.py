@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import find_model
+from tiny_bench import (MIXED_OUTPUT_TOKENS, MIXED_REQUESTS, OUTPUT_TOKENS, PREFIX_LEN,
+                        PREFIX_REQUESTS, REQUESTS, ROUNDS, SUFFIX_LEN, TINY_ENGINE, engine_args)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -18,28 +20,6 @@ try:
     import bench_engine
 finally:
     sys.path.remove(str(REPO / "benchmarks"))
-
-REQUESTS, OUTPUT_TOKENS, PREFIX_LEN, SUFFIX_LEN, PREFIX_REQUESTS, ROUNDS = 6, 4, 32, 4, 3, 2
-MIXED_REQUESTS, MIXED_OUTPUT_TOKENS = 5, 3
-# Two batches of 4 and 2 for HF; a token budget of 32 chunks the longer prompts for fastllm.
-# LLM's defaults: 5 prompts of 10 to 40 tokens on a 2-layer model.
-TINY = ["--layers", "1", "--hidden-size", "64", "--intermediate-size", "192",
-        "--num-requests", str(REQUESTS), "--min-prompt-len", "4", "--max-prompt-len", "24",
-        "--output-tokens", str(OUTPUT_TOKENS), "--hf-batch-size", "4",
-        "--max-num-batched-tokens", "32", "--prefix-len", str(PREFIX_LEN),
-        "--suffix-len", str(SUFFIX_LEN), "--prefix-requests", str(PREFIX_REQUESTS),
-        "--prefix-rounds", str(ROUNDS), "--mixed-requests", str(MIXED_REQUESTS),
-        "--mixed-min-prompt-len", "10", "--mixed-max-prompt-len", "40",
-        "--mixed-output-tokens", str(MIXED_OUTPUT_TOKENS), "--mixed-layers", "2",
-        "--repeats", "1", "--warmup", "0"]
-
-
-def tiny_engine_bench(out: Path, dtypes: tuple[str, ...], device: torch.device
-                      ) -> dict[str, object]:
-    """Runs the benchmark at tiny sizes into ``out``; returns its JSON document."""
-    models_dir = find_model("qwen3_tokenizer").parent
-    return bench_engine.main(["--out", str(out), "--dtypes", *dtypes, "--device", str(device),
-                              "--models-dir", str(models_dir), *TINY])
 
 
 def test_cpu_defaults_are_make_benchs() -> None:
@@ -64,16 +44,17 @@ def test_cuda_defaults_are_the_gpu_sizes() -> None:
     assert config.hf_batch_size == 32
 
 
-def test_bench_engine_writes_rows(tmp_path: Path, device: torch.device) -> None:
-    document = tiny_engine_bench(tmp_path, ("float32", "bfloat16"), device)
-    written = json.loads((tmp_path / "engine.json").read_text())
+def test_bench_engine_writes_rows(bench_run, device: torch.device) -> None:
+    models_dir = find_model("qwen3_tokenizer").parent
+    document, out = bench_run("engine", engine_args(models_dir, str(device)))
+    written = json.loads((out / "engine.json").read_text())
     assert written["rows"] == document["rows"]
     rows = written["rows"]
     runs = [row for row in rows if row["section"] == "throughput"]
     prefixes = [row for row in rows if row["section"] == "prefix"]
     assert [row["dtype"] for row in runs] == [row["dtype"] for row in prefixes] == [
         "float32", "bfloat16"]
-    prompts = bench_engine.random_prompts(bench_engine.parse_args(TINY)[0])
+    prompts = bench_engine.random_prompts(bench_engine.parse_args(TINY_ENGINE)[0])
     for run in runs:
         assert run["num_requests"] == REQUESTS
         assert run["prompt_tokens"] == sum(len(p) for p in prompts)
@@ -131,7 +112,7 @@ def test_bench_engine_writes_rows(tmp_path: Path, device: torch.device) -> None:
     # LLM(path) on its defaults: its KV pool holds every request, so nothing is preempted and
     # every needed token is scheduled once; float32 on both sides gives HF's greedy tokens.
     [defaults] = [row for row in rows if row["section"] == "defaults"]
-    config = bench_engine.parse_args(TINY)[0]
+    config = bench_engine.parse_args(TINY_ENGINE)[0]
     mixed = bench_engine.mixed_prompt_sets(config)
     assert len(mixed) == 1 and all(10 <= len(p) <= 40 for p in mixed[0])
     assert (defaults["num_requests"], defaults["layers"], defaults["dtype"]) == (
@@ -148,7 +129,7 @@ def test_bench_engine_writes_rows(tmp_path: Path, device: torch.device) -> None:
             MIXED_REQUESTS * MIXED_OUTPUT_TOKENS / (defaults[f"{name}_call_median_ms"] / 1e3))
     assert defaults["throughput_speedup_vs_hf"] == pytest.approx(
         defaults["fastllm_tok_s"] / defaults["hf_tok_s"])
-    markdown = (tmp_path / "engine.md").read_text()
+    markdown = (out / "engine.md").read_text()
     assert "not measured in this run" in markdown  # scaled down from the goal's size
     assert "Check: no preemption with LLM's default KV pool: 0 (met)." in markdown
     assert "\n| float32 |" in markdown and "\n| bfloat16 | HF |" in markdown

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import find_model
+from tiny_bench import QUERIES, TOP_K, rerank_args
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -20,8 +21,6 @@ try:
 finally:
     sys.path.remove(str(REPO / "benchmarks"))
 
-QUERIES, TOP_K = 2, 3
-
 
 @pytest.fixture(scope="module")
 def models_dir() -> Path:
@@ -29,12 +28,10 @@ def models_dir() -> Path:
     return find_model("qwen3_tokenizer").parent
 
 
-def test_bench_rerank_writes_rows(tmp_path: Path, models_dir: Path) -> None:
-    document = bench_rerank.main([
-        "--out", str(tmp_path), "--layers", "1", "--hidden-size", "64",
-        "--intermediate-size", "96", "--queries", str(QUERIES), "--top-k", str(TOP_K),
-        "--repeats", "1", "--warmup", "0", "--models-dir", str(models_dir)])
-    written = json.loads((tmp_path / "rerank.json").read_text())
+def test_bench_rerank_writes_rows(bench_run, models_dir: Path) -> None:
+    # The tiny run the notebooks' test plots too: one run per session serves both.
+    document, out = bench_run("rerank", rerank_args(models_dir))
+    written = json.loads((out / "rerank.json").read_text())
     assert written["rows"] == document["rows"]
     rows = written["rows"]
     assert [row["competitor"] for row in rows] == ["hf", *bench_rerank.RUNGS]
@@ -62,7 +59,7 @@ def test_bench_rerank_writes_rows(tmp_path: Path, models_dir: Path) -> None:
     rungs = list(bench_rerank.RUNGS.values())
     assert [r.head for r in rungs] == ["every", "last", "two", "two", "two"]
     assert [(r.packing, r.shared_prefix) for r in rungs][-1] == (True, True)
-    markdown = (tmp_path / "rerank.md").read_text()
+    markdown = (out / "rerank.md").read_text()
     assert "not measured in this run" in markdown  # scaled down from the goal's size
     assert "| float32 | HF recipe |" in markdown
     assert "| float32 | + shared prefix (fastllm.Reranker) |" in markdown

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import re
 from pathlib import Path
@@ -221,10 +222,14 @@ def fixture_models(model_path) -> tuple[torch.nn.Module, DecoderLM]:
     needs accelerate, which is not installed, so its GGUF reader is called directly: its own
     metadata map, tensor name map and q/k un-permutation (LlamaTensorProcessor)."""
     path = model_path("gguf") / FIXTURE
-    config = AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                          dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    with pytest.MonkeyPatch.context() as patch:
+        # Both calls parse the file's 32k-token vocabulary, a pure read: once is enough.
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        config = AutoConfig.for_model(**load_gguf_checkpoint(str(path))["config"])
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                              dtype=torch.float32).eval()
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                       model_to_load=hf)["tensors"]
     hf.load_state_dict(tensors, strict=True)
     return hf, load_model(path)
 

@@ -4,21 +4,23 @@ transformers' own GGUF loading of the same file."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import functools
 
+import gguf
 import pytest
 import torch
 import transformers
 
+import fastllm
 from fastllm import LLM, SamplingParams
+from fastllm.entrypoints.cli import main
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def llm(smollm2_path) -> LLM:
-    return LLM(smollm2_path, max_model_len=1024)
+@pytest.fixture
+def llm(smollm2_llm) -> LLM:
+    return smollm2_llm
 
 
 def test_the_shipped_file_chats_correctly(llm):
@@ -35,12 +37,24 @@ def test_a_float16_kv_cache_still_answers(smollm2_path):
     assert "Paris" in out.outputs[0].text, out.outputs[0].text
 
 
-def test_the_command_line_chat(smollm2_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "fastllm", "generate", "--model", str(smollm2_path), "--prompt",
-         QUESTION[0]["content"], "--chat", "--max-tokens", "24", "--temperature", "0"],
-        capture_output=True, text=True, timeout=300, check=True)
-    assert "Paris" in done.stdout, done.stdout + done.stderr
+def test_the_command_line_chat(smollm2_path, llm, capsys, monkeypatch):
+    """``fastllm generate --chat`` on the shipped file, in this process. The command's
+    ``LLM(path)`` is answered with the session's LLM of that file: loading it again (the
+    vocabulary, a default KV pool of 2 GiB) costs seconds, and tests/entrypoints/test_cli.py runs
+    the command's own loading and ``python -m fastllm``."""
+    calls = []
+
+    def session_llm(model, **kwargs):
+        calls.append((model, kwargs))
+        return llm
+
+    monkeypatch.setattr(fastllm, "LLM", session_llm)
+    main(["generate", "--model", str(smollm2_path), "--prompt", QUESTION[0]["content"], "--chat",
+          "--max-tokens", "24", "--temperature", "0"])
+    assert calls == [(str(smollm2_path), dict(dtype="float32", device="cpu", quantization=None,
+                                                  kv_cache_dtype="auto"))]
+    out = capsys.readouterr().out
+    assert "Paris" in out, out
 
 
 def test_tokenizer_splits_as_llama_cpp_does(llm):
@@ -55,8 +69,13 @@ def test_tokenizer_splits_as_llama_cpp_does(llm):
         "<|im_start|>assistant\n")
 
 
-def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, llm):
+def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, llm, monkeypatch):
     """Teacher-forced: HF's argmax at every position of fastllm's greedy continuation."""
+    # transformers parses the file twice (its config, then its tensors) and builds gguf's
+    # tensor-name map anew for each of the model's ~400 modules, seconds each: both are pure
+    # reads, so each is made once here.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     prompt = llm.client.make_requests([llm.chat_prompt(QUESTION)], None)[0].prompt_token_ids
     [out] = llm.generate([{"prompt_token_ids": prompt}],
                          SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),

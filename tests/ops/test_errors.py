@@ -130,31 +130,38 @@ def test_attention_bad_out(backend, case):
         call_attention(backend.ops.attention_out, attention_inputs(), out=out)
 
 
+# (namespace, n_heads, n_kv_heads)
+ZERO_HEADS_CASES = [(namespace, n_heads, n_kv_heads)
+                    for namespace in ("fastllm", "fastllm_composite")
+                    for n_heads, n_kv_heads in ((0, 1), (0, 0), (2, 0))]
 ZERO_HEADS = textwrap.dedent("""
     import torch
     import fastllm
-    q, k = torch.randn(3, {n_heads}, 8), torch.randn(3, {n_kv_heads}, 8)
     cu = torch.tensor([0, 3], dtype=torch.int32)
-    try:
-        torch.ops.{namespace}.attention(q, k, k.clone(), cu, cu, 3, 3)
-        print("no error")
-    except ValueError as e:
-        print("ValueError", e)
+    for namespace, n_heads, n_kv_heads in {cases!r}:
+        q, k = torch.randn(3, n_heads, 8), torch.randn(3, n_kv_heads, 8)
+        try:
+            getattr(torch.ops, namespace).attention(q, k, k.clone(), cu, cu, 3, 3)
+            print(namespace, n_heads, n_kv_heads, "no error", flush=True)
+        except ValueError as e:
+            print(namespace, n_heads, n_kv_heads, "ValueError", e, flush=True)
 """)
 
 
-@pytest.mark.parametrize("namespace", ["fastllm", "fastllm_composite"])
-@pytest.mark.parametrize("n_heads, n_kv_heads", [(0, 1), (0, 0), (2, 0)])
-def test_attention_zero_heads_is_a_value_error(namespace, n_heads, n_kv_heads):
+def test_attention_zero_heads_is_a_value_error():
     # 0 % 1 == 0 would let q without heads through the GQA check (and the native kernel once
-    # divided by the group size 0): it must be a ValueError. A child process runs the call so
-    # that a crash is reported, not suffered.
-    code = ZERO_HEADS.format(namespace=namespace, n_heads=n_heads, n_kv_heads=n_kv_heads)
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=120)
-    assert child.returncode == 0, f"process died with code {child.returncode}: {child.stderr}"
-    assert child.stdout.startswith(
-        f"ValueError q and k need at least one head, got n_heads={n_heads}"), child.stdout
+    # divided by the group size 0): it must be a ValueError. A child process runs the calls so
+    # that a crash is reported, not suffered; one child runs every case (a fresh interpreter
+    # costs seconds), each printing its line before the next begins.
+    child = subprocess.run([sys.executable, "-c", ZERO_HEADS.format(cases=ZERO_HEADS_CASES)],
+                           capture_output=True, text=True, timeout=120)
+    lines = child.stdout.splitlines()
+    assert child.returncode == 0, (f"process died with code {child.returncode} after "
+                                   f"{len(lines)} of the cases: {child.stdout}{child.stderr}")
+    assert len(lines) == len(ZERO_HEADS_CASES), child.stdout
+    for (namespace, n_heads, n_kv_heads), line in zip(ZERO_HEADS_CASES, lines):
+        assert line.startswith(f"{namespace} {n_heads} {n_kv_heads} ValueError q and k need at "
+                               f"least one head, got n_heads={n_heads}"), line
 
 
 _QK = torch.randn(6, 4, 16)  # q, with k a view of its first heads

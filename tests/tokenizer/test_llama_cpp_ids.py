@@ -19,9 +19,10 @@ def golden() -> dict[str, object]:
     return json.loads(GOLDEN.read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(smollm2_path) -> Tokenizer:
-    return Tokenizer.from_pretrained(smollm2_path)
+@pytest.fixture
+def smollm2_tokenizer(smollm2_llm) -> Tokenizer:
+    """``Tokenizer.from_pretrained`` of the GGUF file, as the session's SmolLM2 LLM made it."""
+    return smollm2_llm.tokenizer
 
 
 def test_golden_ids_come_from_this_vocabulary(smollm2_path):

@@ -2,10 +2,13 @@
 // make, the simulated device's limits, and the ops tests use to steer it (fastllm_sim::configure,
 // set_trusted_inputs, launch_log).
 #include <sys/mman.h>
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <bit>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -35,6 +38,82 @@ constexpr int kMaxThreadsPerSm = 2048;
 constexpr int kMaxBlocksPerSm = 32;
 constexpr size_t kStackBytes = 256 << 10;
 
+// A fiber's saved context, and switching between two: the running one's saved, the other's
+// resumed. On x86-64 a stack pointer, the callee-saved registers pushed on the stack it points
+// to: glibc's swapcontext also saves and restores the signal mask, a system call per switch that
+// was most of a simulated launch's time. Elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void cuda_sim_switch_fiber(void** save_sp, void* resume_sp);
+asm(R"(
+    .text
+    .p2align 4
+    .globl cuda_sim_switch_fiber
+    .hidden cuda_sim_switch_fiber
+    .type cuda_sim_switch_fiber, @function
+cuda_sim_switch_fiber:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $16, %rsp
+    stmxcsr 8(%rsp)
+    fnstcw (%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    fldcw (%rsp)
+    ldmxcsr 8(%rsp)
+    addq $16, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cuda_sim_switch_fiber, .-cuda_sim_switch_fiber
+)");
+
+struct FiberContext {
+  void* sp = nullptr;
+};
+
+// A context that starts `entry` (which must never return) on the stack [base, base + bytes):
+// the frame cuda_sim_switch_fiber pops, returning into `entry` as if it had been called.
+void start_context(FiberContext& c, char* base, size_t bytes, void (*entry)()) {
+  const uintptr_t top = reinterpret_cast<uintptr_t>(base + bytes) & ~uintptr_t(15);
+  auto* sp = reinterpret_cast<uint64_t*>(top);
+  *--sp = 0;                                   // entry's return address
+  *--sp = reinterpret_cast<uint64_t>(entry);   // where the switch returns to
+  for (int i = 0; i < 6; ++i) *--sp = 0;       // rbp, rbx, r12-r15
+  sp -= 2;                                     // the x87 control word, then MXCSR: this thread's
+  asm volatile("fnstcw %0" : "=m"(*reinterpret_cast<uint16_t*>(sp)));
+  asm volatile("stmxcsr %0" : "=m"(*reinterpret_cast<uint32_t*>(sp + 1)));
+  c.sp = sp;
+}
+
+void switch_context(FiberContext& save, FiberContext& resume) {
+  cuda_sim_switch_fiber(&save.sp, resume.sp);
+}
+#else
+struct FiberContext {
+  ucontext_t context;
+};
+
+void start_context(FiberContext& c, char* base, size_t bytes, void (*entry)()) {
+  getcontext(&c.context);
+  c.context.uc_stack.ss_sp = base;
+  c.context.uc_stack.ss_size = bytes;
+  c.context.uc_link = nullptr;
+  makecontext(&c.context, entry, 0);
+}
+
+void switch_context(FiberContext& save, FiberContext& resume) {
+  swapcontext(&save.context, &resume.context);
+}
+#endif
+
 struct Settings {
   int sm_count = 132;
   bool reverse_order = false;  // run a block's threads last to first
@@ -50,7 +129,7 @@ struct AsyncCopy {
 enum class Wait { kNone, kBlock, kWarp };
 
 struct Fiber {
-  ucontext_t context;
+  FiberContext context;
   ThreadPosition position;
   int linear = 0;
   bool done = false;
@@ -81,7 +160,7 @@ struct Launch {
   Barrier block_barrier;
   int live = 0;
   Fiber* running = nullptr;
-  ucontext_t scheduler;
+  FiberContext scheduler;
   std::vector<unsigned char> shared;
   std::string error;
 };
@@ -99,11 +178,10 @@ Fiber& running() {
   return *current->running;
 }
 
-void yield(Fiber& f) { swapcontext(&f.context, &current->scheduler); }
+void yield(Fiber& f) { switch_context(f.context, current->scheduler); }
 
 [[noreturn]] void stop(Fiber& f) {
-  setcontext(&current->scheduler);
-  (void)f;
+  switch_context(f.context, current->scheduler);  // never resumed
   __builtin_unreachable();
 }
 
@@ -182,11 +260,7 @@ void run_block(const uint3& block_idx, const dim3& grid, const dim3& block) {
     f.position.block_idx = block_idx;
     f.position.block_dim = block;
     f.position.grid_dim = grid;
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = stacks + size_t(i) * kStackBytes;
-    f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = nullptr;
-    makecontext(&f.context, fiber_entry, 0);
+    start_context(f.context, stacks + size_t(i) * kStackBytes, kStackBytes, fiber_entry);
   }
   int finished = 0;
   while (finished < n) {
@@ -196,7 +270,7 @@ void run_block(const uint3& block_idx, const dim3& grid, const dim3& block) {
       if (f.done || !runnable(f)) continue;
       f.wait = Wait::kNone;
       l.running = &f;
-      swapcontext(&l.scheduler, &f.context);
+      switch_context(l.scheduler, f.context);
       l.running = nullptr;
       progressed = true;
       if (f.done) ++finished;
