@@ -187,8 +187,7 @@ void scores_direct(const Problem& pb, const Tile& t, const float* qf,
     for (int64_t c = c0; c < c0 + n; ++c) prefetch_key_rows(pb, t, k_rows, head_stride, c, nk);
     for (int64_t j = 0; j < t.n_kv; ++j) {
       for (int64_t c = 0; c < kScoreKeys; ++c)
-        kc[c] = c < n ? head_row_as_float(k_rows[c0 + c] + j * head_stride, D, buffer[c])
-                      : kZeroRow;
+        kc[c] = c < n ? head_row_as_float(k_rows[c0 + c] + j * head_stride, D, buffer[c]) : kZeroRow;
       for (int64_t i = 0; i < t.n_pos; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = i * hp + j * G + g;
