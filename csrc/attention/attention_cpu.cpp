@@ -124,126 +124,59 @@ inline void prefetch_row(const scalar_t* row, int64_t n) {
   for (int64_t off = 0; off < n * int64_t(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off);
 }
 
-// A direct tile's K or V row of one head, in float32: converted once per key and head, it
-// serves every query row of the head's group.
-constexpr int64_t kDirectMaxDim = 512;
-alignas(64) constexpr float kZeroRow[kDirectMaxDim] = {};  // an absent key's, in a group of keys
-
-template <typename scalar_t>
-inline const float* head_row_as_float(const scalar_t* row, int64_t dim, float* buffer) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return row;
-  } else {
-    for (int64_t d = 0; d < dim; d += VecF::size()) load_as_float(row + d).store(buffer + d);
-    return buffer;
+// Calls fn(c, r, row) for every key c < nk of a direct tile's block and every tile row r, with
+// `row` the K or V row of key c for r's kv head (rows[c] is key c's row at the tile's first kv
+// head). Key rows are streamed in order, all heads of a key at once, a few keys prefetched ahead.
+template <typename scalar_t, typename Fn>
+inline void for_each_key_row(const Problem& pb, const Tile& t, const scalar_t* const* rows,
+                             int64_t head_stride, int64_t nk, const Fn& fn) {
+  const int64_t G = pb.group, hp = t.heads_per_pos(pb);
+  for (int64_t c = 0; c < nk; ++c) {
+    if (c + kPrefetchRows < nk)
+      for (int64_t j = 0; j < t.n_kv; ++j)
+        prefetch_row(rows[c + kPrefetchRows] + j * head_stride, pb.head_dim);
+    for (int64_t j = 0; j < t.n_kv; ++j)
+      for (int64_t i = 0; i < t.n_pos; ++i)
+        for (int64_t g = 0; g < G; ++g) fn(c, i * hp + j * G + g, rows[c] + j * head_stride);
   }
 }
 
-// Prefetches the rows of keys c + kPrefetchRows.. of a direct tile (all its heads).
-template <typename scalar_t>
-inline void prefetch_key_rows(const Problem& pb, const Tile& t, const scalar_t* const* rows,
-                              int64_t head_stride, int64_t c, int64_t nk) {
-  if (c + kPrefetchRows < nk)
-    for (int64_t j = 0; j < t.n_kv; ++j)
-      prefetch_row(rows[c + kPrefetchRows] + j * head_stride, pb.head_dim);
-}
-
-// out[i] = the sum of the lanes of v[i], for 4 vectors: with AVX-512 folded together (14
-// instructions where 4 separate sums take 36).
-inline void sum_lanes4(const VecF (&v)[4], float* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  // 512 -> 256 bits: [a folded | b folded], [c folded | d folded].
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44),
-                                  _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44),
-                                  _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
-  // 256 -> 128 bits: 128-bit lane i holds vector i's 4 partial sums.
-  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-  const __m512 sums = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0,
-                                                              0, 0, 0, 0, 0), x);
-  _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
-#else
-  for (int i = 0; i < 4; ++i)
-    out[i] = at::vec::vec_reduce_all<float>([](VecF& x, VecF& y) { return x + y; }, v[i]);
-#endif
-}
-
-// Keys a direct tile scores at once: their 4 dot products are summed together (sum_lanes4).
-constexpr int64_t kScoreKeys = 4;
-
-// s[r, c] = q_r . k_c for a direct tile, key rows read in place and in order.
+// s[r, c] = q_r . k_c for a direct tile, key rows read in place.
 template <typename scalar_t>
 void scores_direct(const Problem& pb, const Tile& t, const float* qf,
                    const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
                    int64_t lds) {
   constexpr int64_t W = VecF::size();
-  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
-  alignas(64) float buffer[kScoreKeys][kDirectMaxDim];
-  const float* kc[kScoreKeys];
-  for (int64_t c0 = 0; c0 < nk; c0 += kScoreKeys) {
-    const int64_t n = std::min(kScoreKeys, nk - c0);
-    for (int64_t c = c0; c < c0 + n; ++c) prefetch_key_rows(pb, t, k_rows, head_stride, c, nk);
-    for (int64_t j = 0; j < t.n_kv; ++j) {
-      for (int64_t c = 0; c < kScoreKeys; ++c)
-        kc[c] = c < n ? head_row_as_float(k_rows[c0 + c] + j * head_stride, D, buffer[c]) : kZeroRow;
-      for (int64_t i = 0; i < t.n_pos; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * hp + j * G + g;
-          const float* qr = qf + r * D;
-          // Every key summed the same way whether its group of 4 is whole or not.
-          VecF acc[kScoreKeys] = {VecF(0.f), VecF(0.f), VecF(0.f), VecF(0.f)};
-          for (int64_t d = 0; d < D; d += W) {
-            const VecF q = VecF::loadu(qr + d);
-            for (int c = 0; c < kScoreKeys; ++c)
-              acc[c] = at::vec::fmadd(q, VecF::loadu(kc[c] + d), acc[c]);
-          }
-          float sums[kScoreKeys];
-          sum_lanes4(acc, sums);
-          std::copy(sums, sums + n, s + r * lds + c0);
-        }
+  const int64_t D = pb.head_dim;
+  for_each_key_row(pb, t, k_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
+    const float* qr = qf + r * D;
+    VecF acc0(0.f), acc1(0.f);
+    int64_t d = 0;
+    for (; d + 2 * W <= D; d += 2 * W) {
+      acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+      acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), load_as_float(kc + d + W), acc1);
     }
-  }
+    if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+    s[r * lds + c] =
+        at::vec::vec_reduce_all<float>([](VecF& x, VecF& y) { return x + y; }, acc0 + acc1);
+  });
 }
 
-// o[r, :] += sum_c p[r, c] * v_c for a direct tile, value rows read in place and in order. Keys
-// are taken kPvKeys at a time: each output vector is loaded and stored once per kPvKeys
-// multiply-adds, which a chain of one store and the next key's load would otherwise pace.
-constexpr int64_t kPvKeys = 4;
-static_assert(VecF::size() % kPvKeys == 0);
-
+// o[r, :] += sum_c p[r, c] * v_c for a direct tile, value rows read in place.
 template <typename scalar_t>
 void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp,
                const scalar_t* const* v_rows, int64_t head_stride, int64_t nk, float* o,
                int64_t ldo) {
   constexpr int64_t W = VecF::size();
-  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb), nv = D / W;
-  alignas(64) float buffer[kPvKeys][kDirectMaxDim];
-  const float* vc[kPvKeys];
-  for (int64_t c0 = 0; c0 < nk; c0 += kPvKeys) {
-    const int64_t n = std::min(kPvKeys, nk - c0);
-    for (int64_t c = c0; c < c0 + n; ++c) prefetch_key_rows(pb, t, v_rows, head_stride, c, nk);
-    for (int64_t j = 0; j < t.n_kv; ++j) {
-      for (int64_t c = 0; c < kPvKeys; ++c)
-        vc[c] = c < n ? head_row_as_float(v_rows[c0 + c] + j * head_stride, D, buffer[c])
-                      : kZeroRow;
-      for (int64_t i = 0; i < t.n_pos; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * hp + j * G + g;
-          // 0 where masked or underflowed, and past the keys (p's rows are padded to whole
-          // vectors, kPvKeys of which make one).
-          const float* pr = p + r * ldp + c0;
-          float* orow = o + r * ldo;
-          for (int64_t v = 0; v < nv; ++v) {
-            VecF acc = VecF::loadu(orow + v * W);
-            for (int c = 0; c < kPvKeys; ++c)
-              acc = at::vec::fmadd(VecF(pr[c]), VecF::loadu(vc[c] + v * W), acc);
-            acc.store(orow + v * W);
-          }
-        }
-    }
-  }
+  const int64_t D = pb.head_dim;
+  for_each_key_row(pb, t, v_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* vc) {
+    const float pc = p[r * ldp + c];
+    if (pc == 0.f) return;  // masked or underflowed: nothing to add
+    const VecF pv(pc);
+    float* orow = o + r * ldo;
+    for (int64_t d = 0; d < D; d += W)
+      at::vec::fmadd(pv, load_as_float(vc + d), VecF::loadu(orow + d)).store(orow + d);
+  });
 }
 
 // Calls fn(first_row, n_rows, cols) for the tile's rows in GEMM-height panels, where the panel's
@@ -598,8 +531,7 @@ Problem make_problem(const AttentionDims& dims, bool causal, std::optional<doubl
           causal,
           window_left,
           float(resolve_attention_scale(scale, dims.head_dim)),
-          dims.head_dim % VecF::size() == 0 &&
-              dims.head_dim <= kDirectMaxDim && unit_dim_strides};
+          dims.head_dim % VecF::size() == 0 && unit_dim_strides};
 }
 
 void run_attention(const Problem& pb, const at::Tensor& cu_seqlens_q,
