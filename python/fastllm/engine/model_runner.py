@@ -136,8 +136,10 @@ class ModelRunner:
                 score_rows.setdefault(wanted, []).append((index, end - 1))
         logits = None
         if sampling_rows:
-            rows = device_tensor(sampling_rows, torch.long, self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [n, vocab]
+            sampling = hidden  # every row samples (decode): no gather
+            if len(sampling_rows) < hidden.shape[0]:
+                sampling = hidden[device_tensor(sampling_rows, torch.long, self.device)]
+            logits = self.model.compute_logits(sampling)  # [n, vocab]
         scores: dict[int, Tensor] = {}
         for token_ids, entries in score_rows.items():
             rows = device_tensor([row for _, row in entries], torch.long, self.device)

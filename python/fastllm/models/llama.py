@@ -84,7 +84,6 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
@@ -103,16 +102,15 @@ class Attention(nn.Module):
         qkv_proj, o_proj = self.qkv_proj.bind(), self.o_proj.bind()
         q_norm, k_norm = (self.q_norm.bind(), self.k_norm.bind()) if self.qk_norm else (None, None)
         n_heads, n_kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
-        split_sizes, use_rope, window_left = list(self.split_sizes), self.use_rope, self.window_left
+        heads = [n_heads, n_kv_heads, n_kv_heads]
+        use_rope, window_left = self.use_rope, self.window_left
 
         def attend(x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
                    v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
             tokens = x.shape[0]
-            # Strided views of one matmul: q [T, n_heads, head_dim], k and v [T, n_kv_heads, ..].
-            q, k, v = qkv_proj(x).split_with_sizes(split_sizes, dim=-1)
-            q = q.view(tokens, n_heads, head_dim)
-            k = k.view(tokens, n_kv_heads, head_dim)
-            v = v.view(tokens, n_kv_heads, head_dim)
+            # Strided views of one matmul: q [T, n_heads, head_dim], k and v [T, n_kv_heads, ..]
+            # (split by heads: two calls where a split and three views took four).
+            q, k, v = qkv_proj(x).view(tokens, -1, head_dim).split_with_sizes(heads, dim=1)
             if q_norm is not None:
                 q, k = q_norm(q), k_norm(k)
             # RoPE in place on q, and on k unless the cache holds keys before RoPE: then
