@@ -57,6 +57,12 @@ serves one call from another's. Reported: output tokens/s of each, preemptions o
 scheduled against those it needed (every prompt token, and every output token but each
 request's last, once).
 
+Batch-invariant mode: the throughput section's requests on two fastllm.LLM of the same
+settings, one with ``batch_invariant=True`` (each request's arithmetic that of the request
+alone: the few-row matmul kernels for prefill rows too, one attention path and no split of a
+decode row's keys), calls alternating: output tokens/s of each, their ratio (the mode's cost)
+and the median TTFT and TPOT; also how many requests got the same greedy tokens in both.
+
 Goals, at the full Qwen3-0.6B shape with 64 requests of 32-512 tokens: fastllm throughput
 >= 5x HF's; cached-prefix TTFT >= 5x lower than cold. Greedy tokens are compared per request:
 float32 should agree; bfloat16 may drift apart (batch shapes change the rounding).
@@ -408,6 +414,43 @@ def prefix_rows(config: EngineBenchConfig, folder: Path,
     return [row, *requests]
 
 
+def batch_invariant_rows(config: EngineBenchConfig, folder: Path, dtype_name: str,
+                         prompts: list[list[int]]) -> list[dict[str, object]]:
+    """The throughput section's requests on fastllm as it runs by default and with
+    ``batch_invariant=True`` (each request computed as if alone: no GEMM for prefill rows, no
+    split of a decode row's keys), calls alternating; returns the section's row: the cost of
+    seeded output that ignores the batch."""
+    samples: dict[str, list[RunSample]] = {"fastllm": [], "fastllm_invariant": []}
+    memory = kv_cache_memory(fastllm.load(folder, dtype_name, config.device), config)
+    llms = {name: fastllm.LLM(folder, dtype=dtype_name, device=config.device,
+                              max_model_len=config.max_model_len, kv_cache_memory=memory,
+                              enable_prefix_caching=False, max_num_seqs=config.num_requests,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              batch_invariant=name == "fastllm_invariant")
+            for name in samples}
+    with torch.inference_mode():
+        calls = {name: fastllm_call(llm, prompts, config.output_tokens, samples[name])
+                 for name, llm in llms.items()}
+        timings = compare(calls, config.timer, device=config.device)
+    del llms, calls
+    model_pool.clear()
+    gc.collect()
+    output_tokens = len(prompts) * config.output_tokens
+    row: dict[str, object] = {"section": "batch_invariant", "model": MODEL, "dtype": dtype_name,
+                              "layers": config.layers, "num_requests": len(prompts)}
+    for name, timing in timings.items():
+        last = samples[name][-1]
+        row.update({f"{name}_call_{key}": value for key, value in timing.to_dict().items()})
+        row[f"{name}_tok_s"] = output_tokens / timing.median_s
+        row[f"{name}_ttft_p50_ms"] = percentile(last.ttft_s, 50) * 1e3
+        row[f"{name}_tpot_p50_ms"] = percentile(last.tpot_s, 50) * 1e3
+    row["invariant_throughput_ratio"] = row["fastllm_invariant_tok_s"] / row["fastllm_tok_s"]
+    row["requests_tokens_equal"] = sum(
+        a == b for a, b in zip(samples["fastllm"][-1].tokens,
+                               samples["fastllm_invariant"][-1].tokens))
+    return [row]
+
+
 def mixed_prompt_sets(config: EngineBenchConfig) -> list[list[list[int]]]:
     """One set of ``mixed_requests`` prompts per call the timer may make (warm-up and timed):
     the same lengths, drawn uniformly from ``mixed_min_prompt_len`` .. ``mixed_max_prompt_len``,
@@ -474,7 +517,7 @@ def defaults_rows(config: EngineBenchConfig, folder: Path) -> list[dict[str, obj
 
 
 def run(config: EngineBenchConfig) -> list[dict[str, object]]:
-    """Saves the random model, then measures both sections per dtype; returns the JSON rows."""
+    """Saves the random model, then measures the sections per dtype; returns the JSON rows."""
     prompts = random_prompts(config)
     rows = []
     with random_model_folder(config, "engine") as folder:
@@ -483,6 +526,8 @@ def run(config: EngineBenchConfig) -> list[dict[str, object]]:
             print(f"engine: {dtype_name} throughput measured", flush=True)
             rows += prefix_rows(config, folder, dtype_name)
             print(f"engine: {dtype_name} prefix cache measured", flush=True)
+            rows += batch_invariant_rows(config, folder, dtype_name, prompts)
+            print(f"engine: {dtype_name} batch-invariant mode measured", flush=True)
     with random_model_folder(replace(config, layers=config.mixed_layers), "engine") as folder:
         rows += defaults_rows(config, folder)
         print("engine: LLM defaults measured", flush=True)
@@ -549,6 +594,15 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
         "dtype": "dtype", "cold_ttft_ms": "cold TTFT (ms)", "cached_ttft_ms": "cached TTFT (ms)",
         "cached_ttft_p99_ms": "cached TTFT p99 (ms)", "prefix_ttft_ratio": "cold / cached",
         "prefix_cache_hit_rate": "block hit rate", "cached_token_share": "prompt share cached"})
+    invariant = markdown_table([row for row in rows if row["section"] == "batch_invariant"], {
+        "dtype": "dtype", "fastllm_tok_s": "default tok/s",
+        "fastllm_invariant_tok_s": "batch-invariant tok/s",
+        "invariant_throughput_ratio": "batch-invariant / default",
+        "fastllm_ttft_p50_ms": "default TTFT p50 (ms)",
+        "fastllm_invariant_ttft_p50_ms": "batch-invariant TTFT p50 (ms)",
+        "fastllm_tpot_p50_ms": "default TPOT p50 (ms)",
+        "fastllm_invariant_tpot_p50_ms": "batch-invariant TPOT p50 (ms)",
+        "requests_tokens_equal": "requests with equal greedy tokens"})
     prefix_about = (f"{config.prefix_rounds} rounds of {config.prefix_requests} requests one "
                     f"after another, each a shared {config.prefix_len}-token system prompt "
                     f"(new per round) and a distinct {config.suffix_len}-token question, one "
@@ -565,6 +619,9 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
         "helps)": prefix_about + "\n\n" + prefix_table,
         f"fastllm.LLM(path) on its defaults: {config.mixed_requests} mixed requests "
         "(speedup > 1: fastllm faster)": defaults_table(config, rows),
+        "The cost of batch_invariant=True (seeded output independent of the batch, chunking "
+        "and preemption in every dtype): the throughput section's requests, calls alternating":
+            invariant,
     }
 
 

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "common/cpu_isa.h"
+#include "common/batch_invariant.h"
 #include "common/trusted_inputs.h"
 #include "kv_cache/kv_cache_bindings.h"
 #include "mask_cache/mask_cache.h"
@@ -161,6 +162,10 @@ that raises ValueError. Safe to use from several threads.)doc")
         "Sets this thread's trusted-inputs flag (see fastllm.ops.trusted_inputs); returns the "
         "previous value.");
   m.def("trusted_inputs", &fastllm::trusted_inputs, "This thread's trusted-inputs flag.");
+  m.def("set_batch_invariant", &fastllm::set_batch_invariant, py::arg("invariant"),
+        "Sets this thread's batch-invariant flag (see fastllm.ops.batch_invariant); returns the "
+        "previous value.");
+  m.def("batch_invariant", &fastllm::batch_invariant, "This thread's batch-invariant flag.");
   m.def(
       "cpu_isas",
       [] {

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "attention/attention.h"
+#include "common/batch_invariant.h"
 #include "common/dispatch.h"
 #include "common/vec.h"
 #include "common/vec_gemm.h"
@@ -396,22 +397,27 @@ void write_tile_output(const Problem& pb, const Tile& t, const float* o, const f
     }
 }
 
+// Tiles of the batch. Batch-invariant (common/batch_invariant.h): every query row takes the
+// direct path, whatever its sequence's number of queries, in tiles of one kv head, and its key
+// blocks start at multiples of kTileKeys whatever its tile's first position: a row's sums are
+// then those it gets alone (the GEMM path's would depend on its panel).
 std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q,
-                             const std::vector<int64_t>& key_lens) {
+                             const std::vector<int64_t>& key_lens, bool invariant) {
   const int64_t batch = int64_t(key_lens.size());
   const int64_t gemm_positions = std::max<int64_t>(1, kTileRows / pb.group);
+  const int64_t invariant_positions = std::max<int64_t>(1, kDirectMaxRows / pb.group);
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len_q = cu_q[b + 1] - cu_q[b], len_k = key_lens[b];
-    const bool direct = pb.direct_ok && len_q * pb.group <= kDirectMaxRows;
-    const int64_t positions = direct ? len_q : gemm_positions;
+    const bool direct = pb.direct_ok && (invariant || len_q * pb.group <= kDirectMaxRows);
+    const int64_t positions = !direct ? gemm_positions : invariant ? invariant_positions : len_q;
     for (int64_t p0 = 0; p0 < len_q; p0 += positions) {
       Tile t{cu_q[b] + p0, p0, std::min(positions, len_q - p0), b, len_q, len_k,
-             0, direct ? pb.n_kv_heads : 1, direct, 0, 0};
+             0, direct && !invariant ? pb.n_kv_heads : 1, direct, 0, 0};
       int64_t lo_first, hi_first, lo_last, hi_last;
       visible_keys(pb, t, p0, lo_first, hi_first);
       visible_keys(pb, t, p0 + t.n_pos - 1, lo_last, hi_last);
-      t.key_lo = lo_first;
+      t.key_lo = invariant ? lo_first / kTileKeys * kTileKeys : lo_first;
       t.key_hi = std::max(t.key_lo, hi_last);
       for (int64_t h = 0; h < pb.n_kv_heads; h += t.n_kv) {
         t.kv_head0 = h;
@@ -439,9 +445,9 @@ void parallel_dynamic(int64_t n, int64_t threads, const Problem& pb, int64_t max
 }
 
 template <typename scalar_t, typename cache_t>
-void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const at::Tensor& q,
-                      const at::Tensor& k, const KeyLayout& kl, const at::Tensor& v,
-                      const KeyLayout& vl, const at::Tensor& out) {
+void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, bool invariant,
+                      const at::Tensor& q, const at::Tensor& k, const KeyLayout& kl,
+                      const at::Tensor& v, const KeyLayout& vl, const at::Tensor& out) {
   const scalar_t* qp = q.const_data_ptr<scalar_t>();
   const cache_t* kp = k.const_data_ptr<cache_t>();
   const cache_t* vp = v.const_data_ptr<cache_t>();
@@ -458,11 +464,12 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, const a
   const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
 
   // Few tiles with long key ranges (decode, small batches): split the keys so every thread has
-  // work, then merge the partial softmaxes.
+  // work, then merge the partial softmaxes (not when batch-invariant: the split would depend on
+  // the number of tiles).
   int64_t max_keys = 0;
   for (const auto& t : tiles) max_keys = std::max(max_keys, t.key_hi - t.key_lo);
   int64_t n_split = 1;
-  if (threads > 1 && n_tiles < 2 * threads) {
+  if (threads > 1 && n_tiles < 2 * threads && !invariant) {
     n_split = std::min((2 * threads + n_tiles - 1) / std::max<int64_t>(n_tiles, 1),
                        max_keys / kMinKeysPerSplit);
     n_split = std::max<int64_t>(n_split, 1);
@@ -539,10 +546,11 @@ void run_attention(const Problem& pb, const at::Tensor& cu_seqlens_q,
                    const at::Tensor& k, const KeyLayout& kl, const at::Tensor& v,
                    const KeyLayout& vl, const at::Tensor& out) {
   const auto cu_q = cu_seqlens_q.contiguous();
-  const auto tiles = make_tiles(pb, cu_q.const_data_ptr<int32_t>(), key_lens);
+  const bool invariant = batch_invariant();
+  const auto tiles = make_tiles(pb, cu_q.const_data_ptr<int32_t>(), key_lens, invariant);
   // Packed K/V are in q's dtype; paged caches may be narrower (check_kv_cache_dtype).
   FASTLLM_DISPATCH_KV_CACHE_TYPES(q.scalar_type(), k.scalar_type(), "fastllm::attention_cpu", [&] {
-    attention_kernel<scalar_t, cache_t>(pb, tiles, q, k, kl, v, vl, out);
+    attention_kernel<scalar_t, cache_t>(pb, tiles, invariant, q, k, kl, v, vl, out);
   });
 }
 

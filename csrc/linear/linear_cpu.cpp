@@ -3,6 +3,8 @@
 // here reads each weight row once for all the activation rows and keeps the activations in L1,
 // where a general GEMM call reaches about half the memory bandwidth for one row. Many rows
 // (prefill) are compute-bound and go to ATen's GEMM.
+#include <cmath>
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,6 +14,7 @@
 #define FASTLLM_BF16_DOT 1
 #endif
 
+#include "common/batch_invariant.h"
 #include "common/dispatch.h"
 #include "common/vec.h"
 #include "linear/linear.h"
@@ -70,7 +73,10 @@ inline void dot_tile(const float* x, const scalar_t* w, int64_t ldw, int64_t k_l
     for (int r = 0; r < R; ++r) {
       float sum = at::vec::vec_reduce_all<float>(
           [](const VecF& a, const VecF& b) { return a + b; }, acc[m][r]);
-      for (int64_t j = k; j < k_len; ++j) sum += x[m * k_len + j] * float(w[r * ldw + j]);
+      // An explicit fused multiply-add: left to the compiler, tiles of other heights could be
+      // contracted differently, and a row's result would depend on the rows beside it.
+      for (int64_t j = k; j < k_len; ++j)
+        sum = std::fma(x[m * k_len + j], float(w[r * ldw + j]), sum);
       out[m][r] = sum;
     }
   }
@@ -97,7 +103,8 @@ inline void dot_tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t ldw
   for (int m = 0; m < M; ++m) {
     for (int r = 0; r < R; ++r) {
       float sum = _mm512_reduce_add_ps(acc[m][r]);
-      for (int64_t j = k; j < k_len; ++j) sum += float(x[m * k_len + j]) * float(w[r * ldw + j]);
+      for (int64_t j = k; j < k_len; ++j)
+        sum = std::fma(float(x[m * k_len + j]), float(w[r * ldw + j]), sum);
       out[m][r] = sum;
     }
   }
@@ -157,7 +164,7 @@ void stream_weights(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
 at::Tensor linear_upcast_weights_cpu(const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), n_out = weight.size(0), k_len = weight.size(1);
-  if (rows > kMaxUpcastStreamRows || k_len == 0)
+  if ((rows > kMaxUpcastStreamRows && !batch_invariant()) || k_len == 0)
     return at::linear(x, weight.to(at::kFloat), bias);
   auto y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
@@ -181,7 +188,10 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   check_linear_inputs(x, weight, bias);
   if (weight.scalar_type() != x.scalar_type()) return linear_upcast_weights_cpu(x, weight, bias);
   const int64_t rows = x.size(0), n_out = weight.size(0), k_len = weight.size(1);
-  if (rows > max_stream_rows(x.scalar_type()) || k_len == 0) return at::linear(x, weight, bias);
+  // Batch-invariant: the few-row kernel for any number of rows (a row's sums never depend on
+  // the tile it shares; a GEMM's blocking may).
+  if ((rows > max_stream_rows(x.scalar_type()) && !batch_invariant()) || k_len == 0)
+    return at::linear(x, weight, bias);
   auto y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
   const auto bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();

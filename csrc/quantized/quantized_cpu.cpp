@@ -14,6 +14,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/batch_invariant.h"
 #include "common/cpu_isa.h"
 #include "quantized/quantized.h"
 #include "quantized/quantized_cpu.h"
@@ -130,7 +131,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const CpuKernels cpu = isa_kernels(format);
   const auto x_float = x.to(at::kFloat).contiguous();
   auto y_float = x.scalar_type() == at::kFloat ? y : at::empty({rows, n_out}, x_float.options());
-  if (rows > kMaxStreamRows) {
+  if (rows > kMaxStreamRows && !batch_invariant()) {  // batch-invariant: decode rows for all
     // Compute-bound: dequantized tiles of weight rows through ATen's GEMM, tile by tile, so the
     // float copy never exceeds a tile.
     // Where the CPU multiplies bfloat16 natively, the tiles and the activations go through the

@@ -129,8 +129,19 @@ def test_bench_engine_writes_rows(bench_run, device: torch.device) -> None:
             MIXED_REQUESTS * MIXED_OUTPUT_TOKENS / (defaults[f"{name}_call_median_ms"] / 1e3))
     assert defaults["throughput_speedup_vs_hf"] == pytest.approx(
         defaults["fastllm_tok_s"] / defaults["hf_tok_s"])
+    invariant = [row for row in rows if row["section"] == "batch_invariant"]
+    assert [row["dtype"] for row in invariant] == ["float32", "bfloat16"]
+    for row in invariant:
+        for name in ("fastllm", "fastllm_invariant"):
+            assert row[f"{name}_tok_s"] == pytest.approx(
+                REQUESTS * OUTPUT_TOKENS / (row[f"{name}_call_median_ms"] / 1e3))
+            assert 0 < row[f"{name}_ttft_p50_ms"] <= row[f"{name}_call_median_ms"]
+        assert row["invariant_throughput_ratio"] == pytest.approx(
+            row["fastllm_invariant_tok_s"] / row["fastllm_tok_s"])
+        assert 0 <= row["requests_tokens_equal"] <= REQUESTS
     markdown = (out / "engine.md").read_text()
     assert "not measured in this run" in markdown  # scaled down from the goal's size
+    assert "| batch-invariant / default |" in markdown
     assert "Check: no preemption with LLM's default KV pool: 0 (met)." in markdown
     assert "\n| float32 |" in markdown and "\n| bfloat16 | HF |" in markdown
 

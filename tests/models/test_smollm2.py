@@ -52,7 +52,8 @@ def test_the_command_line_chat(smollm2_path, llm, capsys, monkeypatch):
     main(["generate", "--model", str(smollm2_path), "--prompt", QUESTION[0]["content"], "--chat",
           "--max-tokens", "24", "--temperature", "0"])
     assert calls == [(str(smollm2_path), dict(dtype="float32", device="cpu", quantization=None,
-                                                  kv_cache_dtype="auto"))]
+                                                  kv_cache_dtype="auto",
+                                                  batch_invariant=False))]
     out = capsys.readouterr().out
     assert "Paris" in out, out
 

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from conftest import assert_within_twice_plain_error, blind_rows, num_threads
+from conftest import Backend, assert_within_twice_plain_error, blind_rows, num_threads
+from fastllm import ops
 from fastllm.ops import reference
 
 F32_TOL = 2e-5  # float32 kernel vs the float64 reference, atol and rtol
@@ -223,3 +224,34 @@ def test_prefill_spanning_several_tiles(backend, causal, window_left):
 def test_low_precision(backend, dtype, lens_q, lens_k, head_dim, causal, window_left):
     check(backend, *make_inputs(lens_q, lens_k, 4, 2, head_dim, dtype=dtype,
                                 device=backend.device), causal=causal, window_left=window_left)
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, window_left, dtype", [
+    (9, 3, 64, -1, torch.bfloat16),     # SmolLM2's heads
+    (16, 8, 128, 100, torch.float32),   # Qwen3's, a sliding window
+    (4, 4, 64, -1, torch.float16),
+    (4, 2, 8, 37, torch.bfloat16),      # head_dim below a vector: the GEMM tiles
+], ids=str)
+def test_batch_invariant_rows_equal_prefill_batch_and_decode(n_heads, n_kv_heads, head_dim,
+                                                             window_left, dtype):
+    """Under ops.batch_invariant() a query row's output is bit for bit the same whether its
+    sequence is prefilled in one call, sits in a batch with others, or the row is decoded alone
+    (its one query against its keys so far); and the batch is still reference-close."""
+    lens = [300, 37, 600, 5]  # one prefill each; 600 keys cross key blocks of 256
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(lens, lens, n_heads, n_kv_heads, head_dim,
+                                                    dtype)
+    cpu = Backend("cpu", torch.ops.fastllm, torch.device("cpu"))
+    kwargs = dict(causal=True, window_left=window_left)
+    with ops.batch_invariant():
+        batch = check(cpu, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+        for b, length in enumerate(lens):
+            start = int(cu_q[b])
+            rows = slice(start, start + length)
+            alone = ops.attention(q[rows], k[rows], v[rows], cu_seqlens([length]),
+                                  cu_seqlens([length]), length, length, **kwargs)
+            assert torch.equal(alone, batch[rows])
+            for p in (0, length // 2, length - 1):  # decoded: one query, keys 0..p
+                one = ops.attention(q[start + p:start + p + 1], k[start:start + p + 1],
+                                    v[start:start + p + 1], cu_seqlens([1]),
+                                    cu_seqlens([p + 1]), 1, p + 1, **kwargs)
+                assert torch.equal(one[0], batch[start + p]), (b, p)

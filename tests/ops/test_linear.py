@@ -7,11 +7,13 @@ Every dtype is held to flash-attention's 2x rule against a float64 product of th
 (the plain composition: the float32 product, rounded to the dtype).
 """
 
+import threading
+
 import pytest
 import torch
 from conftest import assert_within_twice_plain_error
 
-from fastllm import ops
+from fastllm import _C, ops
 from fastllm.ops import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -95,3 +97,37 @@ def test_bad_inputs_raise(backend):
         linear(x, w, torch.randn(3, device=device))
     with pytest.raises(TypeError, match="bias has dtype torch.float16"):
         linear(x, w, torch.randn(4, device=device, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("x_dtype, weight_dtype", [
+    *[(dtype, dtype) for dtype in DTYPES], (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16)], ids=str)
+@pytest.mark.parametrize("in_features", [64, 1029])
+def test_batch_invariant_rows_equal_each_row_alone(x_dtype, weight_dtype, in_features):
+    """Under ops.batch_invariant() a row's result is bit for bit its result alone, for more rows
+    than the op otherwise streams (it would switch to ATen's GEMM); still float64-close."""
+    x = torch.randn(70, in_features).to(x_dtype)
+    weight = torch.randn(40, in_features).to(weight_dtype)
+    bias = torch.randn(40).to(x_dtype)
+    with ops.batch_invariant():
+        batch = ops.linear(x, weight, bias)
+        alone = torch.cat([ops.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+        assert torch.equal(batch, alone)
+        check(ops.linear, x, weight, bias)
+
+
+def test_batch_invariant_is_per_thread_and_restored():
+    with ops.batch_invariant():
+        assert _C.batch_invariant()
+        other_thread = []
+        thread = threading.Thread(target=lambda: other_thread.append(_C.batch_invariant()))
+        thread.start()
+        thread.join()
+        assert other_thread == [False]
+        with ops.batch_invariant(False):
+            assert not _C.batch_invariant()
+        assert _C.batch_invariant()
+    assert not _C.batch_invariant()
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        with ops.batch_invariant("yes"):
+            pass

@@ -302,3 +302,24 @@ print(_C.cpu_isa())
                          check=True).stdout.splitlines()
     assert out == ["unknown CPU instruction set 'avx9'; expected avx512, avx2 or scalar",
                    "scalar"]
+
+
+@pytest.mark.parametrize("weight_type", [TYPES["Q4_0"], TYPES["Q8_0"], TYPES["Q4_K"],
+                                         TYPES["Q6_K"]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_rows_equal_each_row_alone(weight_type, dtype):
+    """Under ops.batch_invariant() a row's result is bit for bit its result alone, past the row
+    count where the op otherwise switches to the dequantize + GEMM path; still within the
+    kernel's error bound."""
+    weight = quantized_weight(96, 8, weight_type)
+    x = torch.randn(40, in_features(weight, weight_type)).to(dtype)
+    with ops.batch_invariant():
+        batch = ops.quantized_linear(x, weight, weight_type)
+        alone = torch.cat([ops.quantized_linear(x[i:i + 1], weight, weight_type)
+                           for i in range(x.shape[0])])
+    assert torch.equal(batch, alone)
+    exact = x.double() @ reference.dequantize(weight, weight_type).T
+    bound = activation_error_bound(x.float(), weight, weight_type)
+    if dtype == torch.bfloat16:  # the result's own rounding
+        bound = bound + exact.abs() * 2.0 ** -8
+    assert ((batch.double() - exact).abs() <= bound).all()

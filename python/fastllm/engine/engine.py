@@ -54,6 +54,11 @@ class EngineConfig:
             sequence's keys came from this step or an earlier one (chunked prefill, prefix
             hits, preemption) moves its result no more than rounding noise. Not on CUDA, whose
             cache is in the model's dtype.
+        batch_invariant: run every step under :func:`fastllm.ops.batch_invariant`: each
+            request's arithmetic does not depend on the others in its steps, on how its prompt
+            was chunked or on a preemption, so a seeded request gives the same tokens alone or
+            in any batch, in every dtype (without it that holds in float32 decode batches, not
+            across prefill and decode or in 16 bits). Costs prefill speed (no GEMM); CPU only.
     """
 
     max_num_seqs: int = 32
@@ -61,6 +66,7 @@ class EngineConfig:
     max_prefill_chunk: int | None = None
     enforce_eager: bool = False
     kv_cache_dtype: str | torch.dtype = "auto"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -71,6 +77,9 @@ class EngineConfig:
                 not isinstance(self.max_prefill_chunk, int) or self.max_prefill_chunk < 1):
             raise ValueError(f"max_prefill_chunk must be None or an int >= 1, got "
                              f"{self.max_prefill_chunk!r}")
+        for name in ("enforce_eager", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self.cache_dtype(torch.float32)  # a bad name fails here, before anything is loaded
 
     def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -126,6 +135,9 @@ class Engine:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r}: on CUDA the KV cache "
                              f"must be in the model's dtype ({model.dtype}); paged attention's "
                              f"CUDA kernels read no other")
+        if self.device.type == "cuda" and config.batch_invariant:
+            raise ValueError("batch_invariant=True: only the CPU kernels have a batch-invariant "
+                             "mode")
         self.stats = EngineStats()
         self.scheduler = Scheduler(
             kv_cache, SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -186,7 +198,7 @@ class Engine:
             return []
         batch, owners = scheduled
         scored, sampling, logits = [], [], []
-        with torch.inference_mode():
+        with torch.inference_mode(), ops.batch_invariant(self.config.batch_invariant):
             for part, part_owners, output in self._execute(batch, owners):
                 scored += self.scheduler.update_from_output(part, part_owners, output)
                 sampling += [owner for owner, sequence in zip(part_owners, part.sequences)

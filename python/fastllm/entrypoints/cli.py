@@ -36,6 +36,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="quantize a float checkpoint's weights at load (weight-only)")
     _add_kv_cache_dtype(parser)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the same tokens for a seeded request whatever runs beside it, in "
+                             "every dtype (slower prefill; CPU only)")
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(run=_generate)
 
@@ -53,7 +56,7 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant)
     prompt = (llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat
               else args.prompt)
     for delta in llm.stream(prompt, params):

@@ -68,6 +68,9 @@ class LLM:
             16-bit cache holds twice the tokens in ``kv_cache_memory`` and halves the bytes
             decode attention reads (llama.cpp's default cache is float16), at the cost of
             rounding K/V once (:class:`fastllm.engine.EngineConfig`). CPU only.
+        batch_invariant: compute each request the same way whatever else runs with it
+            (:func:`fastllm.ops.batch_invariant`): a seeded request's tokens are the same alone,
+            in any batch and after a preemption, in every dtype; prefill is slower. CPU only.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
@@ -77,14 +80,16 @@ class LLM:
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_prefill_chunk: int | None = None, enforce_eager: bool = False,
                  chunk_store_memory: int | None = None, quantization: str | None = None,
-                 kv_cache_dtype: str | torch.dtype = "auto") -> None:
+                 kv_cache_dtype: str | torch.dtype = "auto",
+                 batch_invariant: bool = False) -> None:
         self.client = EngineClient(
             model, dtype=dtype, device=device, tokenizer=tokenizer, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
             enforce_eager=enforce_eager, chunk_store_memory=chunk_store_memory,
-            quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            batch_invariant=batch_invariant)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.kv_cache, self.engine = self.client.kv_cache, self.client.engine
         self.device, self.max_model_len = self.client.device, self.client.max_model_len

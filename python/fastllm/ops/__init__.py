@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from fastllm import _C
 
-__all__ = ["BLOCK_FORMATS", "add_rms_norm", "apply_penalties", "attention", "dequantize",
+__all__ = ["BLOCK_FORMATS", "add_rms_norm", "apply_penalties", "attention", "batch_invariant",
+           "dequantize",
            "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
            "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs",
            "silu_and_mul", "trusted_inputs"]
@@ -45,11 +46,35 @@ def trusted_inputs() -> Iterator[None]:
     a row whose logits hold NaN or +inf, or no finite value, with token -1 instead of raising.
     The engine builds and checks its metadata on the host, then runs its steps in this block.
     """
-    previous = _C.set_trusted_inputs(True)
+    with _thread_flag(_C.set_trusted_inputs, True):
+        yield
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within this block (on this thread, ``enabled``) the CPU ops compute each row the same
+    way whatever the other rows of the call: ``linear`` and ``quantized_linear`` keep their
+    few-row kernels for any number of rows (no switch to a GEMM), and ``attention`` /
+    ``paged_attention`` give every query row the same tiles and key blocks whether it decodes
+    alone, sits in a prefill chunk or in a batch, with no split over the keys. Norms, RoPE and
+    sampling are per row anyway. A seeded request's tokens then do not depend on the batch, the
+    chunking or a preemption, in every dtype; prefill is slower (no GEMM) and batch-1 decode
+    attention runs one thread per kv head. CUDA kernels ignore it.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    with _thread_flag(_C.set_batch_invariant, enabled):
+        yield
+
+
+@contextlib.contextmanager
+def _thread_flag(setter: Callable[[bool], bool], value: bool) -> Iterator[None]:
+    """Sets one of ``_C``'s per-thread flags for the block, then restores it."""
+    previous = setter(value)
     try:
         yield
     finally:
-        _C.set_trusted_inputs(previous)
+        setter(previous)
 
 
 def attention(
