@@ -36,7 +36,7 @@ UNITS = [
     *sorted(CSRC.glob("**/*_cuda.cu")),
     *sorted(CSRC.glob("**/*_checks.cpp")),
     *sorted(CSRC.glob("**/*_composite.cpp")),
-    CSRC / "common" / "trusted_inputs.cpp",
+    CSRC / "common" / "thread_flags.cpp",
     SIM / "cuda_sim.cpp",
 ]
 
