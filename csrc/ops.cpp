@@ -9,6 +9,7 @@
 #include "common/cpu_isa.h"
 #include "common/batch_invariant.h"
 #include "common/trusted_inputs.h"
+#include "decoder/decoder_bindings.h"
 #include "kv_cache/kv_cache_bindings.h"
 #include "mask_cache/mask_cache.h"
 #include "sampling/philox.h"
@@ -188,4 +189,5 @@ that raises ValueError. Safe to use from several threads.)doc")
       "Runs the per-ISA CPU kernels with instruction set `name` (one of cpu_isas()) from now on, "
       "on every thread; returns the previous one.");
   fastllm::bind_kv_cache(m);
+  fastllm::bind_decoder(m);
 }

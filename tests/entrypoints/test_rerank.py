@@ -122,20 +122,24 @@ def test_the_shared_part_is_computed_once_per_query(reranker, model_path):
     assert computed <= total - (len(documents) - 1) * (shared // 16 * 16)
 
 
-def test_removing_the_causal_mask_changes_the_scores(reranker, model_path, monkeypatch):
+def test_removing_the_causal_mask_changes_the_scores(reranker, model_path):
     """Qwen3-Reranker is a causal LM: bidirectional attention is a different model."""
-    import fastllm.models.llama as llama
-
     query, documents = dl19(model_path, queries=1, hits=4)[0]
     causal = reranker.score(query, documents)
-    real = llama.ops.paged_attention
 
-    def bidirectional(*args, **kwargs):
-        return real(*args, **{**kwargs, "causal": False})
+    def bidirectional(*args, causal: bool = True, **kwargs):
+        return torch.ops.fastllm_composite.paged_attention.default(*args, causal=False, **kwargs)
 
-    monkeypatch.setattr(llama.ops, "paged_attention", bidirectional)
-    without_mask = reranker.score(query, documents)
+    # The layers call the op from C++: its CPU kernel is swapped for the block, then restored.
+    library = torch.library.Library("fastllm", "IMPL")
+    try:
+        with pytest.warns(UserWarning, match="Overriding a previously registered kernel"):
+            library.impl("paged_attention", bidirectional, "CPU")
+        without_mask = reranker.score(query, documents)
+    finally:
+        library._destroy()
     assert max(abs(a - b) for a, b in zip(causal, without_mask)) > 1e-3
+    assert_close(reranker.score(query, documents), causal)
 
 
 def test_rerank_orders_best_first(reranker, model_path):

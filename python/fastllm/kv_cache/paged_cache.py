@@ -290,8 +290,6 @@ class PagedKVCache:
         shape = (spec.num_layers, num_blocks, spec.block_size, spec.n_kv_heads, spec.head_dim)
         self.k_cache = zeros_pool(shape, spec.dtype, device)
         self.v_cache = zeros_pool(shape, spec.dtype, device)
-        # Each layer's (k, v) pools as views, made once: a decode step indexes no tensor per layer.
-        self.layers = tuple(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))
 
     @property
     def num_blocks(self) -> int:

@@ -5,13 +5,14 @@ against a :class:`~fastllm.kv_cache.PagedKVCache`: every layer writes its new K/
 cache, then attends over the cached keys through each sequence's block table. Prefill, chunked
 prefill and decode are the same call; only :class:`AttentionMetadata` differs. Projections are
 plain matmuls, with q/k/v fused into one and gate/up into another.
+
+The modules hold the weights; the layers run as :class:`fastllm.ops.DecoderLayers`, the same ops
+called from C++ (a decode step's ten small ops a layer cost more from Python than they compute).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -33,22 +34,16 @@ DEFAULT_ROPE_POSITIONS = 8192
 _ROPE_TABLE_LOCK = threading.Lock()
 
 
-# A layer bound to its weights: a plain function (see DecoderLayer.bind).
-LayerStep = Callable[[Tensor, "Tensor | None", Tensor, AttentionMetadata, Tensor, Tensor, Tensor,
-                      bool], "tuple[Tensor, Tensor]"]
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` through :func:`fastllm.ops.linear` (a decode step streams its weights
     at memory bandwidth); parameters and names as ``nn.Linear``'s. Inputs ``[tokens, in]``."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.bind()(x)
+        return ops.linear(x, self.weight, self.bias)
 
-    def bind(self) -> Callable[[Tensor], Tensor]:
-        """This layer as a function of ``x`` over its current weights."""
-        weight, bias = self.weight, self.bias
-        return lambda x: ops.linear(x, weight, bias)
+    def projection_parts(self) -> list[ops.ProjectionPart]:
+        """This layer as :class:`fastllm.ops.DecoderLayers` runs it."""
+        return [ops.ProjectionPart(self.weight, None, self.bias)]
 
 
 class RMSNorm(nn.Module):
@@ -62,22 +57,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        return self.bind()(x, residual)
-
-    def bind(self) -> Callable[..., Tensor | tuple[Tensor, Tensor]]:
-        """This norm as a function of ``(x, residual=None)`` over its current weight."""
-        weight, eps = self.weight, self.eps
-
-        def norm(x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-            if residual is None:
-                return ops.rms_norm(x, weight, eps)
-            ops.add_rms_norm(x, residual, weight, eps)
-            return x, residual
-        return norm
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class Attention(nn.Module):
-    """Fused QKV projection, optional q/k RMSNorm, RoPE, paged cache write and attention."""
+    """Fused QKV projection, optional q/k RMSNorm, RoPE, paged cache write and attention
+    (run by :class:`fastllm.ops.DecoderLayers`)."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -93,58 +81,10 @@ class Attention(nn.Module):
         self.use_rope = config.rope_layers[layer]
         self.window_left = config.window_left(layer)
 
-    def forward(self, x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
-                v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
-        return self.bind()(x, positions, meta, k_cache, v_cache, cos_sin_cache, pre_rope)
-
-    def bind(self) -> Callable[..., Tensor]:
-        """This block as a function of :meth:`forward`'s arguments over its current weights."""
-        qkv_proj, o_proj = self.qkv_proj.bind(), self.o_proj.bind()
-        q_norm, k_norm = (self.q_norm.bind(), self.k_norm.bind()) if self.qk_norm else (None, None)
-        n_heads, n_kv_heads, head_dim = self.n_heads, self.n_kv_heads, self.head_dim
-        heads = [n_heads, n_kv_heads, n_kv_heads]
-        use_rope, window_left = self.use_rope, self.window_left
-
-        def attend(x: Tensor, positions: Tensor, meta: AttentionMetadata, k_cache: Tensor,
-                   v_cache: Tensor, cos_sin_cache: Tensor, pre_rope: bool) -> Tensor:
-            tokens = x.shape[0]
-            # Strided views of one matmul: q [T, n_heads, head_dim], k and v [T, n_kv_heads, ..]
-            # (split by heads: two calls where a split and three views took four).
-            q, k, v = qkv_proj(x).view(tokens, -1, head_dim).split_with_sizes(heads, dim=1)
-            if q_norm is not None:
-                q, k = q_norm(q), k_norm(k)
-            # RoPE in place on q, and on k unless the cache holds keys before RoPE: then
-            # attention rotates the cached keys with the table as it reads them. NoPE layers
-            # rotate nothing.
-            key_rotation = None
-            if use_rope:
-                ops.rotary_embedding(positions, q, None if pre_rope else k, cos_sin_cache,
-                                     is_neox=True)
-                key_rotation = cos_sin_cache if pre_rope else None
-            ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            # A cache narrower than the activations (kv_cache_dtype) is always read back:
-            # attention must see K/V as stored, or a sequence's result would depend on whether
-            # its keys came from this step or from the cache (chunked prefill, prefix hits,
-            # preemption). On the CPU the paged kernel is the packed one reading cache rows, so
-            # this costs no rounding copy.
-            if meta.keys_are_new and key_rotation is None and k_cache.dtype == q.dtype:
-                # The packed prefill kernel on the step's own (rotated) K/V: on a GPU the
-                # tensor-core one; on the CPU the same kernel paged attention runs, so the same
-                # bits.
-                out = ops.attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q,
-                                    meta.max_seqlen_q, meta.max_seqlen_q, causal=True,
-                                    window_left=window_left)
-            else:
-                out = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                          meta.cu_seqlens_q, meta.max_seqlen_q, causal=True,
-                                          window_left=window_left,
-                                          rotary_cos_sin_cache=key_rotation)
-            return o_proj(out.view(tokens, -1))  # [T, hidden]
-        return attend
-
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matmul."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matmul (run by
+    :class:`fastllm.ops.DecoderLayers`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -154,20 +94,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.bind()(x)
-
-    def bind(self) -> Callable[[Tensor], Tensor]:
-        """This block as a function of ``x`` over its current weights."""
-        gate_up_proj, down_proj = self.gate_up_proj.bind(), self.down_proj.bind()
-        return lambda x: down_proj(ops.silu_and_mul(gate_up_proj(x)))  # gate|up [T, 2 * inter]
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each residual add
-    fused into the norm after it: a layer takes the previous sublayer's output and the residual
-    stream (None before the first layer) and returns both, and the model's final norm does
-    the last add."""
+    fused into the norm after it (:class:`fastllm.ops.DecoderLayerWeights`)."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -176,31 +106,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, residual: Tensor | None, positions: Tensor,
-                meta: AttentionMetadata, k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
-                pre_rope: bool) -> tuple[Tensor, Tensor]:
-        return self.bind()(x, residual, positions, meta, k_cache, v_cache, cos_sin_cache,
-                           pre_rope)
-
-    def bind(self) -> LayerStep:
-        """This layer as a plain function of :meth:`forward`'s arguments over its current
-        weights: its parts' :meth:`bind` functions, called without ``nn.Module``'s call and
-        attribute lookups (a decode step makes about ten calls a layer, each wrapping an op
-        that takes a few microseconds)."""
-        input_norm, attend = self.input_layernorm.bind(), self.self_attn.bind()
-        post_norm, mlp = self.post_attention_layernorm.bind(), self.mlp.bind()
-
-        def step(x: Tensor, residual: Tensor | None, positions: Tensor, meta: AttentionMetadata,
-                 k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
-                 pre_rope: bool) -> tuple[Tensor, Tensor]:
-            if residual is None:
-                x, residual = input_norm(x), x
-            else:
-                x, residual = input_norm(x, residual)
-            x = attend(x, positions, meta, k_cache, v_cache, cos_sin_cache, pre_rope)
-            x, residual = post_norm(x, residual)
-            return mlp(x), residual
-        return step
+    def weights(self) -> ops.DecoderLayerWeights:
+        """This layer's current weights as :class:`fastllm.ops.DecoderLayers` runs them."""
+        attn = self.self_attn
+        return ops.DecoderLayerWeights(
+            input_norm=self.input_layernorm.weight,
+            post_attention_norm=self.post_attention_layernorm.weight,
+            qkv=attn.qkv_proj.projection_parts(), o=attn.o_proj.projection_parts(),
+            gate_up=self.mlp.gate_up_proj.projection_parts(),
+            down=self.mlp.down_proj.projection_parts(),
+            n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim,
+            eps=self.input_layernorm.eps, use_rope=attn.use_rope, window_left=attn.window_left,
+            q_norm=attn.q_norm.weight if attn.qk_norm else None,
+            k_norm=attn.k_norm.weight if attn.qk_norm else None)
 
 
 class DecoderLM(nn.Module):
@@ -210,18 +128,18 @@ class DecoderLM(nn.Module):
     :func:`fastllm.models.loader.load_model` maps HF checkpoints onto them. With tied
     embeddings there is no ``lm_head``: :meth:`compute_logits` reads ``embed_tokens.weight``.
 
-    :meth:`forward` runs the layers as plain functions bound to their weights
-    (:meth:`DecoderLayer.bind`), bound at the first forward and again after ``load_state_dict``
-    or a move (``.to()`` and the like): nn.Module calls and attribute lookups cost more than the
-    small ops of a decode step (SmolLM2's 30 layers: 3.3 -> 1.7 ms of Python a token). Forward
-    hooks on the layers therefore do not run; after replacing a submodule or parameter by hand,
-    call :meth:`unbind_layers`.
+    :meth:`forward` runs the layers as one :class:`fastllm.ops.DecoderLayers` call, bound to
+    their weights at the first forward and again after ``load_state_dict`` or a move (``.to()``
+    and the like): op calls from Python cost more than the small ops of a decode step (SmolLM2's
+    30 layers: 1.7 ms of Python a token, about 35 us a layer). Forward hooks on the layers
+    therefore do not run; after replacing a submodule or parameter by hand, call
+    :meth:`unbind_layers`.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self._layer_steps: list[LayerStep] | None = None
+        self._bound_layers: ops.DecoderLayers | None = None
         self.register_load_state_dict_post_hook(lambda module, _: module.unbind_layers())
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
@@ -262,9 +180,9 @@ class DecoderLM(nn.Module):
                 self._replaced_rope_tables.append(replaced)
 
     def unbind_layers(self) -> None:
-        """Forgets the layers' bound functions: the next forward binds them to the weights
+        """Forgets the bound layers: the next forward binds them to the weights
         then in place."""
-        self._layer_steps = None
+        self._bound_layers = None
 
     def _apply(self, fn, recurse: bool = True):  # every move or cast (.to, .cuda, to_empty...)
         self.unbind_layers()
@@ -304,14 +222,16 @@ class DecoderLM(nn.Module):
             each sequence's last) to :meth:`compute_logits`.
         """
         # [T, hidden]; an embedding stored in 16 bits (models/build.py) looks up in its dtype.
-        x, residual = self.embed_tokens(input_ids).to(self.dtype), None
-        if self._layer_steps is None:
-            self._layer_steps = [layer.bind() for layer in self.layers]
-        cos_sin_cache, pre_rope = self.cos_sin_cache, kv_cache.pre_rope
-        for step, (k_cache, v_cache) in zip(self._layer_steps, kv_cache.layers):
-            x, residual = step(x, residual, positions, meta, k_cache, v_cache, cos_sin_cache,
-                               pre_rope)
-        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+        x = self.embed_tokens(input_ids).to(self.dtype)
+        if self._bound_layers is None:
+            self._bound_layers = ops.DecoderLayers([layer.weights() for layer in self.layers])
+        x, residual = self._bound_layers(
+            x, None, positions=positions, cu_seqlens_q=meta.cu_seqlens_q,
+            max_seqlen_q=meta.max_seqlen_q, seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
+            keys_are_new=meta.keys_are_new, k_cache=kv_cache.k_cache, v_cache=kv_cache.v_cache,
+            cos_sin_cache=self.cos_sin_cache, pre_rope=kv_cache.pre_rope)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or

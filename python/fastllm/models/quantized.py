@@ -10,7 +10,6 @@ plain PyTorch, not a device op, and its output is a :class:`QuantizedWeight`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +46,11 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.bind()(x)
+        return ops.quantized_linear(x, self.weight, self.weight_type, self.bias)
 
-    def bind(self) -> Callable[[Tensor], Tensor]:
-        """This layer as a function of ``x`` over its current weights."""
-        weight, weight_type, bias = self.weight, self.weight_type, self.bias
-        return lambda x: ops.quantized_linear(x, weight, weight_type, bias)
+    def projection_parts(self) -> list[ops.ProjectionPart]:
+        """This layer as :class:`fastllm.ops.DecoderLayers` runs it."""
+        return [ops.ProjectionPart(self.weight, self.weight_type, self.bias)]
 
     def extra_repr(self) -> str:
         name, _, _ = ops.BLOCK_FORMATS[self.weight_type]
@@ -74,18 +72,18 @@ class SegmentedQuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.bind()(x)
+        return torch.cat([ops.quantized_linear(x, part.weight, part.weight_type, part.bias)
+                          for part in self.projection_parts()], dim=1)
 
-    def bind(self) -> Callable[[Tensor], Tensor]:
-        """This layer as a function of ``x`` over its current weights."""
-        segments, start = [], 0
+    def projection_parts(self) -> list[ops.ProjectionPart]:
+        """This layer as :class:`fastllm.ops.DecoderLayers` runs it: a part per segment."""
+        parts, start = [], 0
         for i, weight_type in enumerate(self.weight_types):
             weight = getattr(self, f"segment{i}")
             bias = None if self.bias is None else self.bias[start:start + weight.shape[0]]
-            segments.append((weight, weight_type, bias))
+            parts.append(ops.ProjectionPart(weight, weight_type, bias))
             start += weight.shape[0]
-        return lambda x: torch.cat([ops.quantized_linear(x, weight, weight_type, bias)
-                                    for weight, weight_type, bias in segments], dim=1)
+        return parts
 
     def extra_repr(self) -> str:
         return ", ".join(f"{ops.BLOCK_FORMATS[t][0]} x {getattr(self, f'segment{i}').shape[0]}"

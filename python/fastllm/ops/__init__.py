@@ -6,6 +6,9 @@ Input checks live in C++, in one place shared by every
 device, so the wrappers, direct ``torch.ops.fastllm`` callers and ``torch.compile`` graphs all get
 the same ``ValueError``/``TypeError`` naming the offending value. Each op has a fake kernel here
 for ``torch.compile(fullgraph=True)`` and a plain-PyTorch twin in :mod:`fastllm.ops.reference`.
+
+:class:`DecoderLayers` (:mod:`fastllm.ops.decoder_layers`) runs whole decoder layers of these
+ops from C++, one Python call a step.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import torch
 from torch import Tensor
 
 from fastllm import _C
+from fastllm.ops.decoder_layers import DecoderLayers, DecoderLayerWeights, ProjectionPart
 
-__all__ = ["BLOCK_FORMATS", "add_rms_norm", "apply_penalties", "attention", "batch_invariant",
-           "dequantize",
+__all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ProjectionPart",
+           "add_rms_norm", "apply_penalties", "attention", "batch_invariant", "dequantize",
            "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
            "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs",
            "silu_and_mul", "trusted_inputs"]

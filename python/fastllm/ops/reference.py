@@ -8,11 +8,13 @@ reference and a call in the kernel's dtype is the "plain composition" tolerances
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from fastllm.ops import BLOCK_FORMATS
+from fastllm.ops.decoder_layers import DecoderLayerWeights, ProjectionPart
 
 
 def causal_mask(len_q: int, len_k: int, *, dtype: torch.dtype = torch.float32,
@@ -322,3 +324,46 @@ def silu_and_mul(x: Tensor) -> Tensor:
     """``silu(gate) * up`` over the halves of ``x`` ``[rows, 2 * d]``, in float64."""
     gate, up = x.double().chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: Tensor | None, *,
+                   positions: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens: Tensor,
+                   block_tables: Tensor, slot_mapping: Tensor, keys_are_new: bool,
+                   k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
+                   pre_rope: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Twin of :class:`fastllm.ops.DecoderLayers`, in float64 (K/V rounded to the caches'
+    dtype as they are cached); returns ``(out, residual, k_cache, v_cache)``, the caches as
+    updated copies. ``keys_are_new`` changes nothing here: attention always reads the cache."""
+
+    def project(parts: Sequence[ProjectionPart], x: Tensor) -> Tensor:
+        return torch.cat([
+            torch.nn.functional.linear(x, p.weight.double(),
+                                       None if p.bias is None else p.bias.double())
+            if p.weight_type is None else quantized_linear(x, p.weight, p.weight_type, p.bias)
+            for p in parts], dim=1)
+
+    x = x.double()
+    residual = None if residual is None else residual.double()
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for i, layer in enumerate(layers):
+        if residual is None:
+            x, residual = rms_norm(x, layer.input_norm, layer.eps), x
+        else:
+            x, residual = add_rms_norm(x, residual, layer.input_norm, layer.eps)
+        tokens = x.shape[0]
+        q, k, v = project(layer.qkv, x).view(tokens, -1, layer.head_dim).split(
+            [layer.n_heads, layer.n_kv_heads, layer.n_kv_heads], dim=1)
+        if layer.q_norm is not None:
+            q, k = rms_norm(q, layer.q_norm, layer.eps), rms_norm(k, layer.k_norm, layer.eps)
+        rotation = None
+        if layer.use_rope:
+            q, rotated = rotary_embedding(positions, q, None if pre_rope else k, cos_sin_cache)
+            k, rotation = (k, cos_sin_cache) if pre_rope else (rotated, None)
+        k_cache[i], v_cache[i] = reshape_and_cache(k, v, k_cache[i], v_cache[i], slot_mapping)
+        out = paged_attention(q, k_cache[i], v_cache[i], block_tables, seq_lens, cu_seqlens_q,
+                              max_seqlen_q, window_left=layer.window_left,
+                              rotary_cos_sin_cache=rotation)
+        x, residual = add_rms_norm(project(layer.o, out.reshape(tokens, -1)), residual,
+                                   layer.post_attention_norm, layer.eps)
+        x = project(layer.down, silu_and_mul(project(layer.gate_up, x)))
+    return x, residual, k_cache, v_cache

@@ -1,0 +1,11 @@
+// Python bindings of the decoder layers (decoder_layers.h), added to fastllm._C by ops.cpp.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace fastllm {
+
+// Adds DecoderLayer and DecoderLayers to the module.
+void bind_decoder(pybind11::module_& m);
+
+}  // namespace fastllm

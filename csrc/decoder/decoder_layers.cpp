@@ -1,0 +1,171 @@
+#include "decoder/decoder_layers.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+namespace fastllm {
+namespace {
+
+// The typed handle of op fastllm::<name>, looked up once. Sig is the C++ signature its kernels
+// are registered with (csrc/*/*_cpu.cpp): the dispatcher checks it on the first lookup.
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+// fastllm's ops, called by qualified name (argument-dependent lookup would also find ATen's).
+namespace ops {
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
+  static const auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)>(
+          "fastllm::linear");
+  return handle.call(x, weight, bias);
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64_t weight_type,
+                            const OptionalTensor& bias) {
+  static const auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptionalTensor&)>(
+          "fastllm::quantized_linear");
+  return handle.call(x, weight, weight_type, bias);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static const auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("fastllm::rms_norm");
+  return handle.call(x, weight, eps);
+}
+
+void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  static const auto handle =
+      op<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)>("fastllm::add_rms_norm");
+  handle.call(x, residual, weight, eps);
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, const OptionalTensor& k,
+                      const at::Tensor& cos_sin_cache) {
+  static const auto handle =
+      op<void(const at::Tensor&, at::Tensor&, const OptionalTensor&, const at::Tensor&, bool,
+              std::optional<int64_t>)>("fastllm::rotary_embedding");
+  handle.call(positions, q, k, cos_sin_cache, /*is_neox=*/true, std::nullopt);
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  static const auto handle =
+      op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+              const at::Tensor&)>("fastllm::reshape_and_cache");
+  handle.call(key, value, k_cache, v_cache, slot_mapping);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t window_left) {
+  static const auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, int64_t, int64_t, bool, std::optional<double>,
+                    int64_t)>("fastllm::attention");
+  return handle.call(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, /*causal=*/true,
+                     std::nullopt, window_left);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const DecoderStep& step,
+                           int64_t window_left, const OptionalTensor& key_rotation) {
+  static const auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, int64_t, bool, std::optional<double>,
+                    int64_t, const OptionalTensor&, bool)>("fastllm::paged_attention");
+  return handle.call(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q,
+                     step.max_seqlen_q, /*causal=*/true, std::nullopt, window_left,
+                     key_rotation, /*rotary_is_neox=*/true);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  static const auto handle = op<at::Tensor(const at::Tensor&)>("fastllm::silu_and_mul");
+  return handle.call(x);
+}
+
+}  // namespace ops
+
+// Fused QKV projection, optional q/k RMSNorm, RoPE, paged cache write and attention, then the
+// output projection: [T, hidden] -> [T, hidden].
+at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_cache,
+                  at::Tensor v_cache, const DecoderStep& step) {
+  const int64_t tokens = x.size(0);
+  // Strided views of one matmul: q [T, n_heads, head_dim], k and v [T, n_kv_heads, head_dim].
+  const auto qkv = layer.qkv(x).view({tokens, -1, layer.head_dim}).split_with_sizes(
+      {layer.n_heads, layer.n_kv_heads, layer.n_kv_heads}, 1);
+  at::Tensor q = qkv[0], k = qkv[1];
+  const at::Tensor& v = qkv[2];
+  if (layer.q_norm.has_value()) {
+    q = ops::rms_norm(q, *layer.q_norm, layer.eps);
+    k = ops::rms_norm(k, *layer.k_norm, layer.eps);
+  }
+  // RoPE in place on q, and on k unless the cache holds keys before RoPE: then attention
+  // rotates the cached keys with the table as it reads them. NoPE layers rotate nothing.
+  OptionalTensor key_rotation;
+  if (layer.use_rope) {
+    const OptionalTensor rotated_keys = step.pre_rope ? OptionalTensor() : OptionalTensor(k);
+    ops::rotary_embedding(step.positions, q, rotated_keys, step.cos_sin_cache);
+    if (step.pre_rope) key_rotation = step.cos_sin_cache;
+  }
+  ops::reshape_and_cache(k, v, k_cache, v_cache, step.slot_mapping);
+  // A cache narrower than the activations (kv_cache_dtype) is always read back: attention must
+  // see K/V as stored, or a sequence's result would depend on whether its keys came from this
+  // step or from the cache (chunked prefill, prefix hits, preemption).
+  at::Tensor out;
+  if (step.keys_are_new && !key_rotation.has_value() && k_cache.scalar_type() == q.scalar_type())
+    // The packed prefill kernel on the step's own (rotated) K/V: on a GPU the tensor-core one;
+    // on the CPU the same kernel paged attention runs, so the same bits.
+    out = ops::attention(q, k, v, step.cu_seqlens_q, step.max_seqlen_q, layer.window_left);
+  else
+    out = ops::paged_attention(q, k_cache, v_cache, step, layer.window_left, key_rotation);
+  return layer.o(out.view({tokens, -1}));
+}
+
+}  // namespace
+
+at::Tensor Projection::operator()(const at::Tensor& x) const {
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(parts.size());
+  for (const ProjectionPart& part : parts) {
+    outputs.push_back(part.weight_type < 0
+                          ? ops::linear(x, part.weight, part.bias)
+                          : ops::quantized_linear(x, part.weight, part.weight_type, part.bias));
+  }
+  return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+}
+
+std::pair<at::Tensor, at::Tensor> run_decoder_layers(const std::vector<DecoderLayer>& layers,
+                                                     at::Tensor x,
+                                                     std::optional<at::Tensor> residual,
+                                                     const DecoderStep& step) {
+  TORCH_CHECK_VALUE(!layers.empty(), "a decoder needs at least one layer");
+  TORCH_CHECK_VALUE(step.k_cache.dim() == 5 && step.v_cache.dim() == 5 &&
+                        step.k_cache.size(0) == int64_t(layers.size()) &&
+                        step.v_cache.size(0) == int64_t(layers.size()),
+                    "k_cache and v_cache must be [num_layers=", layers.size(),
+                    ", num_blocks, block_size, n_kv_heads, head_dim], got ",
+                    step.k_cache.sizes(), " and ", step.v_cache.sizes());
+  at::Tensor res;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const DecoderLayer& layer = layers[i];
+    // The residual add fused into the norm after it.
+    if (i == 0 && !residual.has_value()) {
+      res = x;
+      x = ops::rms_norm(x, layer.input_norm, layer.eps);
+    } else {
+      if (i == 0) res = *residual;
+      ops::add_rms_norm(x, res, layer.input_norm, layer.eps);
+    }
+    x = attend(layer, x, step.k_cache.select(0, int64_t(i)), step.v_cache.select(0, int64_t(i)),
+               step);
+    ops::add_rms_norm(x, res, layer.post_attention_norm, layer.eps);
+    x = layer.down(ops::silu_and_mul(layer.gate_up(x)));  // gate|up [T, 2 * intermediate]
+  }
+  return {x, res};
+}
+
+}  // namespace fastllm
