@@ -17,15 +17,39 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from fastllm.engine.outputs import RequestOutput
+from torch import Tensor
+
+from fastllm.engine.outputs import Logprob, RequestOutput
 from fastllm.engine.request import Request
 from fastllm.entrypoints.client import EngineClient, PromptType
 from fastllm.sampling import SamplingParams
 
-__all__ = ["AsyncLLM"]
+__all__ = ["AsyncLLM", "StreamDelta"]
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to a request (:meth:`AsyncLLM.stream_outputs`).
+
+    Attributes:
+        text: text released since the previous delta ("" while held back, e.g. what may begin
+            a stop string).
+        token_ids: tokens generated since the previous delta.
+        logprobs: their logprob entries, when the request asked for logprobs.
+        finish_reason, stop_reason: set on the last delta (see :class:`CompletionOutput`).
+        output: the request's output so far (its metrics, prompt token count...).
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    output: RequestOutput
 
 
 class AsyncLLM:
@@ -44,16 +68,36 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="fastllm-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def failed(self) -> bool:
+        """Whether the engine thread ended on an error (no request can run any more)."""
+        return self._error is not None
+
     async def stream(self, prompt: PromptType,
                      sampling_params: SamplingParams | None = None) -> AsyncIterator[str]:
         """Yields one request's text deltas as the engine produces them; raises the request's
         error if it fails."""
+        async for update in self.stream_outputs(prompt, sampling_params):
+            if update.text:
+                yield update.text
+
+    async def stream_outputs(self, prompt: PromptType,
+                             sampling_params: SamplingParams | None = None
+                             ) -> AsyncIterator[StreamDelta]:
+        """Yields what each engine step added to one request (text, token ids, logprobs), the
+        last with its finish reason; raises the request's error if it fails. A prompt or
+        parameter the engine refuses raises here, before anything is yielded."""
         request, queue = self._submit(prompt, sampling_params)
         try:
+            sent = 0  # output tokens already yielded
             while True:
-                deltas, finished, error = await queue.get()
-                for delta in deltas:
-                    yield delta
+                deltas, finished, error, num_tokens = await queue.get()
+                logprobs = None if request.logprobs is None else request.logprobs[sent:num_tokens]
+                yield StreamDelta(
+                    "".join(deltas), request.output_token_ids[sent:num_tokens], logprobs,
+                    request.finish_reason if finished else None,
+                    request.stop_reason if finished else None, request.output())
+                sent = num_tokens
                 if error is not None:
                     raise error
                 if finished:
@@ -67,7 +111,7 @@ class AsyncLLM:
         request, queue = self._submit(prompt, sampling_params)
         try:
             while True:
-                _, finished, error = await queue.get()
+                _, finished, error, _ = await queue.get()
                 if error is not None:
                     raise error
                 if finished:
@@ -75,21 +119,41 @@ class AsyncLLM:
         finally:
             self._forget(request)
 
+    async def score(self, token_ids: Sequence[int], score_token_ids: Sequence[int]) -> Tensor:
+        """The logits of ``score_token_ids`` at the last position of the prompt ``token_ids``
+        (a prompt-only request of the running batch; its full blocks enter the prefix
+        cache)."""
+        request = self.client.make_scoring_request(token_ids, score_token_ids)
+        queue = self._subscribe(request)
+        try:
+            while True:
+                _, finished, error, _ = await queue.get()
+                if error is not None:
+                    raise error
+                if finished:
+                    return request.scores
+        finally:
+            self._forget(request)
+
     def _submit(self, prompt: PromptType, sampling_params: SamplingParams | None
                 ) -> tuple[Request, asyncio.Queue]:
+        if isinstance(sampling_params, (list, tuple)):
+            raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
+        request, = self.client.make_requests([prompt], sampling_params)
+        return request, self._subscribe(request)
+
+    def _subscribe(self, request: Request) -> asyncio.Queue:
+        """Adds a request to the engine; the queue hears of each step that updates it."""
         if self._error is not None:
             raise RuntimeError("the engine thread failed") from self._error
         if self._closed:
             raise RuntimeError("this AsyncLLM was shut down")
-        if isinstance(sampling_params, (list, tuple)):
-            raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
-        request, = self.client.make_requests([prompt], sampling_params)
         queue: asyncio.Queue = asyncio.Queue()
         with self.client.lock:
             self.client.add([request])  # a bad request fails here, alone
             self._subscribers[request] = (asyncio.get_running_loop(), queue)
         self._wake.set()
-        return request, queue
+        return queue
 
     def _forget(self, request: Request) -> None:
         """Drops a request its caller stopped waiting for; aborts it if unfinished."""
@@ -125,7 +189,8 @@ class AsyncLLM:
         if subscriber is not None:
             loop, queue = subscriber
             loop.call_soon_threadsafe(queue.put_nowait, (
-                request.take_deltas(), request.finished, request.error))
+                request.take_deltas(), request.finished, request.error,
+                len(request.output_token_ids)))
 
     def _fail_unfinished(self, error: Exception) -> list[Request]:
         """Fails every subscribed request with ``error``, freeing the engine for new ones."""
@@ -142,7 +207,8 @@ class AsyncLLM:
         with self.client.lock:
             for request, (loop, queue) in list(self._subscribers.items()):
                 self.client.abort_unfinished([request])
-                loop.call_soon_threadsafe(queue.put_nowait, ([], True, None))
+                loop.call_soon_threadsafe(queue.put_nowait, (
+                    [], True, None, len(request.output_token_ids)))
 
     async def __aenter__(self) -> AsyncLLM:
         return self
