@@ -72,6 +72,16 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     return error
 
 
+def finished(server) -> dict[str, float]:
+    """The server's count of finished requests by reason (its /metrics)."""
+    counts = {"length": 0.0, "stop": 0.0, "abort": 0.0}
+    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
+        if line.startswith("fastllm_request_success_total{"):
+            reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
+            counts[reason] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def wait_idle(llm: AsyncLLM, seconds: float = 5.0) -> None:
     """Until no request holds a KV block (fails after ``seconds``)."""
     engine = llm.client.engine
@@ -313,7 +323,8 @@ def test_a_full_queue_answers_503(folder):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     llm = server.llm
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True, "n": 4}
+    body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True, "n": 4}
+    before = finished(server)
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.v1 + "/completions", json=body,
                          headers={"Authorization": f"Bearer {API_KEY}"}) as response:
@@ -322,6 +333,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
                 next(lines)
             assert llm.client.engine.num_running == 4 and llm.client.engine.kv_usage > 0
     wait_idle(llm, seconds=2)
+    assert finished(server)["abort"] - before["abort"] == 4
 
 
 def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
@@ -329,10 +341,12 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
     # 16 x 240 tokens take about a second here (more on a loaded machine).
     body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "n": 16}
     computed = llm.client.engine.stats.scheduled_tokens
+    before = finished(server)
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.3))
     wait_idle(llm, seconds=2)
     assert llm.client.engine.stats.scheduled_tokens - computed < 16 * 240
+    assert finished(server)["abort"] - before["abort"] == 16
 
 
 # ---- chat with the real SmolLM2 ----------------------------------------------------------------
@@ -410,3 +424,55 @@ def test_fastllm_serve_command_binds_localhost(folder):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+def test_64_streaming_clients_a_quarter_disconnecting(server, client):
+    """64 concurrent streams: 16 disconnect at random points of long generations, the other 48
+    get exactly the text of the same request non-streamed; afterwards no KV block is held and
+    exactly the 48 finished."""
+    import asyncio
+    import random
+
+    llm = server.llm
+    starts = ["Once upon a time", "The dog", "Lily and Ben", "One day, a little bird",
+              "Tom had a red ball", "The sun was", "Mom said", "There was a big tree"]
+    rng = random.Random(0)
+    quitters = set(rng.sample(range(64), 16))
+
+    def request(i: int) -> dict:
+        long = i in quitters  # long enough that it cannot finish before its client leaves
+        return dict(model="stories", prompt=starts[i % 8], temperature=0.8, seed=i,
+                    max_tokens=200 if long else 16, extra_body={"ignore_eos": long})
+
+    expected = {i: client.completions.create(**request(i)).choices[0].text
+                for i in range(64) if i not in quitters}
+
+    before = finished(server)
+
+    async def one(http: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await http.completions.create(**request(i), stream=True)
+        text, chunks = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            chunks += 1
+            if i in quitters and chunks == 1 + i % 5:
+                await stream.close()  # the client goes away mid-stream
+                return None
+        return text
+
+    async def all_clients() -> list[str | None]:
+        async with openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY,
+                                      max_retries=0) as http:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(http, i) for i in range(64))), timeout=60)
+
+    texts = asyncio.run(all_clients())
+    assert {i: texts[i] for i in expected} == expected
+    wait_idle(llm, seconds=5)
+    assert llm.client.kv_cache.block_manager.usage == 0
+    after = finished(server)
+    # A quitter is aborted or, when the server outran its client, finished first.
+    assert after["length"] - before["length"] >= 48
+    assert (after["length"] + after["abort"]) - (before["length"] + before["abort"]) == 64

@@ -7,14 +7,17 @@
 
 A background thread steps the engine while any request is unfinished; every request added from
 any coroutine joins the running batch at the next step. Cancelling the coroutine (or closing
-the ``stream`` iterator) aborts its request, whose KV blocks are freed at once. A request that
-fails inside a step raises its error in its own coroutine; the others go on, and so does the
-thread.
+the ``stream`` iterator) aborts its request, whose KV blocks are freed at once when no step is
+running, else before the next step. Adding and aborting never wait for a running step: the
+engine thread applies what is queued before each step, so an event loop is never blocked by
+the engine. A request that fails inside a step (or that the engine refuses) raises its error
+in its own coroutine; the others go on, and so does the thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -62,6 +65,11 @@ class AsyncLLM:
     def __init__(self, model: str | os.PathLike, **llm_kwargs: Any) -> None:
         self.client = EngineClient(model, **llm_kwargs)
         self._subscribers: dict[Request, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._subscribers_lock = threading.Lock()  # the engine thread reads them too
+        # Requests to add ("add") or abort ("abort"), applied by the engine thread before its
+        # next step: an event loop never waits for a step to end (nor for the engine lock,
+        # which the stepping thread would win again and again).
+        self._inbox: collections.deque[tuple[str, Request]] = collections.deque()
         self._wake = threading.Event()
         self._closed = False
         self._error: BaseException | None = None
@@ -143,28 +151,55 @@ class AsyncLLM:
         return request, self._subscribe(request)
 
     def _subscribe(self, request: Request) -> asyncio.Queue:
-        """Adds a request to the engine; the queue hears of each step that updates it."""
+        """Has the engine thread add a request before its next step; the queue hears of each
+        step that updates it (and of the error, when the engine refuses it: alone)."""
         if self._error is not None:
             raise RuntimeError("the engine thread failed") from self._error
         if self._closed:
             raise RuntimeError("this AsyncLLM was shut down")
         queue: asyncio.Queue = asyncio.Queue()
-        with self.client.lock:
-            self.client.add([request])  # a bad request fails here, alone
+        with self._subscribers_lock:
             self._subscribers[request] = (asyncio.get_running_loop(), queue)
+        self._inbox.append(("add", request))
         self._wake.set()
         return queue
 
     def _forget(self, request: Request) -> None:
-        """Drops a request its caller stopped waiting for; aborts it if unfinished."""
-        with self.client.lock:
+        """Drops a request its caller stopped waiting for and aborts it if unfinished, freeing
+        its KV blocks: now if no step is running, else before the next step."""
+        with self._subscribers_lock:
             self._subscribers.pop(request, None)
-            self.client.abort_unfinished([request])
+        if request.finished:
+            return
+        if self.client.lock.acquire(blocking=False):
+            try:
+                self._apply_inbox()  # an add queued before it must not outlive it
+                self.client.abort_unfinished([request])
+            finally:
+                self.client.lock.release()
+        else:
+            self._inbox.append(("abort", request))
+            self._wake.set()
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            action, request = self._inbox.popleft()
+            if action == "abort":
+                self.client.abort_unfinished([request])
+                continue
+            if request.finished:  # failed with the engine before it was added
+                continue
+            try:
+                self.client.engine.add_request(request)
+            except Exception as error:  # e.g. a prompt the KV pool cannot hold: it alone fails
+                request.fail(error)
+                self._notify(request)
 
     def _run(self) -> None:
         engine = self.client.engine
         while not self._closed:
             with self.client.lock:
+                self._apply_inbox()
                 busy = engine.has_unfinished()
                 if busy:
                     try:
@@ -185,7 +220,8 @@ class AsyncLLM:
                 self._wake.clear()
 
     def _notify(self, request: Request) -> None:
-        subscriber = self._subscribers.get(request)
+        with self._subscribers_lock:
+            subscriber = self._subscribers.get(request)
         if subscriber is not None:
             loop, queue = subscriber
             loop.call_soon_threadsafe(queue.put_nowait, (
@@ -194,7 +230,8 @@ class AsyncLLM:
 
     def _fail_unfinished(self, error: Exception) -> list[Request]:
         """Fails every subscribed request with ``error``, freeing the engine for new ones."""
-        failed = [request for request in self._subscribers if not request.finished]
+        with self._subscribers_lock:
+            failed = [request for request in self._subscribers if not request.finished]
         for request in failed:
             self.client.engine.fail_request(request, error)
         return failed
@@ -204,7 +241,8 @@ class AsyncLLM:
         self._closed = True
         self._wake.set()
         self._thread.join()
-        with self.client.lock:
+        with self.client.lock, self._subscribers_lock:
+            self._inbox.clear()
             for request, (loop, queue) in list(self._subscribers.items()):
                 self.client.abort_unfinished([request])
                 loop.call_soon_threadsafe(queue.put_nowait, (

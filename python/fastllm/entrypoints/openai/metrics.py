@@ -93,6 +93,10 @@ class ServerMetrics:
         if metrics.finished_time is not None:
             self.e2e.labels(name).observe(metrics.finished_time - metrics.arrival_time)
 
+    def aborted(self, count: int = 1) -> None:
+        """Counts requests ended early (the client left, or another choice failed)."""
+        self.requests.labels(self.model_name, "abort").inc(count)
+
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""
         return generate_latest(self.registry)

@@ -318,6 +318,7 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.metrics.aborted(sum(task.cancelled() for task in tasks))
             raise _refused(error) from error
         for output in outputs:
             self.metrics.observe(output)
@@ -351,8 +352,8 @@ class _OpenStream:
         await self.updates.aclose()
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
+        delta = self.first
         try:
-            delta = self.first
             while True:
                 yield delta
                 if delta.finish_reason is not None:
@@ -360,6 +361,8 @@ class _OpenStream:
                     return
                 delta = await anext(self.updates)
         finally:
+            if delta.finish_reason is None:
+                self.metrics.aborted()
             await self.close()
 
 
