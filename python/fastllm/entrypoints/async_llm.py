@@ -77,6 +77,12 @@ class AsyncLLM:
         self._thread.start()
 
     @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued in the engine, or not yet handed to it."""
+        pending = sum(action == "add" for action, _ in list(self._inbox))
+        return self.client.engine.num_waiting + pending
+
+    @property
     def failed(self) -> bool:
         """Whether the engine thread ended on an error (no request can run any more)."""
         return self._error is not None
@@ -117,29 +123,26 @@ class AsyncLLM:
                        sampling_params: SamplingParams | None = None) -> RequestOutput:
         """The finished output of one request; raises the request's error if it fails."""
         request, queue = self._submit(prompt, sampling_params)
-        try:
-            while True:
-                _, finished, error, _ = await queue.get()
-                if error is not None:
-                    raise error
-                if finished:
-                    return request.output()
-        finally:
-            self._forget(request)
+        await self._finished(request, queue)
+        return request.output()
 
     async def score(self, token_ids: Sequence[int], score_token_ids: Sequence[int]) -> Tensor:
         """The logits of ``score_token_ids`` at the last position of the prompt ``token_ids``
         (a prompt-only request of the running batch; its full blocks enter the prefix
         cache)."""
         request = self.client.make_scoring_request(token_ids, score_token_ids)
-        queue = self._subscribe(request)
+        await self._finished(request, self._subscribe(request))
+        return request.scores
+
+    async def _finished(self, request: Request, queue: asyncio.Queue) -> None:
+        """Waits until a subscribed request finishes; raises its error if it fails."""
         try:
             while True:
                 _, finished, error, _ = await queue.get()
                 if error is not None:
                     raise error
                 if finished:
-                    return request.scores
+                    return
         finally:
             self._forget(request)
 

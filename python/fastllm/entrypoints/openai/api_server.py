@@ -69,6 +69,10 @@ class ServerConfig:
             raise ValueError(f"port must be an int in [0, 65536), got {self.port!r}")
 
 
+_ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+              "/v1/rerank", "/rerank"}
+
+
 class _ClientDisconnected(Exception):
     pass
 
@@ -100,8 +104,9 @@ class _Guard:
 
         try:
             await self._handle(scope, receive, counted_send, path)
-        finally:
-            self.metrics.http_requests.labels(path, str(status["code"])).inc()
+        finally:  # unknown paths share one label: a scan must not grow the metrics
+            endpoint = path if path in _ENDPOINTS else "other"
+            self.metrics.http_requests.labels(endpoint, str(status["code"])).inc()
 
     async def _handle(self, scope: dict, receive: Any, send: Any, path: str) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")

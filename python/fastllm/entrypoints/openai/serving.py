@@ -72,7 +72,7 @@ class OpenAIServing:
                                 f"`{self.model_name}`", param="model", code="model_not_found")
 
     def check_capacity(self, new_requests: int) -> None:
-        waiting = self.llm.client.engine.num_waiting
+        waiting = self.llm.num_waiting
         if waiting + new_requests > self.limits.max_waiting_requests:
             raise APIError(503, f"the server is at capacity: {waiting} requests are waiting "
                                 f"(at most {self.limits.max_waiting_requests}); retry later",
