@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastllm.entrypoints.async_llm import AsyncLLM
@@ -230,7 +231,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
         return _json_error(500, f"{type(error).__name__}: {error}", "internal_server_error")
 
     def respond(result: Any) -> Response:
-        if isinstance(result, api.BaseModel):
+        if isinstance(result, BaseModel):
             return JSONResponse(result.model_dump())
         return StreamingResponse(_events(result), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -204,7 +204,7 @@ class OpenAIServing:
                              offset: int) -> api.CompletionLogprobs:
         result = api.CompletionLogprobs()
         for entry in entries or []:
-            token_id, sampled = next(iter(entry.items()))  # the sampled token comes first
+            sampled = next(iter(entry.values()))  # the sampled token comes first
             result.tokens.append(sampled.decoded_token)
             result.token_logprobs.append(sampled.logprob)
             result.top_logprobs.append({
