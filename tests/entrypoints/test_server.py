@@ -352,8 +352,9 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
 # ---- chat with the real SmolLM2 ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2_server(smollm2_path):
-    llm = AsyncLLM(smollm2_path, max_model_len=1024, kv_cache_memory=64 << 20)
+def smollm2_server(smollm2_path, smollm2_llm):
+    llm = AsyncLLM(smollm2_path, tokenizer=smollm2_llm.tokenizer, max_model_len=1024,
+                   kv_cache_memory=64 << 20)  # the session's tokenizer: reading it takes seconds
     try:
         with running_server(llm, "smollm2") as running:
             yield running
