@@ -37,7 +37,9 @@ def folder(model_path):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    llm = AsyncLLM(folder, max_model_len=256)
+    # Batch-invariant: a request's tokens do not depend on the batch it lands in, so texts
+    # can be compared across calls and with the reference exactly.
+    llm = AsyncLLM(folder, max_model_len=256, batch_invariant=True)
     try:
         with running_server(llm, "stories", api_key=API_KEY, max_body_bytes=64 << 10) as running:
             yield running
@@ -52,7 +54,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def reference(folder) -> LLM:
-    return LLM(folder, max_model_len=256)
+    return LLM(folder, max_model_len=256, batch_invariant=True)
 
 
 def post(server, path: str, body: object, **kwargs) -> httpx.Response:
@@ -353,8 +355,10 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_path, smollm2_llm):
+    # The session's tokenizer (reading it takes seconds); batch-invariant, so that a seeded
+    # choice gets the same tokens whatever the batch it lands in.
     llm = AsyncLLM(smollm2_path, tokenizer=smollm2_llm.tokenizer, max_model_len=1024,
-                   kv_cache_memory=64 << 20)  # the session's tokenizer: reading it takes seconds
+                   kv_cache_memory=64 << 20, batch_invariant=True)
     try:
         with running_server(llm, "smollm2") as running:
             yield running
@@ -477,3 +481,22 @@ def test_64_streaming_clients_a_quarter_disconnecting(server, client):
     # A quitter is aborted or, when the server outran its client, finished first.
     assert after["length"] - before["length"] >= 48
     assert (after["length"] + after["abort"]) - (before["length"] + before["abort"]) == 64
+
+
+def test_chat_choices_stream_interleaved_with_usage(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Name a color."}],
+                  temperature=0.8, seed=11, n=2, max_tokens=12)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts, reasons = ["", ""], [None, None]
+    for chunk in chunks[:-1]:
+        choice, = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.prompt_tokens == len(smollm2_server.llm.client.tokenizer.apply_chat_template(
+        kwargs["messages"], add_generation_prompt=True, tokenize=True))

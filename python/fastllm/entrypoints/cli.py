@@ -132,6 +132,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a seeded request gets the same tokens whatever else is in the "
+                             "batch (slower prefill; CPU only)")
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(run=_serve)
 
@@ -150,7 +153,7 @@ def _serve(args: argparse.Namespace) -> None:
                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_memory=args.kv_cache_memory)
+                   kv_cache_memory=args.kv_cache_memory, batch_invariant=args.batch_invariant)
     name = args.served_model_name or Path(args.model).name
     print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)
     try:
