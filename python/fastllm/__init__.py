@@ -36,6 +36,7 @@ _EXPORTS = {
     "BlockManager": "fastllm.kv_cache", "KVCacheFullError": "fastllm.kv_cache",
     "SampleOutput": "fastllm.sampling", "SamplingParams": "fastllm.sampling",
     "SamplingTensors": "fastllm.sampling", "sample_next_tokens": "fastllm.sampling",
+    "StructuredOutputsParams": "fastllm.sampling",
     "IncrementalDetokenizer": "fastllm.tokenizer", "Tokenizer": "fastllm.tokenizer",
     "load": "fastllm.models.pool",
     "CompletionOutput": "fastllm.engine.outputs", "Logprob": "fastllm.engine.outputs",

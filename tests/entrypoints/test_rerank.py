@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import pytest
 import torch
 import transformers
+from openai_server import running_server
 from tiny_hf import random_hf_model, save_hf_model
 
 import fastllm
@@ -201,3 +203,33 @@ def test_kv_cache_dtype_float16(folder, reranker, tmp_path, capsys):
           "--max-length", str(MAX_LENGTH), "--kv-cache-dtype", "float16"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert sorted((r["index"], r["score"]) for r in lines) == sorted(enumerate(scores))
+
+
+def test_the_servers_rerank_endpoint_gives_the_rerankers_scores(folder, reranker, model_path):
+    """POST /v1/rerank (the Jina/Cohere shape) on a real server: the same scores and order as
+    ``Reranker.rerank``, the shared prefix reused, top_n and return_documents honoured."""
+    query, documents = dl19(model_path, queries=1, hits=6)[0]
+    expected = reranker.rerank(query, documents)
+    llm = fastllm.AsyncLLM(folder, max_model_len=MAX_LENGTH, max_num_batched_tokens=512)
+    try:
+        with running_server(llm, "reranker") as server:
+            url = server.v1 + "/rerank"
+            got = httpx.post(url, json={"model": "reranker", "query": query,
+                                        "documents": documents}).json()
+            assert [r["index"] for r in got["results"]] == [r.index for r in expected]
+            for result, want in zip(got["results"], expected):
+                assert result["relevance_score"] == pytest.approx(want.score, abs=TOLERANCE)
+                assert result["document"] == {"text": want.document}
+            assert got["usage"]["total_tokens"] == sum(
+                len(reranker.pair_token_ids(query, d)) for d in documents)
+            assert llm.client.engine.stats.prefix_cache_hits > 0
+            top = httpx.post(server.base_url + "/rerank", json={
+                "query": query, "documents": [{"text": d} for d in documents], "top_n": 2,
+                "return_documents": False}).json()["results"]
+            assert [(r["index"], r.get("document")) for r in top] == [
+                (r.index, None) for r in expected[:2]]
+            response = httpx.post(url, json={"query": query, "documents": "one string"})
+            assert response.status_code == 400
+            assert response.json()["error"]["param"] == "documents"
+    finally:
+        llm.shutdown()

@@ -23,11 +23,12 @@ from fastllm.engine.model_runner import ModelRunner, ScheduledBatch, StepLogits
 from fastllm.engine.outputs import Logprob
 from fastllm.engine.request import Request
 from fastllm.engine.scheduler import Scheduler, SchedulerConfig
+from fastllm.engine.structured_output import GrammarCompiler, grammar_bitmask
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.models.pool import resolve_dtype
 from fastllm.ops.host_to_device import device_tensor, to_device
-from fastllm.sampling import SampleOutput, SamplingTensors, draw, penalize
+from fastllm.sampling import SampleOutput, SamplingTensors, draw, mask_tokens, penalize
 from fastllm.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
@@ -149,13 +150,19 @@ class Engine:
                          max_model_len=max_model_len)
             if self.device.type == "cuda" and not config.enforce_eager else None)
         self.runner = ModelRunner(model, kv_cache, decode_graphs)
+        self._grammars: GrammarCompiler | None = None  # built for the first constrained request
         self._failed: list[Request] = []  # the requests the current step failed
 
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queues a request; a prompt that cannot fit the context or the KV pool is a
-        ValueError for this request alone."""
+        ValueError for this request alone, as is a structured output constraint that does
+        not compile."""
+        if request.params.structured_outputs is not None and request.score_token_ids is None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            request.grammar = self._grammars.matcher(request.params.structured_outputs)
         self.scheduler.add_request(request)
         if request.params.needs_penalties() and request.score_token_ids is None:
             prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -179,6 +186,21 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks (prefilling or decoding)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for their first (or, after a preemption, next) schedule."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of KV blocks held by requests now."""
+        return self.scheduler.usage
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -271,6 +293,10 @@ class Engine:
                                        for r in requests])
             output_counts = torch.stack([zeros_counts if r.output_counts is None
                                          else r.output_counts for r in requests])
+        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
+        if constrained:  # before the penalties: a disallowed token stays -inf whatever they add
+            mask_tokens(logits, constrained,
+                        grammar_bitmask([requests[row].grammar for row in constrained]))
         penalized = not tensors.needs_penalties
         try:
             if not penalized:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastllm.engine.structured_output import GrammarMatcher
 from fastllm.sampling import SamplingParams, resolve_seed
 from fastllm.tokenizer import Tokenizer
 
@@ -80,6 +81,7 @@ class Request:
         self.seq_id: int | None = None
         self.prompt_mask: Tensor | None = None  # bool [vocab], with penalties only
         self.output_counts: Tensor | None = None  # int32 [vocab], with penalties only
+        self.grammar: GrammarMatcher | None = None  # with structured outputs only
 
     @property
     def finished(self) -> bool:
@@ -131,9 +133,13 @@ class Request:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
 
+        # The constraint sees every token (an EOS it allowed completes it).
+        constraint_done = self.grammar is not None and self.grammar.advance(token_id)
         ends = token_id in self._end_ids
         if ends:
             self._finish("stop", None if token_id not in self.params.stop_token_ids else token_id)
+        elif constraint_done:
+            self._finish("stop", None)
         elif (len(self.output_token_ids) >= self.params.max_tokens
               or self.num_tokens >= self.max_model_len):
             self._finish("length", None)

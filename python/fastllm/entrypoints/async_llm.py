@@ -7,25 +7,52 @@
 
 A background thread steps the engine while any request is unfinished; every request added from
 any coroutine joins the running batch at the next step. Cancelling the coroutine (or closing
-the ``stream`` iterator) aborts its request, whose KV blocks are freed at once. A request that
-fails inside a step raises its error in its own coroutine; the others go on, and so does the
-thread.
+the ``stream`` iterator) aborts its request, whose KV blocks are freed at once when no step is
+running, else before the next step. Adding and aborting never wait for a running step: the
+engine thread applies what is queued before each step, so an event loop is never blocked by
+the engine. A request that fails inside a step (or that the engine refuses) raises its error
+in its own coroutine; the others go on, and so does the thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from fastllm.engine.outputs import RequestOutput
+from torch import Tensor
+
+from fastllm.engine.outputs import Logprob, RequestOutput
 from fastllm.engine.request import Request
 from fastllm.entrypoints.client import EngineClient, PromptType
 from fastllm.sampling import SamplingParams
 
-__all__ = ["AsyncLLM"]
+__all__ = ["AsyncLLM", "StreamDelta"]
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to a request (:meth:`AsyncLLM.stream_outputs`).
+
+    Attributes:
+        text: text released since the previous delta ("" while held back, e.g. what may begin
+            a stop string).
+        token_ids: tokens generated since the previous delta.
+        logprobs: their logprob entries, when the request asked for logprobs.
+        finish_reason, stop_reason: set on the last delta (see :class:`CompletionOutput`).
+        output: the request's output so far (its metrics, prompt token count...).
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    output: RequestOutput
 
 
 class AsyncLLM:
@@ -38,22 +65,53 @@ class AsyncLLM:
     def __init__(self, model: str | os.PathLike, **llm_kwargs: Any) -> None:
         self.client = EngineClient(model, **llm_kwargs)
         self._subscribers: dict[Request, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._subscribers_lock = threading.Lock()  # the engine thread reads them too
+        # Requests to add ("add") or abort ("abort"), applied by the engine thread before its
+        # next step: an event loop never waits for a step to end (nor for the engine lock,
+        # which the stepping thread would win again and again).
+        self._inbox: collections.deque[tuple[str, Request]] = collections.deque()
         self._wake = threading.Event()
         self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fastllm-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running yet: queued in the engine, or not yet handed to it."""
+        pending = sum(action == "add" for action, _ in list(self._inbox))
+        return self.client.engine.num_waiting + pending
+
+    @property
+    def failed(self) -> bool:
+        """Whether the engine thread ended on an error (no request can run any more)."""
+        return self._error is not None
+
     async def stream(self, prompt: PromptType,
                      sampling_params: SamplingParams | None = None) -> AsyncIterator[str]:
         """Yields one request's text deltas as the engine produces them; raises the request's
         error if it fails."""
+        async for update in self.stream_outputs(prompt, sampling_params):
+            if update.text:
+                yield update.text
+
+    async def stream_outputs(self, prompt: PromptType,
+                             sampling_params: SamplingParams | None = None
+                             ) -> AsyncIterator[StreamDelta]:
+        """Yields what each engine step added to one request (text, token ids, logprobs), the
+        last with its finish reason; raises the request's error if it fails. A prompt or
+        parameter the engine refuses raises here, before anything is yielded."""
         request, queue = self._submit(prompt, sampling_params)
         try:
+            sent = 0  # output tokens already yielded
             while True:
-                deltas, finished, error = await queue.get()
-                for delta in deltas:
-                    yield delta
+                deltas, finished, error, num_tokens = await queue.get()
+                logprobs = None if request.logprobs is None else request.logprobs[sent:num_tokens]
+                yield StreamDelta(
+                    "".join(deltas), request.output_token_ids[sent:num_tokens], logprobs,
+                    request.finish_reason if finished else None,
+                    request.stop_reason if finished else None, request.output())
+                sent = num_tokens
                 if error is not None:
                     raise error
                 if finished:
@@ -65,42 +123,86 @@ class AsyncLLM:
                        sampling_params: SamplingParams | None = None) -> RequestOutput:
         """The finished output of one request; raises the request's error if it fails."""
         request, queue = self._submit(prompt, sampling_params)
+        await self._finished(request, queue)
+        return request.output()
+
+    async def score(self, token_ids: Sequence[int], score_token_ids: Sequence[int]) -> Tensor:
+        """The logits of ``score_token_ids`` at the last position of the prompt ``token_ids``
+        (a prompt-only request of the running batch; its full blocks enter the prefix
+        cache)."""
+        request = self.client.make_scoring_request(token_ids, score_token_ids)
+        await self._finished(request, self._subscribe(request))
+        return request.scores
+
+    async def _finished(self, request: Request, queue: asyncio.Queue) -> None:
+        """Waits until a subscribed request finishes; raises its error if it fails."""
         try:
             while True:
-                _, finished, error = await queue.get()
+                _, finished, error, _ = await queue.get()
                 if error is not None:
                     raise error
                 if finished:
-                    return request.output()
+                    return
         finally:
             self._forget(request)
 
     def _submit(self, prompt: PromptType, sampling_params: SamplingParams | None
                 ) -> tuple[Request, asyncio.Queue]:
+        if isinstance(sampling_params, (list, tuple)):
+            raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
+        request, = self.client.make_requests([prompt], sampling_params)
+        return request, self._subscribe(request)
+
+    def _subscribe(self, request: Request) -> asyncio.Queue:
+        """Has the engine thread add a request before its next step; the queue hears of each
+        step that updates it (and of the error, when the engine refuses it: alone)."""
         if self._error is not None:
             raise RuntimeError("the engine thread failed") from self._error
         if self._closed:
             raise RuntimeError("this AsyncLLM was shut down")
-        if isinstance(sampling_params, (list, tuple)):
-            raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
-        request, = self.client.make_requests([prompt], sampling_params)
         queue: asyncio.Queue = asyncio.Queue()
-        with self.client.lock:
-            self.client.add([request])  # a bad request fails here, alone
+        with self._subscribers_lock:
             self._subscribers[request] = (asyncio.get_running_loop(), queue)
+        self._inbox.append(("add", request))
         self._wake.set()
-        return request, queue
+        return queue
 
     def _forget(self, request: Request) -> None:
-        """Drops a request its caller stopped waiting for; aborts it if unfinished."""
-        with self.client.lock:
+        """Drops a request its caller stopped waiting for and aborts it if unfinished, freeing
+        its KV blocks: now if no step is running, else before the next step."""
+        with self._subscribers_lock:
             self._subscribers.pop(request, None)
-            self.client.abort_unfinished([request])
+        if request.finished:
+            return
+        if self.client.lock.acquire(blocking=False):
+            try:
+                self._apply_inbox()  # an add queued before it must not outlive it
+                self.client.abort_unfinished([request])
+            finally:
+                self.client.lock.release()
+        else:
+            self._inbox.append(("abort", request))
+            self._wake.set()
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            action, request = self._inbox.popleft()
+            if action == "abort":
+                self.client.abort_unfinished([request])
+                continue
+            if request.finished:  # failed with the engine before it was added
+                continue
+            try:
+                self.client.engine.add_request(request)
+            except Exception as error:  # e.g. a prompt the KV pool cannot hold: it alone fails
+                request.fail(error)
+                self._notify(request)
 
     def _run(self) -> None:
         engine = self.client.engine
         while not self._closed:
             with self.client.lock:
+                self._apply_inbox()
                 busy = engine.has_unfinished()
                 if busy:
                     try:
@@ -121,15 +223,18 @@ class AsyncLLM:
                 self._wake.clear()
 
     def _notify(self, request: Request) -> None:
-        subscriber = self._subscribers.get(request)
+        with self._subscribers_lock:
+            subscriber = self._subscribers.get(request)
         if subscriber is not None:
             loop, queue = subscriber
             loop.call_soon_threadsafe(queue.put_nowait, (
-                request.take_deltas(), request.finished, request.error))
+                request.take_deltas(), request.finished, request.error,
+                len(request.output_token_ids)))
 
     def _fail_unfinished(self, error: Exception) -> list[Request]:
         """Fails every subscribed request with ``error``, freeing the engine for new ones."""
-        failed = [request for request in self._subscribers if not request.finished]
+        with self._subscribers_lock:
+            failed = [request for request in self._subscribers if not request.finished]
         for request in failed:
             self.client.engine.fail_request(request, error)
         return failed
@@ -139,10 +244,12 @@ class AsyncLLM:
         self._closed = True
         self._wake.set()
         self._thread.join()
-        with self.client.lock:
+        with self.client.lock, self._subscribers_lock:
+            self._inbox.clear()
             for request, (loop, queue) in list(self._subscribers.items()):
                 self.client.abort_unfinished([request])
-                loop.call_soon_threadsafe(queue.put_nowait, ([], True, None))
+                loop.call_soon_threadsafe(queue.put_nowait, (
+                    [], True, None, len(request.output_token_ids)))
 
     async def __aenter__(self) -> AsyncLLM:
         return self

@@ -4,12 +4,14 @@
     fastllm generate --model PATH --prompt "What is 2 + 2?" --chat
     fastllm generate --model PATH --prompt "Once upon a time" --quantization int4
     fastllm rerank --model PATH --query "capital of France" --docs docs.txt --top-n 3
+    fastllm serve PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,11 +103,71 @@ def _rerank(args: argparse.Namespace) -> None:
                           "document": result.document}, ensure_ascii=False))
 
 
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI API (completions, chat, rerank)",
+        description="An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /v1/rerank, /health and /metrics.")
+    parser.add_argument("model", help="HF model folder or .gguf file")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("FASTLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                             "$FASTLLM_API_KEY, or none)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the model's file or "
+                             "folder name)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file overriding the tokenizer's")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="queued requests past which new ones get a 503")
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                        help="the largest request body (past it, a 413)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="quantize a float checkpoint's weights at load (weight-only)")
+    _add_kv_cache_dtype(parser)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a seeded request gets the same tokens whatever else is in the "
+                             "batch (slower prefill; CPU only)")
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(run=_serve)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from fastllm import AsyncLLM
+    from fastllm.entrypoints.openai.api_server import ServerConfig, build_server
+
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+        chat_template=(None if args.chat_template is None
+                       else Path(args.chat_template).read_text(encoding="utf-8")))
+    llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device,
+                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   kv_cache_memory=args.kv_cache_memory, batch_invariant=args.batch_invariant)
+    name = args.served_model_name or Path(args.model).name
+    print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)
+    try:
+        build_server(llm, config, name).run()
+    finally:
+        llm.shutdown()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="fastllm", description="fast LLM inference")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate(subparsers)
     _add_rerank(subparsers)
+    _add_serve(subparsers)
     args = parser.parse_args(argv)
     try:
         args.run(args)

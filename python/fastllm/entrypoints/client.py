@@ -61,7 +61,8 @@ class EngineClient:
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu", tokenizer: str | os.PathLike | None = None,
+                 device: str | torch.device = "cpu",
+                 tokenizer: str | os.PathLike | Tokenizer | None = None,
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
@@ -80,7 +81,8 @@ class EngineClient:
                              f"{chunk_store_memory!r}")
         self.model = load(model, dtype, device, quantization)
         self.device = torch.device(device)
-        self.tokenizer = Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else \
+            Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
         config = self.model.config
         if max_model_len is None:
             max_model_len = min(config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from fastllm.engine.outputs import RequestOutput
 from fastllm.entrypoints.client import EngineClient, PromptType
 from fastllm.sampling import SamplingParams
+from fastllm.tokenizer import Tokenizer
 
 __all__ = ["LLM", "PromptType"]
 
@@ -44,7 +45,9 @@ class LLM:
             multiple of 32 long stay in ``dtype``, as do the activations. A GGUF file already
             quantized loads as it is, without this argument.
         device: where the model and the KV cache live.
-        tokenizer: a folder or file to read the tokenizer from, if not ``model``.
+        tokenizer: a folder or file to read the tokenizer from, if not ``model``, or a
+            loaded :class:`fastllm.Tokenizer` to share (reading a large vocabulary takes
+            seconds).
         max_model_len: the most tokens (prompt and output) one sequence may hold. Default: the
             model's context, capped at 8192.
         kv_cache_memory: bytes for the paged KV pool; the pool is what bounds how many
@@ -74,7 +77,8 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu", tokenizer: str | os.PathLike | None = None,
+                 device: str | torch.device = "cpu",
+                 tokenizer: str | os.PathLike | Tokenizer | None = None,
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,

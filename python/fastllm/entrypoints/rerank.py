@@ -32,8 +32,10 @@ import torch
 
 from fastllm.entrypoints.client import EngineClient
 from fastllm.models.pool import load
+from fastllm.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_INSTRUCTION", "RECIPE_PREFIX", "RECIPE_SUFFIX", "RerankResult", "Reranker"]
+__all__ = ["DEFAULT_INSTRUCTION", "RECIPE_PREFIX", "RECIPE_SUFFIX", "RerankRecipe", "RerankResult",
+           "Reranker", "relevance", "shared_prefix_length"]
 
 RECIPE_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based "
                  "on the Query and the Instruct provided. Note that the answer can only be "
@@ -86,34 +88,17 @@ class Reranker:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_dtype=kv_cache_dtype)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
-        self.instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
-        if not isinstance(self.instruction, str):
-            raise TypeError(f"instruction must be a str, got {type(instruction).__name__}")
-        self.prefix_ids = self.tokenizer.encode(RECIPE_PREFIX, add_special_tokens=False)
-        self.suffix_ids = self.tokenizer.encode(RECIPE_SUFFIX, add_special_tokens=False)
-        wrap = len(self.prefix_ids) + len(self.suffix_ids)
-        if not isinstance(max_length, int) or max_length <= wrap:
-            raise ValueError(f"max_length must be an int above the {wrap} tokens of the recipe's "
-                             f"prefix and suffix, got {max_length!r}")
-        self.max_length = max_length
+        self.recipe = RerankRecipe(self.tokenizer, instruction, max_length)
+        self.instruction, self.max_length = self.recipe.instruction, max_length
+        self.prefix_ids, self.suffix_ids = self.recipe.prefix_ids, self.recipe.suffix_ids
+        self.answer_ids = self.recipe.answer_ids  # (no, yes)
         self.block_size = block_size
-        answer_ids = []
-        for answer in ("no", "yes"):
-            token_id = self.tokenizer.convert_tokens_to_ids(answer)
-            if token_id is None or token_id == self.tokenizer.unk_token_id:
-                raise ValueError(f"the tokenizer has no token {answer!r}: not a Qwen3-Reranker "
-                                 "tokenizer")
-            answer_ids.append(token_id)
-        self.answer_ids = tuple(answer_ids)  # (no, yes)
 
     # ---- public API --------------------------------------------------------------------------
 
     def pair_token_ids(self, query: str, document: str) -> list[int]:
         """The recipe's token ids for one pair: prefix, the truncated pair text, suffix."""
-        text = f"<Instruct>: {self.instruction}\n<Query>: {query}\n<Document>: {document}"
-        room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[:room]
-        return self.prefix_ids + ids + self.suffix_ids
+        return self.recipe.pair_token_ids(query, document)
 
     def score(self, query: str, documents: Sequence[str]) -> list[float]:
         """Each document's relevance to ``query`` in [0, 1], in input order."""
@@ -157,20 +142,71 @@ class Reranker:
         request whose full blocks enter the prefix cache), then every pair, longest first, as a
         prompt-only request giving its "no" and "yes" logits."""
         client = self.client
-        # At least one token of every pair is left to compute: it gives the pair's logits.
-        shared = min(len(_common_prefix(ids)), min(len(x) for x in ids) - 1)
-        reused = shared // self.block_size * self.block_size  # sharing works in whole blocks
+        reused = shared_prefix_length(ids, self.block_size)
         if reused:
             client.run([client.make_scoring_request(ids[0][:reused], ())])
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         requests = [client.make_scoring_request(ids[i], self.answer_ids) for i in order]
         client.run(requests)
-        logits = torch.stack([request.scores for request in requests]).float()  # [n, 2]
-        yes = torch.log_softmax(logits, dim=-1)[:, 1].exp().tolist()
+        yes = relevance([request.scores for request in requests])
         scores = [0.0] * len(ids)
         for i, score in zip(order, yes):
             scores[i] = score
         return scores
+
+
+class RerankRecipe:
+    """The model card's recipe for one tokenizer: the fixed prefix and suffix, the ids of
+    "no" and "yes", and each pair's token ids.
+
+    Args:
+        tokenizer: a Qwen3-Reranker tokenizer (one without "yes"/"no" tokens is a ValueError).
+        instruction: the task instruction; None = the model card's web-search one.
+        max_length: the most tokens of a wrapped pair; longer documents are cut at the end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, instruction: str | None = None,
+                 max_length: int = 8192) -> None:
+        self.tokenizer = tokenizer
+        self.instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
+        if not isinstance(self.instruction, str):
+            raise TypeError(f"instruction must be a str, got {type(instruction).__name__}")
+        self.prefix_ids = tokenizer.encode(RECIPE_PREFIX, add_special_tokens=False)
+        self.suffix_ids = tokenizer.encode(RECIPE_SUFFIX, add_special_tokens=False)
+        wrap = len(self.prefix_ids) + len(self.suffix_ids)
+        if not isinstance(max_length, int) or max_length <= wrap:
+            raise ValueError(f"max_length must be an int above the {wrap} tokens of the recipe's "
+                             f"prefix and suffix, got {max_length!r}")
+        self.max_length = max_length
+        answer_ids = []
+        for answer in ("no", "yes"):
+            token_id = tokenizer.convert_tokens_to_ids(answer)
+            if token_id is None or token_id == tokenizer.unk_token_id:
+                raise ValueError(f"the tokenizer has no token {answer!r}: not a Qwen3-Reranker "
+                                 "tokenizer")
+            answer_ids.append(token_id)
+        self.answer_ids = tuple(answer_ids)  # (no, yes)
+
+    def pair_token_ids(self, query: str, document: str) -> list[int]:
+        """The recipe's token ids for one pair: prefix, the truncated pair text, suffix."""
+        text = f"<Instruct>: {self.instruction}\n<Query>: {query}\n<Document>: {document}"
+        room = self.max_length - len(self.prefix_ids) - len(self.suffix_ids)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[:room]
+        return self.prefix_ids + ids + self.suffix_ids
+
+
+def shared_prefix_length(ids: list[list[int]], block_size: int) -> int:
+    """How many leading tokens, in whole KV blocks, every pair shares and can reuse from the
+    prefix cache; at least one token of every pair is left to compute (it gives the pair's
+    logits)."""
+    shared = min(len(_common_prefix(ids)), min(len(x) for x in ids) - 1)
+    return shared // block_size * block_size
+
+
+def relevance(answer_logits: Sequence[torch.Tensor]) -> list[float]:
+    """Each pair's score from its ("no", "yes") logits: P("yes") over the two."""
+    logits = torch.stack(list(answer_logits)).float()  # [n, 2]
+    return torch.log_softmax(logits, dim=-1)[:, 1].exp().tolist()
 
 
 def _common_prefix(ids: list[list[int]]) -> list[int]:

@@ -4,11 +4,13 @@ from fastllm.sampling.sampler import (
     SampleOutput,
     SamplingParams,
     SamplingTensors,
+    StructuredOutputsParams,
     draw,
+    mask_tokens,
     penalize,
     resolve_seed,
     sample_next_tokens,
 )
 
-__all__ = ["SampleOutput", "SamplingParams", "SamplingTensors", "draw", "penalize",
-           "resolve_seed", "sample_next_tokens"]
+__all__ = ["SampleOutput", "SamplingParams", "SamplingTensors", "StructuredOutputsParams",
+           "draw", "mask_tokens", "penalize", "resolve_seed", "sample_next_tokens"]

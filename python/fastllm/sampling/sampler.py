@@ -21,8 +21,8 @@ from torch import Tensor
 from fastllm import ops
 from fastllm.ops.host_to_device import device_tensor, to_device
 
-__all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "draw", "penalize",
-           "resolve_seed", "sample_next_tokens"]
+__all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "StructuredOutputsParams",
+           "draw", "mask_tokens", "penalize", "resolve_seed", "sample_next_tokens"]
 
 _MAX_SEED = 2**63 - 1
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): the scaled logits of
@@ -43,6 +43,55 @@ def _float32(value: float) -> float:
 
 def _finite_float32(value: float) -> bool:
     return math.isfinite(_float32(value))
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text) the output must validate against.
+        json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: a Lark grammar (llguidance's dialect) the output must derive.
+
+    The engine compiles it with llguidance when the request is added (an invalid schema,
+    regex or grammar is a ValueError then) and masks, at each step, the tokens that cannot
+    continue it; the request stops once the constraint is complete.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raises TypeError/ValueError naming a bad field."""
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"json_object must be a bool, got {self.json_object!r}")
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, regex, "
+                             f"choice and grammar, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise TypeError(f"json must be a JSON schema (a dict or its JSON text), got "
+                            f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {type(getattr(self, name)).__name__}")
+        if self.choice is not None and (
+                isinstance(self.choice, str) or not isinstance(self.choice, Sequence)
+                or not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of non-empty strings, got "
+                             f"{self.choice!r}")
 
 
 @dataclass
@@ -74,6 +123,8 @@ class SamplingParams:
         logprobs: report this many top log-probabilities per sampled position (None = none);
             at most the vocabulary's size (checked by :meth:`check_vocab`, when the request is
             added).
+        structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
+            a list of choices or a grammar (:class:`StructuredOutputsParams`); None = free.
     """
 
     temperature: float = 1.0
@@ -90,6 +141,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -141,6 +193,11 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError(f"structured_outputs must be StructuredOutputsParams, got "
+                                f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.check()
 
     @property
     def is_greedy(self) -> bool:
@@ -267,6 +324,21 @@ def penalize(logits: Tensor, tensors: SamplingTensors, prompt_mask: Tensor,
     it raises (the op checks all its inputs before it writes), none."""
     ops.apply_penalties(logits, prompt_mask, output_counts, tensors.repetition_penalty,
                         tensors.frequency_penalty, tensors.presence_penalty, tensors.logit_bias)
+
+
+def mask_tokens(logits: Tensor, rows: Sequence[int], bitmask: Tensor) -> None:
+    """Sets to -inf, in place, the logits of the tokens a row may not take: ``bitmask`` is
+    int32 ``[len(rows), ceil(vocab / 32)]`` (on the host), bit ``t % 32`` of word ``t // 32``
+    set where token ``t`` is allowed in the row ``rows[i]`` of ``logits``; tokens past the
+    mask's width are not allowed."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1).bool()  # [rows, words * 32]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
+    disallowed = ~to_device(allowed[:, :vocab].contiguous(), logits.device)
+    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
 
 
 def draw(logits: Tensor, tensors: SamplingTensors, offsets: Tensor) -> SampleOutput:

@@ -250,6 +250,11 @@ class Tokenizer:
         token = self._special_tokens.get(attr)
         return None if token is None else self._backend.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a token adds to the decoded byte stream (a special or added token: its
+        text), or None for an id the tokenizer does not know or a backend that cannot tell."""
+        return self._backend.token_bytes(token_id)
+
     @property
     def bos_token_id(self) -> int | None:
         return self._special_id("bos_token")

@@ -1,0 +1,287 @@
+"""``fastllm serve``: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over
+:class:`fastllm.AsyncLLM`.
+
+    fastllm serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
+with server-sent events), ``GET /v1/models``, ``POST /v1/rerank`` (with a Qwen3-Reranker
+model), ``GET /health`` and ``GET /metrics`` (Prometheus). Errors are OpenAI's error JSON with
+the field at fault in ``param``. A client that disconnects aborts its requests, freeing their
+KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fastllm.entrypoints.async_llm import AsyncLLM
+from fastllm.entrypoints.openai import protocol as api
+from fastllm.entrypoints.openai.metrics import ServerMetrics
+from fastllm.entrypoints.openai.rerank import RerankServing
+from fastllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingLimits
+
+__all__ = ["ServerConfig", "build_app", "build_server"]
+
+logger = logging.getLogger("fastllm")
+T = TypeVar("T")
+
+
+@dataclass
+class ServerConfig:
+    """How the server listens and what it admits.
+
+    Attributes:
+        host, port: where to listen; 127.0.0.1 unless told otherwise.
+        api_key: when set, ``/v1/*`` and ``/rerank`` need ``Authorization: Bearer KEY``.
+        served_model_name: the model name clients use (default: the model path's name).
+        max_waiting_requests: engine requests queued past which a call gets a 503.
+        max_body_bytes: the largest request body (past it, a 413).
+        chat_template: a Jinja chat template overriding the tokenizer's.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_waiting_requests: int = 256
+    max_body_bytes: int = 4 << 20
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be an int in [0, 65536), got {self.port!r}")
+
+
+_ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+              "/v1/rerank", "/rerank"}
+
+
+class _ClientDisconnected(Exception):
+    pass
+
+
+def _json_error(status: int, message: str, type: str, param: str | None = None,
+                code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(APIError(status, message, param=param, type=type, code=code).body(),
+                        status_code=status, headers=headers)
+
+
+class _Guard:
+    """Pure ASGI middleware (so streaming and disconnects pass through untouched): the body
+    size limit, the API key, and the HTTP status counter."""
+
+    def __init__(self, app: Any, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def counted_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, counted_send, path)
+        finally:  # unknown paths share one label: a scan must not grow the metrics
+            endpoint = path if path in _ENDPOINTS else "other"
+            self.metrics.http_requests.labels(endpoint, str(status["code"])).inc()
+
+    async def _handle(self, scope: dict, receive: Any, send: Any, path: str) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope["headers"]}
+        if self.config.api_key is not None and (path.startswith("/v1") or path == "/rerank"):
+            if headers.get("authorization") != f"Bearer {self.config.api_key}":
+                await _json_error(401, "Incorrect or missing API key: send 'Authorization: "
+                                       "Bearer KEY'", "invalid_request_error",
+                                  code="invalid_api_key")(scope, receive, send)
+                return
+        limit = self.config.max_body_bytes
+        too_large = _json_error(413, f"the request body exceeds {limit} bytes",
+                                "invalid_request_error", code="request_too_large")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:  # read the body here, bounded, then hand it on
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """``awaitable``'s result, or, when the client disconnects first, cancels it (aborting its
+    engine requests) and raises _ClientDisconnected."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if work.cancelled():
+        raise _ClientDisconnected()
+    return work.result()
+
+
+async def _events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events; an error after the response started is sent as an error event."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as error:
+        yield f"data: {json.dumps(error.body())}\n\n"
+    except Exception as error:  # the status line is sent: say it in the stream
+        logger.exception("a streamed request failed")
+        status, kind = ((400, "invalid_request_error") if isinstance(error, ValueError)
+                        else (500, "internal_server_error"))
+        yield f"data: {json.dumps(APIError(status, str(error), type=kind).body())}\n\n"
+    finally:
+        await events.aclose()
+
+
+def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
+    """The FastAPI app serving ``llm`` under ``model_name``."""
+    engine = llm.client.engine
+    metrics = ServerMetrics(engine, model_name)
+    serving = OpenAIServing(llm, model_name, metrics,
+                            ServingLimits(max_waiting_requests=config.max_waiting_requests),
+                            chat_template=config.chat_template)
+    reranking = RerankServing(llm, model_name, serving)
+    app = FastAPI(title="fastllm", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if error.status == 503 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return _json_error(400, f"the body is not valid JSON: {first.get('msg')} "
+                                    f"(at character {loc[-1] if loc else '?'})",
+                               "invalid_request_error")
+        param = ".".join(loc) or None
+        return _json_error(400, f"{param or 'body'}: {first.get('msg')}",
+                           "invalid_request_error", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return _json_error(error.status_code, str(error.detail), "invalid_request_error")
+
+    @app.exception_handler(_ClientDisconnected)
+    async def gone(_: Request, __: _ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(Exception)
+    async def failed(_: Request, error: Exception) -> JSONResponse:
+        if isinstance(error, ValueError):  # a request the engine refused or failed alone
+            return _json_error(400, str(error), "invalid_request_error")
+        logger.exception("request failed")
+        return _json_error(500, f"{type(error).__name__}: {error}", "internal_server_error")
+
+    def respond(result: Any) -> Response:
+        if isinstance(result, BaseModel):
+            return JSONResponse(result.model_dump())
+        return StreamingResponse(_events(result), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if llm.failed:
+            return _json_error(503, "the engine thread failed", "internal_server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> api.ModelList:
+        return api.ModelList(data=[api.ModelCard(id=model_name,
+                                                 max_model_len=serving.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request) -> Response:
+        return respond(await serving.completions(
+            body, lambda work: _until_disconnected(request, work)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: api.ChatCompletionRequest, request: Request) -> Response:
+        return respond(await serving.chat(
+            body, lambda work: _until_disconnected(request, work)))
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    async def rerank(body: api.RerankRequest, request: Request) -> api.RerankResponse:
+        return await _until_disconnected(request, reranking.rerank(body))
+
+    app.add_middleware(_Guard, config=config, metrics=metrics)
+    return app
+
+
+def build_server(llm: AsyncLLM, config: ServerConfig, model_name: str) -> uvicorn.Server:
+    """A uvicorn server for :func:`build_app` (``server.run(sockets=...)`` to pass a bound
+    socket)."""
+    return uvicorn.Server(uvicorn.Config(build_app(llm, config, model_name), host=config.host,
+                                         port=config.port, log_level="warning",
+                                         timeout_graceful_shutdown=5))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free one, read it with ``getsockname()``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock

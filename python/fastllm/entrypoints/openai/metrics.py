@@ -1,0 +1,102 @@
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
+
+Counters and histograms are observed as requests finish; the engine's state (requests running
+and waiting, KV usage, prefix-cache counters) is read when the endpoint is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from fastllm.engine import Engine
+from fastllm.engine.outputs import RequestOutput
+
+__all__ = ["ServerMetrics"]
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector(Collector):
+    """The engine's live state, read at scrape time."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self) -> Iterator:
+        labels = ["model_name"]
+        for name, doc, value in (
+                ("fastllm_num_requests_running", "Requests holding KV blocks.",
+                 self.engine.num_running),
+                ("fastllm_num_requests_waiting", "Requests queued for the engine.",
+                 self.engine.num_waiting),
+                ("fastllm_kv_cache_usage_perc", "Fraction of KV-cache blocks held (0 to 1).",
+                 self.engine.kv_usage),
+                ("fastllm_prefix_cache_hit_rate", "Prompt blocks found in the prefix cache, "
+                 "over those looked up, since start.", self.engine.stats.prefix_cache_hit_rate)):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        for name, doc, value in (
+                ("fastllm_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
+                 self.engine.stats.prefix_cache_queries),
+                ("fastllm_prefix_cache_hits", "Prompt blocks found in the prefix cache.",
+                 self.engine.stats.prefix_cache_hits),
+                ("fastllm_num_preemptions", "Requests preempted for KV blocks.",
+                 self.engine.stats.preemptions)):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self.model_name], value)
+            yield counter
+
+
+class ServerMetrics:
+    """Request counts, token counts and latency histograms of one server."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.requests = Counter("fastllm_request_success", "Finished requests (one per choice).",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.http_requests = Counter("fastllm_http_requests", "HTTP requests by status code.",
+                                     ["endpoint", "status_code"], registry=self.registry)
+        self.prompt_tokens = Counter("fastllm_prompt_tokens", "Prompt tokens of finished "
+                                     "requests.", labels, registry=self.registry)
+        self.generation_tokens = Counter("fastllm_generation_tokens", "Generated tokens.",
+                                         labels, registry=self.registry)
+        self.ttft = Histogram("fastllm_time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("fastllm_time_per_output_token_seconds",
+                              "Mean time between a request's output tokens.", labels,
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("fastllm_e2e_request_latency_seconds", "Arrival to finish.",
+                             labels, buckets=_E2E_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(engine, model_name))
+
+    def observe(self, output: RequestOutput) -> None:
+        """Counts one finished request."""
+        metrics, name = output.metrics, self.model_name
+        self.requests.labels(name, output.outputs[0].finish_reason).inc()
+        self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(name).inc(len(output.outputs[0].token_ids))
+        if metrics.ttft is not None:
+            self.ttft.labels(name).observe(metrics.ttft)
+        if metrics.time_per_output_token is not None:
+            self.tpot.labels(name).observe(metrics.time_per_output_token)
+        if metrics.finished_time is not None:
+            self.e2e.labels(name).observe(metrics.finished_time - metrics.arrival_time)
+
+    def aborted(self, count: int = 1) -> None:
+        """Counts requests ended early (the client left, or another choice failed)."""
+        self.requests.labels(self.model_name, "abort").inc(count)
+
+    def exposition(self) -> bytes:
+        """The text format Prometheus scrapes."""
+        return generate_latest(self.registry)

@@ -1,0 +1,262 @@
+"""The OpenAI API's request and response shapes (and the Jina/Cohere rerank shape vLLM and
+llama.cpp serve), as pydantic models: a request that does not fit is a 400 naming the field.
+
+Ranges are OpenAI's where it has one (temperature in [0, 2], penalties in [-2, 2], at most 20
+top logprobs); the extensions vLLM accepts (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``) are accepted too. Unknown fields are refused rather than
+ignored, so a parameter the server does not honour never passes silently.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage",
+    "CompletionChunk", "CompletionRequest", "CompletionResponse", "ErrorResponse", "ModelCard",
+    "ModelList", "RerankRequest", "RerankResponse", "Usage", "random_id",
+]
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_N = 16  # choices per request: each is a request of its own in the batch
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- shared request parts ----------------------------------------------------------------------
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(default="schema", max_length=64)
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+Probability = Annotated[float, Field(gt=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class _SamplingFields(_Request):
+    """The sampling fields both endpoints take."""
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Probability | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+# ---- completions -------------------------------------------------------------------------------
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Usage(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(CompletionResponse):
+    pass
+
+
+# ---- chat completions --------------------------------------------------------------------------
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageParam(BaseModel):
+    # Other fields (name, tool_call_id...) go to the chat template as they are.
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. enable_thinking
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- models, rerank, errors --------------------------------------------------------------------
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "fastllm"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class RerankDocument(_Request):
+    text: str
+
+
+class RerankRequest(_Request):
+    model: str | None = None
+    query: str
+    documents: list[Union[str, RerankDocument]]
+    top_n: Annotated[int, Field(ge=0)] | None = None
+    return_documents: bool = True
+
+
+class RerankResult(_Response):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(_Response):
+    total_tokens: int
+
+
+class RerankResponse(_Response):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

@@ -1,0 +1,448 @@
+"""The OpenAI endpoints' work: a request's prompt and parameters turned into engine requests
+(one per choice), their outputs into OpenAI's responses or server-sent event chunks.
+
+Every choice is a request of its own in the running batch (``n`` of them for ``n`` choices;
+with a seed, choice ``i`` uses ``seed + i``, so a seeded call is reproducible and its choices
+differ). Whatever ends a call early (a client that disconnects, an error in another choice)
+aborts its unfinished requests, whose KV blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastllm.engine.outputs import Logprob, RequestOutput
+from fastllm.entrypoints.async_llm import AsyncLLM, StreamDelta
+from fastllm.entrypoints.openai import protocol as api
+from fastllm.entrypoints.openai.metrics import ServerMetrics
+from fastllm.sampling import SamplingParams, StructuredOutputsParams
+
+__all__ = ["APIError", "OpenAIServing"]
+
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    """An error the server answers with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type, code)
+
+    def body(self) -> dict[str, Any]:
+        return api.ErrorResponse(error=api.ErrorInfo(
+            message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
+
+
+@dataclass
+class ServingLimits:
+    """Admission limits.
+
+    Attributes:
+        max_waiting_requests: requests queued in the engine (not yet running) past which a new
+            call is refused with a 503.
+    """
+
+    max_waiting_requests: int = 256
+
+
+class OpenAIServing:
+    """Serves completions, chat completions and models for one :class:`AsyncLLM`."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics,
+                 limits: ServingLimits, chat_template: str | None = None) -> None:
+        self.llm, self.model_name, self.metrics, self.limits = llm, model_name, metrics, limits
+        self.tokenizer = llm.client.tokenizer
+        self.max_model_len = llm.client.max_model_len
+        self.vocab_size = llm.client.vocab_size
+        self.chat_template = chat_template
+
+    # ---- shared checks -----------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}`", param="model", code="model_not_found")
+
+    def check_capacity(self, new_requests: int) -> None:
+        waiting = self.llm.num_waiting
+        if waiting + new_requests > self.limits.max_waiting_requests:
+            raise APIError(503, f"the server is at capacity: {waiting} requests are waiting "
+                                f"(at most {self.limits.max_waiting_requests}); retry later",
+                           type="service_unavailable", code="queue_full")
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, prompt_field: str) -> int:
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens. However, your prompt has {prompt_len} tokens, which "
+                                f"leaves no room for the completion", param=prompt_field,
+                           code="context_length_exceeded")
+        if requested is None:
+            return room
+        if requested > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens. However, you requested {prompt_len + requested} tokens "
+                                f"({prompt_len} in the prompt, {requested} in the completion)",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def _sampling_params(self, req: api.ChatCompletionRequest | api.CompletionRequest,
+                         max_tokens: int, logprobs: int | None) -> SamplingParams:
+        logit_bias = {}
+        for key, value in (req.logit_bias or {}).items():
+            try:
+                logit_bias[int(key)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
+                               param="logit_bias") from None
+        try:
+            params = SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                logit_bias=logit_bias, seed=req.seed, max_tokens=max_tokens,
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                structured_outputs=_structured_outputs(req.response_format))
+            params.check_vocab(self.vocab_size)
+        except (TypeError, ValueError) as error:
+            raise APIError(400, str(error), param=_field_named(str(error))) from None
+        return params
+
+    def _choices(self, params: SamplingParams, n: int) -> list[SamplingParams]:
+        """One parameter set per choice; choice i of a seeded call takes seed + i."""
+        if params.seed is None:
+            return [params] * n
+        return [dataclasses.replace(params, seed=(params.seed + i) % 2**63) for i in range(n)]
+
+    # ---- completions -------------------------------------------------------------------------
+
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """Token ids of each prompt of a completion request (text, ids, or lists of them)."""
+        if isinstance(prompt, str):
+            prompts: Sequence[Any] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = prompt
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        ids = []
+        for p in prompts:
+            token_ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not token_ids:
+                raise APIError(400, "a prompt has no tokens", param="prompt")
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token ids {bad[:8]} are outside the vocabulary "
+                                    f"[0, {self.vocab_size})", param="prompt")
+            ids.append(token_ids)
+        return ids
+
+    async def completions(self, req: api.CompletionRequest,
+                          until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
+                          ) -> api.CompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = self.completion_prompts(req.prompt)
+        jobs = []
+        for ids in prompts:
+            max_tokens = self._max_tokens(req.max_tokens, len(ids), "prompt")
+            params = self._sampling_params(req, max_tokens, req.logprobs)
+            jobs += [(ids, p) for p in self._choices(params, req.n)]
+        self.check_capacity(len(jobs))
+        request_id = api.random_id("cmpl")
+        if req.stream:
+            streams = await until_disconnected(self._open_streams(jobs))
+            return self._completion_events(request_id, req, jobs, streams)
+        outputs = await until_disconnected(self._generate(jobs))
+        choices = [api.CompletionChoice(
+            index=i, text=out.outputs[0].text, finish_reason=_finish_reason(out),
+            logprobs=None if req.logprobs is None else self._completion_logprobs(
+                out.outputs[0].logprobs, req.logprobs, 0))
+            for i, out in enumerate(outputs)]
+        return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=_usage(outputs, req.n))
+
+    async def _completion_events(self, request_id: str, req: api.CompletionRequest,
+                                 jobs: list, streams: list[_OpenStream]) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        usage_field = {"usage": None} if include_usage else {}
+        offsets = [0] * len(jobs)  # characters sent per choice (logprobs' text_offset)
+        last: list[RequestOutput | None] = [None] * len(jobs)
+        async for index, delta in _merge(streams):
+            last[index] = delta.output
+            logprobs = None
+            if req.logprobs is not None and delta.logprobs is not None:
+                logprobs = self._completion_logprobs(delta.logprobs, req.logprobs, offsets[index])
+            offsets[index] += len(delta.text)
+            if delta.text or delta.finish_reason is not None or logprobs is not None:
+                chunk = api.CompletionChunk(
+                    id=request_id, model=self.model_name, choices=[api.CompletionChoice(
+                        index=index, text=delta.text, logprobs=logprobs,
+                        finish_reason=_finish_reason(delta.output)
+                        if delta.finish_reason is not None else None)])
+                yield _event(chunk, **usage_field)
+        if include_usage:
+            yield _event(api.CompletionChunk(id=request_id, model=self.model_name, choices=[],
+                                             usage=_usage(last, req.n)))
+        yield "data: [DONE]\n\n"
+
+    def _completion_logprobs(self, entries: list[dict[int, Logprob]] | None, top: int,
+                             offset: int) -> api.CompletionLogprobs:
+        result = api.CompletionLogprobs()
+        for entry in entries or []:
+            sampled = next(iter(entry.values()))  # the sampled token comes first
+            result.tokens.append(sampled.decoded_token)
+            result.token_logprobs.append(sampled.logprob)
+            result.top_logprobs.append({
+                lp.decoded_token: lp.logprob for lp in sorted(
+                    entry.values(), key=lambda lp: -lp.logprob)[:top]} if top else None)
+            result.text_offset.append(offset)
+            offset += len(sampled.decoded_token)
+        return result
+
+    # ---- chat --------------------------------------------------------------------------------
+
+    def chat_prompt(self, req: api.ChatCompletionRequest) -> list[int]:
+        messages = []
+        for message in req.messages:
+            fields = message.model_dump(exclude_none=True)
+            if isinstance(message.content, list):
+                fields["content"] = "".join(part.text for part in message.content)
+            messages.append(fields)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True, **kwargs)
+        except (TypeError, ValueError) as error:
+            raise APIError(400, f"the messages cannot be rendered with the chat template: "
+                                f"{error}", param="messages") from None
+
+    async def chat(self, req: api.ChatCompletionRequest,
+                   until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
+                   ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        ids = self.chat_prompt(req)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        max_tokens = self._max_tokens(requested, len(ids), "messages")
+        top = req.top_logprobs or 0
+        params = self._sampling_params(req, max_tokens, top if req.logprobs else None)
+        jobs = [(ids, p) for p in self._choices(params, req.n)]
+        self.check_capacity(len(jobs))
+        request_id = api.random_id("chatcmpl")
+        if req.stream:
+            streams = await until_disconnected(self._open_streams(jobs))
+            return self._chat_events(request_id, req, streams)
+        outputs = await until_disconnected(self._generate(jobs))
+        choices = [api.ChatChoice(
+            index=i, message=api.ChatMessage(content=out.outputs[0].text),
+            finish_reason=_finish_reason(out),
+            logprobs=self._chat_logprobs(out.outputs[0].logprobs, top) if req.logprobs else None)
+            for i, out in enumerate(outputs)]
+        return api.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                          usage=_usage(outputs, req.n))
+
+    async def _chat_events(self, request_id: str, req: api.ChatCompletionRequest,
+                           streams: list[_OpenStream]) -> AsyncIterator[str]:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        usage_field = {"usage": None} if include_usage else {}
+        top = req.top_logprobs or 0
+        for index in range(len(streams)):  # OpenAI's first chunk: the role
+            yield _event(api.ChatCompletionChunk(
+                id=request_id, model=self.model_name, choices=[api.ChatChunkChoice(
+                    index=index, delta=api.DeltaMessage(role="assistant", content=""))]),
+                **usage_field)
+        last: list[RequestOutput | None] = [None] * len(streams)
+        async for index, delta in _merge(streams):
+            last[index] = delta.output
+            logprobs = (self._chat_logprobs(delta.logprobs, top)
+                        if req.logprobs and delta.logprobs else None)
+            if delta.text or logprobs is not None or delta.finish_reason is not None:
+                yield _event(api.ChatCompletionChunk(
+                    id=request_id, model=self.model_name, choices=[api.ChatChunkChoice(
+                        index=index, logprobs=logprobs,
+                        delta=api.DeltaMessage(content=delta.text or None),
+                        finish_reason=_finish_reason(delta.output)
+                        if delta.finish_reason is not None else None)]), **usage_field)
+        if include_usage:
+            yield _event(api.ChatCompletionChunk(id=request_id, model=self.model_name,
+                                                 choices=[], usage=_usage(last, req.n)))
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, entries: list[dict[int, Logprob]] | None,
+                       top: int) -> api.ChatLogprobs:
+        content = []
+        for entry in entries or []:
+            token_id, sampled = next(iter(entry.items()))  # the sampled token comes first
+            alternatives = sorted(entry.items(), key=lambda item: -item[1].logprob)[:top]
+            content.append(api.TokenLogprob(
+                token=sampled.decoded_token, logprob=sampled.logprob,
+                bytes=self._bytes(token_id),
+                top_logprobs=[api.TopLogprob(token=lp.decoded_token, logprob=lp.logprob,
+                                             bytes=self._bytes(tid))
+                              for tid, lp in alternatives]))
+        return api.ChatLogprobs(content=content)
+
+    def _bytes(self, token_id: int) -> list[int] | None:
+        data = self.tokenizer.token_bytes(token_id) if token_id < len(self.tokenizer) else None
+        return None if data is None else list(data)
+
+    # ---- running the engine requests ---------------------------------------------------------
+
+    async def _generate(self, jobs: list[tuple[list[int], SamplingParams]]
+                        ) -> list[RequestOutput]:
+        """Every job's finished output; the first failure cancels (aborts) the others."""
+        tasks = [asyncio.ensure_future(self.llm.generate({"prompt_token_ids": ids}, params))
+                 for ids, params in jobs]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException as error:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.metrics.aborted(sum(task.cancelled() for task in tasks))
+            raise _refused(error) from error
+        for output in outputs:
+            self.metrics.observe(output)
+        return outputs
+
+    async def _open_streams(self, jobs: list[tuple[list[int], SamplingParams]]
+                            ) -> list[_OpenStream]:
+        """Starts every job's stream and waits for its first update, so that a request the
+        engine refuses is an error before the response starts."""
+        streams = [_OpenStream(self.llm.stream_outputs({"prompt_token_ids": ids}, params),
+                               self.metrics) for ids, params in jobs]
+        try:
+            await asyncio.gather(*(stream.start() for stream in streams))
+        except BaseException as error:
+            await asyncio.gather(*(stream.close() for stream in streams), return_exceptions=True)
+            raise _refused(error) from error
+        return streams
+
+
+class _OpenStream:
+    """One choice's stream, its first update already taken."""
+
+    def __init__(self, updates: AsyncIterator[StreamDelta], metrics: ServerMetrics) -> None:
+        self.updates, self.metrics = updates, metrics
+        self.first: StreamDelta | None = None
+
+    async def start(self) -> None:
+        self.first = await anext(self.updates)
+
+    async def close(self) -> None:
+        await self.updates.aclose()
+
+    async def deltas(self) -> AsyncIterator[StreamDelta]:
+        delta = self.first
+        try:
+            while True:
+                yield delta
+                if delta.finish_reason is not None:
+                    self.metrics.observe(delta.output)
+                    return
+                delta = await anext(self.updates)
+        finally:
+            if delta.finish_reason is None:
+                self.metrics.aborted()
+            await self.close()
+
+
+async def _merge(streams: list[_OpenStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """The streams' deltas as they come, tagged with the stream's index; closing this closes
+    (aborts) every stream."""
+    if len(streams) == 1:
+        async for delta in streams[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: _OpenStream) -> None:
+        try:
+            async for delta in stream.deltas():
+                await queue.put((index, delta, None))
+        except Exception as error:
+            await queue.put((index, None, error))
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                running -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+
+
+def _structured_outputs(response_format: api.ResponseFormat | None
+                        ) -> StructuredOutputsParams | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.json_schema is None:
+        raise APIError(400, 'response_format {"type": "json_schema"} needs a "json_schema" '
+                            'with a "schema"', param="response_format")
+    return StructuredOutputsParams(json=response_format.json_schema.json_schema)
+
+
+def _refused(error: BaseException) -> BaseException:
+    """A ValueError of the engine (a constraint that does not compile, a request that failed
+    on its own logits) as a 400; anything else as it is."""
+    if not isinstance(error, ValueError):
+        return error
+    param = "response_format" if "structured output" in str(error) else None
+    return APIError(400, str(error), param=param)
+
+
+def _field_named(message: str) -> str | None:
+    """The field a SamplingParams error message starts with ("top_p must be ...")."""
+    first = message.split(" ", 1)[0]
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    return first if first in fields else None
+
+
+def _finish_reason(output: RequestOutput | None) -> str | None:
+    return None if output is None else output.outputs[0].finish_reason
+
+
+def _usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:
+    """Prompt tokens once per prompt (a prompt's n choices share it), output tokens of all."""
+    done = [o for o in outputs if o is not None]
+    prompt = sum(len(o.prompt_token_ids) for o in done[::n])
+    completion = sum(len(o.outputs[0].token_ids) for o in done)
+    return api.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
+
+
+def _event(chunk: api.CompletionChunk | api.ChatCompletionChunk, **extra: Any) -> str:
+    body = chunk.model_dump(exclude_none=True)
+    body.update(extra)
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

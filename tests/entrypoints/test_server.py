@@ -1,0 +1,502 @@
+"""``fastllm serve`` end to end: a real uvicorn server on 127.0.0.1 talked to with the real
+``openai`` client (completions and chat, streamed and not, stop strings, logprobs, seeds,
+structured output) and raw HTTP (malformed bodies and OpenAI's error shapes, the API key, the
+body and queue limits, disconnects). stories260K where the point is the mechanics, the real
+SmolLM2 where the point is real output."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai_server import running_server
+
+from fastllm import LLM, AsyncLLM, SamplingParams
+
+API_KEY = "sk-test"
+PROMPT = "Once upon a time"
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "happy": {"type": "boolean"}},
+          "required": ["name", "age", "happy"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def folder(model_path):
+    return model_path("stories260K_hf")
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    # Batch-invariant: a request's tokens do not depend on the batch it lands in, so texts
+    # can be compared across calls and with the reference exactly.
+    llm = AsyncLLM(folder, max_model_len=256, batch_invariant=True)
+    try:
+        with running_server(llm, "stories", api_key=API_KEY, max_body_bytes=64 << 10) as running:
+            yield running
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(folder) -> LLM:
+    return LLM(folder, max_model_len=256, batch_invariant=True)
+
+
+def post(server, path: str, body: object, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {API_KEY}", **kwargs.pop("headers", {})}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.base_url + path, content=body,
+                          headers={"Content-Type": "application/json", **headers}, **kwargs)
+    return httpx.post(server.base_url + path, json=body, headers=headers, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def finished(server) -> dict[str, float]:
+    """The server's count of finished requests by reason (its /metrics)."""
+    counts = {"length": 0.0, "stop": 0.0, "abort": 0.0}
+    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
+        if line.startswith("fastllm_request_success_total{"):
+            reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
+            counts[reason] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def wait_idle(llm: AsyncLLM, seconds: float = 5.0) -> None:
+    """Until no request holds a KV block (fails after ``seconds``)."""
+    engine = llm.client.engine
+    deadline = time.monotonic() + seconds
+    while engine.num_running or engine.num_waiting or engine.kv_usage:
+        assert time.monotonic() < deadline, (engine.num_running, engine.num_waiting,
+                                             engine.kv_usage)
+        time.sleep(0.005)
+
+
+# ---- completions -------------------------------------------------------------------------------
+
+def test_completion_is_the_engines_greedy_text(client, reference):
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["park"])
+    expected, = reference.generate(PROMPT, params, use_tqdm=False)
+    got = client.completions.create(model="stories", prompt=PROMPT, max_tokens=40,
+                                    temperature=0, stop="park")
+    choice, = got.choices
+    assert choice.text == expected.outputs[0].text
+    assert choice.finish_reason == expected.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert got.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_streamed_completion_joins_to_the_same_text_and_reports_usage(client):
+    kwargs = dict(model="stories", prompt=PROMPT, max_tokens=30, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in text_chunks)
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def test_stop_strings_end_the_text_and_are_never_sent(client):
+    free = client.completions.create(model="stories", prompt=PROMPT, max_tokens=40,
+                                     temperature=0).choices[0].text
+    stop = free.split()[4]  # a word the greedy text holds
+    for stream in (False, True):
+        got = client.completions.create(model="stories", prompt=PROMPT, max_tokens=40,
+                                        temperature=0, stop=[stop, "zzzz"], stream=stream)
+        text = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+        assert text == free[:free.index(stop)]
+
+
+def test_completion_logprobs(client, reference):
+    got = client.completions.create(model="stories", prompt=PROMPT, max_tokens=12,
+                                    temperature=0, logprobs=3)
+    logprobs = got.choices[0].logprobs
+    expected, = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12,
+                                                          logprobs=3), use_tqdm=False)
+    entries = expected.outputs[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(entries) == 12
+    for token_logprob, top, entry, token_id in zip(logprobs.token_logprobs,
+                                                    logprobs.top_logprobs, entries,
+                                                    expected.outputs[0].token_ids):
+        assert token_logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(token_logprob, abs=1e-5)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_seeded_sampling_is_reproducible_and_choice_i_takes_seed_plus_i(client):
+    kwargs = dict(model="stories", prompt=PROMPT, max_tokens=24, temperature=1.0, top_p=0.95)
+    first = client.completions.create(**kwargs, seed=7, n=3)
+    again = client.completions.create(**kwargs, seed=7, n=3)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    eighth = client.completions.create(**kwargs, seed=8)
+    assert eighth.choices[0].text == first.choices[1].text
+    streamed = client.completions.create(**kwargs, seed=7, n=3, stream=True)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in first.choices]
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(client, reference, server):
+    token = server.llm.client.tokenizer.encode(" dog", add_special_tokens=False)[-1]
+    got = client.completions.create(model="stories", prompt=PROMPT, max_tokens=8,
+                                    temperature=0, logit_bias={str(token): 100},
+                                    frequency_penalty=0.5)
+    expected, = reference.generate(PROMPT, SamplingParams(
+        temperature=0, max_tokens=8, logit_bias={token: 100}, frequency_penalty=0.5),
+        use_tqdm=False)
+    assert got.choices[0].text == expected.outputs[0].text
+
+
+def test_token_id_prompts_and_several_prompts(client, server):
+    ids = server.llm.client.tokenizer.encode(PROMPT)
+    by_text = client.completions.create(model="stories", prompt=PROMPT, max_tokens=10,
+                                        temperature=0)
+    by_ids = client.completions.create(model="stories", prompt=[ids, ids], max_tokens=10,
+                                       temperature=0)
+    assert [c.text for c in by_ids.choices] == [by_text.choices[0].text] * 2
+
+
+# ---- structured output -------------------------------------------------------------------------
+
+def test_json_schema_output_validates_batched_with_free_requests(client, reference):
+    """Constrained and unconstrained requests run in one batch: the constrained ones parse and
+    validate, the free ones get exactly their text alone."""
+    free_expected, = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40),
+                                        use_tqdm=False)
+
+    def constrained(seed: int) -> str:
+        return client.completions.create(
+            model="stories", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=seed,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                "name": "person", "schema": PERSON}}}).choices[0].text
+
+    def free(_: int) -> str:
+        return client.completions.create(model="stories", prompt=PROMPT, max_tokens=40,
+                                         temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(6) as pool:
+        jobs = [pool.submit(constrained, seed) for seed in range(3)]
+        jobs += [pool.submit(free, i) for i in range(3)]
+        texts = [job.result() for job in jobs]
+    for text in texts[:3]:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert texts[3:] == [free_expected.outputs[0].text] * 3
+
+
+def test_structured_outputs_in_sampling_params(reference):
+    from fastllm import StructuredOutputsParams
+
+    out, = reference.generate(PROMPT, SamplingParams(
+        temperature=0.8, seed=3, max_tokens=40,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), use_tqdm=False)
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+    out, = reference.generate(PROMPT, SamplingParams(
+        temperature=0, max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")), use_tqdm=False)
+    assert len(out.outputs[0].text) == 6 and out.outputs[0].text[3] == "-"
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="structured output"):
+        reference.generate(PROMPT, SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex="(unclosed")), use_tqdm=False)
+
+
+# ---- models, health, metrics -------------------------------------------------------------------
+
+def test_models_health_and_metrics(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["stories"]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    client.completions.create(model="stories", prompt=PROMPT, max_tokens=4)
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in ("fastllm_request_success_total", "fastllm_time_to_first_token_seconds_bucket",
+                 "fastllm_time_per_output_token_seconds_bucket", "fastllm_num_requests_running",
+                 "fastllm_num_requests_waiting", "fastllm_kv_cache_usage_perc",
+                 "fastllm_prefix_cache_hit_rate", "fastllm_generation_tokens_total"):
+        assert name in text, name
+
+
+# ---- bad requests ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ({"prompt": PROMPT, "temperature": 2.5}, "temperature"),
+    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "n": 0}, "n"),
+    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
+    ({"prompt": PROMPT, "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": PROMPT, "logit_bias": {"dog": 1}}, "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": PROMPT, "seed": -1}, "seed"),
+    ({"prompt": PROMPT, "max_tokens": 300}, "max_tokens"),
+    ({"prompt": "dog " * 300}, "prompt"),
+    ({"prompt": [[1, 99999]]}, "prompt"),
+    ({"prompt": PROMPT, "frobnicate": True}, "frobnicate"),
+    ({}, "prompt"),
+])
+def test_bad_completion_requests_name_the_field(server, body, param):
+    assert_error(post(server, "/v1/completions", body), 400, param)
+
+
+def test_error_shapes(server):
+    error = assert_error(post(server, "/v1/completions", b'{"prompt": "x",'), 400)
+    assert "JSON" in error["message"]
+    assert_error(post(server, "/v1/completions", b"[1, 2]"), 400)
+    error = assert_error(post(server, "/v1/completions", {"prompt": "x", "model": "gpt-4"}), 404,
+                         "model")
+    assert error["code"] == "model_not_found"
+    assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions",  # stories260K has no chat template
+                      {"messages": [{"role": "user", "content": "hi"}]}), 400, "messages")
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+        400, "response_format")
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema"}}), 400, "response_format")
+    assert_error(post(server, "/v1/rerank", {"query": "q", "documents": ["d"]}), 400, "model")
+    assert_error(httpx.get(server.base_url + "/v1/nothing-here",
+                           headers={"Authorization": f"Bearer {API_KEY}"}), 404)
+
+
+def test_the_api_key_and_the_body_limit(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(server.v1 + "/completions", json={"prompt": "x"}, headers=headers)
+        assert_error(response, 401)["code"] == "invalid_api_key"
+    assert httpx.get(server.base_url + "/health").status_code == 200  # no key needed
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
+    assert_error(post(server, "/v1/completions", {"prompt": "x" * (70 << 10)}), 413)
+
+
+def test_a_full_queue_answers_503(folder):
+    llm = AsyncLLM(folder, max_model_len=256, max_num_seqs=1)
+    try:
+        with running_server(llm, "stories", max_waiting_requests=1) as running:
+            body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+            with httpx.Client(timeout=30) as http, \
+                    http.stream("POST", running.v1 + "/completions",
+                                json={**body, "stream": True}) as first:
+                lines = first.iter_lines()
+                next(lines)  # running: it holds the one sequence slot
+                with ThreadPoolExecutor(1) as pool:
+                    queued = pool.submit(httpx.post, running.v1 + "/completions", json=body,
+                                         timeout=30)
+                    while llm.client.engine.num_waiting < 1:
+                        time.sleep(0.002)
+                    response = httpx.post(running.v1 + "/completions", json=body)
+                    assert_error(response, 503)["code"] == "queue_full"
+                    assert response.headers["retry-after"] == "1"
+                    assert queued.result().status_code == 200
+            wait_idle(llm)
+    finally:
+        llm.shutdown()
+
+
+# ---- disconnects -------------------------------------------------------------------------------
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    llm = server.llm
+    body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True, "n": 4}
+    before = finished(server)
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.v1 + "/completions", json=body,
+                         headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+            lines = response.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert llm.client.engine.num_running == 4 and llm.client.engine.kv_usage > 0
+    wait_idle(llm, seconds=2)
+    assert finished(server)["abort"] - before["abort"] == 4
+
+
+def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
+    llm = server.llm
+    # 16 x 240 tokens take about a second here (more on a loaded machine).
+    body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "n": 16}
+    computed = llm.client.engine.stats.scheduled_tokens
+    before = finished(server)
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.3))
+    wait_idle(llm, seconds=2)
+    assert llm.client.engine.stats.scheduled_tokens - computed < 16 * 240
+    assert finished(server)["abort"] - before["abort"] == 16
+
+
+# ---- chat with the real SmolLM2 ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path, smollm2_llm):
+    # The session's tokenizer (reading it takes seconds); batch-invariant, so that a seeded
+    # choice gets the same tokens whatever the batch it lands in.
+    llm = AsyncLLM(smollm2_path, tokenizer=smollm2_llm.tokenizer, max_model_len=1024,
+                   kv_cache_memory=64 << 20, batch_invariant=True)
+    try:
+        with running_server(llm, "smollm2") as running:
+            yield running
+    finally:
+        llm.shutdown()
+
+
+def test_chat_answers_streamed_and_not(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    got = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
+                                         max_completion_tokens=24, logprobs=True,
+                                         top_logprobs=2)
+    choice = got.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    content = choice.logprobs.content
+    assert "".join(entry.token for entry in content).startswith(choice.message.content)
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in content)
+    assert bytes(content[0].bytes).decode() == content[0].token
+    chunks = list(client.chat.completions.create(model="smollm2", messages=messages,
+                                                 temperature=0, max_tokens=24, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_json_schema_output_parses_and_validates(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
+    got = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    person = json.loads(got.choices[0].message.content)
+    jsonschema.validate(person, PERSON)
+    got = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=60, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Return a JSON object with the keys "city" and '
+                                              '"country" for the capital of France.'}])
+    answer = json.loads(got.choices[0].message.content)
+    assert answer["city"] == "Paris"
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def test_fastllm_serve_command_binds_localhost(folder):
+    with socket.socket() as sock:  # a free port, given back for the server to take
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fastllm", "serve", str(folder), "--port", str(port),
+         "--served-model-name", "tiny", "--max-model-len", "128"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert process.poll() is None, process.stdout.read()
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                         json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5}).json()
+        assert got["model"] == "tiny" and got["usage"]["completion_tokens"] == 5
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+def test_64_streaming_clients_a_quarter_disconnecting(server, client):
+    """64 concurrent streams: 16 disconnect at random points of long generations, the other 48
+    get exactly the text of the same request non-streamed; afterwards no KV block is held and
+    exactly the 48 finished."""
+    import asyncio
+    import random
+
+    llm = server.llm
+    starts = ["Once upon a time", "The dog", "Lily and Ben", "One day, a little bird",
+              "Tom had a red ball", "The sun was", "Mom said", "There was a big tree"]
+    rng = random.Random(0)
+    quitters = set(rng.sample(range(64), 16))
+
+    def request(i: int) -> dict:
+        long = i in quitters  # long enough that it cannot finish before its client leaves
+        return dict(model="stories", prompt=starts[i % 8], temperature=0.8, seed=i,
+                    max_tokens=200 if long else 16, extra_body={"ignore_eos": long})
+
+    expected = {i: client.completions.create(**request(i)).choices[0].text
+                for i in range(64) if i not in quitters}
+
+    before = finished(server)
+
+    async def one(http: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await http.completions.create(**request(i), stream=True)
+        text, chunks = "", 0
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            chunks += 1
+            if i in quitters and chunks == 1 + i % 5:
+                await stream.close()  # the client goes away mid-stream
+                return None
+        return text
+
+    async def all_clients() -> list[str | None]:
+        async with openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY,
+                                      max_retries=0) as http:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(http, i) for i in range(64))), timeout=60)
+
+    texts = asyncio.run(all_clients())
+    assert {i: texts[i] for i in expected} == expected
+    wait_idle(llm, seconds=5)
+    assert llm.client.kv_cache.block_manager.usage == 0
+    after = finished(server)
+    # A quitter is aborted or, when the server outran its client, finished first.
+    assert after["length"] - before["length"] >= 48
+    assert (after["length"] + after["abort"]) - (before["length"] + before["abort"]) == 64
+
+
+def test_chat_choices_stream_interleaved_with_usage(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Name a color."}],
+                  temperature=0.8, seed=11, n=2, max_tokens=12)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    texts, reasons = ["", ""], [None, None]
+    for chunk in chunks[:-1]:
+        choice, = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.prompt_tokens == len(smollm2_server.llm.client.tokenizer.apply_chat_template(
+        kwargs["messages"], add_generation_prompt=True, tokenize=True))

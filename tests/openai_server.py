@@ -1,0 +1,49 @@
+"""A real ``fastllm serve`` server for tests: uvicorn on 127.0.0.1, on a free port, in a thread
+of the test process (so a test can look at the engine behind it), shut down cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fastllm import AsyncLLM
+from fastllm.entrypoints.openai.api_server import ServerConfig, bind, build_server
+
+
+@dataclass
+class RunningServer:
+    llm: AsyncLLM
+    base_url: str  # http://127.0.0.1:PORT
+    model: str
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+
+@contextlib.contextmanager
+def running_server(llm: AsyncLLM, model: str = "test-model",
+                   **config: object) -> Iterator[RunningServer]:
+    """Serves ``llm`` until the block ends (the AsyncLLM is the caller's to shut down)."""
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = build_server(llm, ServerConfig(port=port, **config), model)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield RunningServer(llm, f"http://127.0.0.1:{port}", model)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the test server did not stop")
