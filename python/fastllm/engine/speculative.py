@@ -1,0 +1,302 @@
+"""Speculative decoding: cheap drafts of a request's next tokens, checked by the model in one step.
+
+A proposer guesses up to k next tokens of a decoding request: :class:`NgramProposer` looks the
+request's last n tokens up earlier in its own tokens (prompt lookup, as vLLM's ``ngram``
+method) and proposes what followed them; :class:`DraftModelProposer` runs a small model that
+shares the tokenizer. The scheduler appends the drafts to the request's sequence and schedules
+``[last token, d_1 .. d_k]`` as one short prefill chunk through paged attention; the model
+runner gives logits at each of its k + 1 rows.
+
+Verification (:func:`accepted_length`): every row is sampled exactly as a plain decode step
+samples that position (same penalties, same seeded random stream keyed by the request's seed
+and output position), and the drafts are kept while they equal those samples; the first sample
+that differs, or the one after the last draft, is the step's own token. A request's tokens are
+therefore the ones it gets without speculation, greedy or sampled, whatever was drafted. For a
+draft that is a token rather than a distribution (n-gram, or a draft model's own seeded draw)
+this is Leviathan et al.'s rejection sampling: draft d is kept with probability p(d), and a
+rejected position's token follows p restricted to the other tokens, the normalized residual
+max(0, p - q) for a one-hot q. The draft model draws its drafts with the same seeded stream at
+the same positions (a Gumbel-max coupling of its distribution with the target's), so on
+sampled requests it is accepted where both draws agree: with probability at least
+(1 - TV) / (1 + TV) for the two distributions' total variation distance TV, a little under
+rejection sampling's 1 - TV, in exchange for output that never depends on the drafts.
+
+The KV of rejected drafts is dropped from the block manager (:meth:`BlockManager.truncate`)
+before it is ever marked computed, so no block holding it enters the prefix cache.
+
+Speculation turns itself down per request (:class:`DraftLength`): the draft length grows while
+drafts are accepted and shrinks to what was accepted when one is rejected; after rejections in
+a row the request stops drafting for a while, longer each time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastllm.engine.request import Request
+from fastllm.engine.scheduler import run_step
+from fastllm.kv_cache import KVCacheFullError, PagedKVCache
+from fastllm.models import DecoderLM
+from fastllm.ops.host_to_device import device_tensor
+from fastllm.sampling import SamplingTensors, draw
+
+__all__ = ["DraftLength", "DraftModelProposer", "NgramProposer", "SpeculativeConfig",
+           "accepted_length"]
+
+_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """How an engine speculates (``LLM(..., speculative={...})`` takes these keys).
+
+    Attributes:
+        method: "ngram" (prompt lookup in the request's own tokens) or "draft" (a small model).
+        num_speculative_tokens: the most tokens drafted for a request per step (k).
+        prompt_lookup_max, prompt_lookup_min: "ngram": the longest and shortest suffix of the
+            request's tokens looked up in its earlier tokens; the longest match wins.
+        model: "draft": the draft model, a path :func:`fastllm.load` reads (a Hugging Face
+            folder or a GGUF file) with the target's tokenizer (same vocabulary).
+        draft_dtype: "draft": the draft model's activation dtype; None = the target's.
+        adaptive: shrink and pause drafting for requests whose drafts are rejected
+            (:class:`DraftLength`); False drafts k tokens whenever the proposer has them.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | os.PathLike | None = None
+    draft_dtype: str | torch.dtype | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in _METHODS:
+            raise ValueError(f"speculative method must be one of {_METHODS}, got "
+                             f"{self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative 'model' is the draft method's draft model: give it "
+                             f"with method='draft' (and only then), got method={self.method!r}, "
+                             f"model={self.model!r}")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None
+           ) -> SpeculativeConfig | None:
+        """A config from ``LLM``'s ``speculative`` argument (a dict of these fields)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"speculative must be None, a dict or a SpeculativeConfig, got "
+                            f"{type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass
+class DraftLength:
+    """A request's adaptive draft length: ``k`` drafts next step (0 while paused).
+
+    All drafts accepted: one more next time (up to the configured k). A rejection: as many as
+    were accepted, at least one. ``_MISSES`` verifications in a row that accept nothing pause
+    drafting for ``pause`` steps, doubled at each pause (up to ``_MAX_PAUSE``) and reset by an
+    accepted draft, so a request whose text does not repeat costs almost nothing.
+    """
+
+    limit: int
+    adaptive: bool = True
+    k: int = field(init=False)
+    misses: int = 0
+    pause: int = 0
+    paused_for: int = 0
+
+    _MISSES = 2
+    _FIRST_PAUSE = 4
+    _MAX_PAUSE = 64
+
+    def __post_init__(self) -> None:
+        self.k = self.limit
+
+    def next_k(self) -> int:
+        """Drafts wanted this step (counts a paused step down)."""
+        if self.paused_for > 0:
+            self.paused_for -= 1
+            return 0
+        return self.k
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if not self.adaptive or num_drafted == 0:
+            return
+        if num_accepted == num_drafted:
+            self.k = min(self.limit, self.k + 1)
+        else:
+            self.k = max(1, num_accepted)
+        if num_accepted > 0:
+            self.misses, self.pause = 0, 0
+            return
+        self.misses += 1
+        if self.misses >= self._MISSES:
+            self.pause = min(self._MAX_PAUSE, max(self._FIRST_PAUSE, 2 * self.pause))
+            self.paused_for, self.misses = self.pause, 0
+
+
+def accepted_length(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many leading drafts equal the tokens sampled at their positions: ``sampled[i]`` is
+    the token drawn at the row before ``drafts[i]`` (``len(sampled) == len(drafts) + 1``)."""
+    accepted = 0
+    for draft, token in zip(drafts, sampled):
+        if draft != token:
+            break
+        accepted += 1
+    return accepted
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's
+    last n tokens, for the longest n in ``[prompt_lookup_min, prompt_lookup_max]`` that
+    occurs."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to ``lengths[i]`` drafts for each request (possibly none)."""
+        return [self._lookup(request.all_token_ids, k) if k > 0 else []
+                for request, k in zip(requests, lengths)]
+
+    def release(self, request: Request) -> None:
+        """Nothing to drop: the n-gram method keeps no state per request."""
+
+    def _lookup(self, token_ids: list[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        total = len(tokens)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n:]
+            # Windows starting at 0 .. total - n - 1: every earlier occurrence, not the suffix.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the latest occurrence: the nearest context
+                return tokens[start:start + k].tolist()
+        return []
+
+
+class DraftModelProposer:
+    """Drafts with a small model in a paged KV cache of its own (its own block manager, owned
+    here: the scheduler never sees it; no prefix caching, so dropping drafted tokens' KV never
+    touches a cached block). Each step it computes the request's tokens it lacks, then draws
+    k tokens one step at a time with the request's sampling parameters and seeded stream at
+    those positions (penalties aside: drafts need not be exact to keep the output exact)."""
+
+    def __init__(self, model: DecoderLM, device: torch.device, num_blocks: int,
+                 block_size: int, max_model_len: int) -> None:
+        self.model = model
+        spec = model.kv_cache_spec(block_size, model.dtype)
+        self.kv_cache = PagedKVCache(spec, num_blocks, device=device,
+                                     enable_prefix_caching=False)
+        model.reserve_positions(max_model_len)
+        self.vocab_size = model.config.vocab_size
+        self._seq_ids: dict[Request, int] = {}
+        self._held: dict[Request, list[int]] = {}  # the tokens each draft sequence holds
+        self._next_id = itertools.count()
+
+    def release(self, request: Request) -> None:
+        """Drops the request's draft KV (it finished or failed)."""
+        seq_id = self._seq_ids.pop(request, None)
+        self._held.pop(request, None)
+        if seq_id is not None:
+            self.kv_cache.block_manager.free(seq_id)
+
+    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to ``lengths[i]`` drafts for each request (none where the draft KV pool is
+        full)."""
+        manager = self.kv_cache.block_manager
+        drafts: list[list[int]] = [[] for _ in requests]
+        active: list[int] = []  # indices into requests still drafting
+        new_tokens: list[list[int]] = []
+        for i, (request, k) in enumerate(zip(requests, lengths)):
+            if k <= 0:
+                continue
+            tokens = request.all_token_ids
+            try:
+                computed = self._place(request, tokens)
+            except KVCacheFullError:
+                self.release(request)
+                continue
+            active.append(i)
+            new_tokens.append(tokens[computed:])
+        step = 0
+        while active:
+            picked = [requests[i] for i in active]
+            seq_ids = [self._seq_ids[r] for r in picked]
+            logits = run_step(self.model, self.kv_cache, seq_ids, new_tokens)  # [n, vocab]
+            tensors = dataclasses.replace(
+                SamplingTensors.from_params([r.params for r in picked], self.vocab_size,
+                                            logits.device, seeds=[r.seed for r in picked]),
+                wants_logprobs=False)
+            # The seeded stream at the positions the target samples them: a coupled draw.
+            offsets = device_tensor([len(r.output_token_ids) + step for r in picked],
+                                    torch.int64, logits.device)
+            tokens = draw(logits, tensors, offsets).tokens.tolist()
+            still, new_tokens = [], []
+            for i, request, seq_id, token in zip(active, picked, seq_ids, tokens):
+                drafts[i].append(token)
+                if len(drafts[i]) == lengths[i]:
+                    continue
+                try:
+                    manager.append_tokens(seq_id, [token])
+                except KVCacheFullError:
+                    continue
+                self._held[request].append(token)
+                still.append(i)
+                new_tokens.append([token])
+            active = still
+            step += 1
+        return drafts
+
+    def _place(self, request: Request, tokens: list[int]) -> int:
+        """Makes the request's draft sequence hold ``tokens``, keeping the KV of the leading
+        tokens it already computed (its earlier drafts that were accepted); returns how many
+        are computed."""
+        manager = self.kv_cache.block_manager
+        seq_id = self._seq_ids.get(request)
+        if seq_id is None:
+            seq_id = next(self._next_id)
+            manager.allocate(seq_id, tokens)
+            self._seq_ids[request], self._held[request] = seq_id, list(tokens)
+            return 0
+        held = self._held[request]
+        agree = min(_common_prefix(held, tokens), len(tokens) - 1)  # one left to give logits
+        manager.truncate(seq_id, agree)
+        self._held[request] = held[:agree]
+        manager.append_tokens(seq_id, tokens[agree:])
+        self._held[request] = list(tokens)
+        return agree
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
