@@ -180,6 +180,9 @@ class Engine:
             if self.device.type == "cuda" and not config.enforce_eager else None)
         self.runner = ModelRunner(model, kv_cache, decode_graphs)
         self.proposer = self._make_proposer(config.speculative)
+        # Measured times (decayed means): a decode step's, and a draft step's of the proposer.
+        self._decode_step_s: float | None = None
+        self._draft_step_s = 0.0
         self._failed: list[Request] = []  # the requests the current step failed
 
     def _make_proposer(self, config: SpeculativeConfig | None
@@ -267,6 +270,9 @@ class Engine:
         if sampled is not None:
             self._append_tokens(sampling, sampled)
             if self.proposer is not None:
+                if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in batch.sequences):
+                    self._decode_step_s = _decayed_mean(self._decode_step_s,
+                                                        time.perf_counter() - started)
                 self._propose([request for request, _ in sampling])
         counters = self.scheduler.prefix_cache_counters()
         self.stats.prefix_cache_hits = counters["hits"]
@@ -320,7 +326,7 @@ class Engine:
             # Room for the drafts and the verification step's own token.
             room = min(request.params.max_tokens - len(request.output_token_ids),
                        self.max_model_len - request.num_tokens) - 1
-            k = min(request.draft_length.next_k(), room)
+            k = min(request.draft_length.next_k(self._draft_cost()), room)
             if k > 0:
                 going.append(request)
                 lengths.append(k)
@@ -329,7 +335,16 @@ class Engine:
                 drafts = self.proposer.propose(going, lengths)
             for request, tokens in zip(going, drafts):
                 request.draft_token_ids = tokens
+            self._draft_step_s = _decayed_mean(
+                self._draft_step_s, (time.perf_counter() - started) / max(lengths))
         self.stats.propose_s += time.perf_counter() - started
+
+    def _draft_cost(self) -> float:
+        """A drafted token's cost in decode steps, as measured so far (0 before a
+        measurement: the first drafts are free to try)."""
+        if not self._decode_step_s:
+            return 0.0
+        return self._draft_step_s / self._decode_step_s
 
     def _sample(self, logits: torch.Tensor,
                 sampling: list[tuple[Request, ScheduledSequence]]
@@ -466,6 +481,11 @@ class Engine:
                 entry[token_id] = Logprob(logprob, ranks[token_id],
                                           decode([token_id], skip_special_tokens=False))
         return entry
+
+
+def _decayed_mean(mean: float | None, sample: float, decay: float = 0.9) -> float:
+    """A running mean in which recent samples count most (the first sample, alone)."""
+    return sample if mean is None else decay * mean + (1 - decay) * sample
 
 
 def _request_error(what: str, error: Exception) -> Exception:

@@ -24,9 +24,9 @@ rejection sampling's 1 - TV, in exchange for output that never depends on the dr
 The KV of rejected drafts is dropped from the block manager (:meth:`BlockManager.truncate`)
 before it is ever marked computed, so no block holding it enters the prefix cache.
 
-Speculation turns itself down per request (:class:`DraftLength`): the draft length grows while
-drafts are accepted and shrinks to what was accepted when one is rejected; after rejections in
-a row the request stops drafting for a while, longer each time.
+Speculation turns itself down per request (:class:`DraftLength`): each request drafts the
+number of tokens that pays best for its recent acceptance and the measured cost of drafting,
+and stops drafting for a while, longer each time, when none pays or its drafts keep failing.
 """
 
 from __future__ import annotations
@@ -114,49 +114,79 @@ class SpeculativeConfig:
 
 @dataclass
 class DraftLength:
-    """A request's adaptive draft length: ``k`` drafts next step (0 while paused).
+    """A request's adaptive draft length: how many tokens to draft for its next step.
 
-    All drafts accepted: one more next time (up to the configured k). A rejection: as many as
-    were accepted, at least one. ``_MISSES`` verifications in a row that accept nothing pause
-    drafting for ``pause`` steps, doubled at each pause (up to ``_MAX_PAUSE``) and reset by an
-    accepted draft, so a request whose text does not repeat costs almost nothing.
+    It estimates the request's acceptance probability per drafted token (alpha: accepted
+    drafts over accepted drafts plus rejections, decayed so that recent steps count most,
+    starting from an optimistic prior) and drafts the k in ``[0, limit]`` that maximizes the
+    expected tokens per step over the step's cost: ``(1 + alpha + ... + alpha^k) /
+    (1 + k * cost)``, where ``cost`` is a drafted token's cost in target steps (drafting it,
+    plus ``ROW_COST`` for its verification row). When no k pays, or after ``MISSES``
+    verifications in a row that accept nothing, drafting pauses for ``pause`` steps, doubled at
+    each pause (up to ``MAX_PAUSE``) and reset by an accepted draft; then it probes with one
+    draft. So a request whose text does not repeat costs almost nothing.
+
+    ``adaptive=False``: always ``limit``.
     """
 
     limit: int
     adaptive: bool = True
-    k: int = field(init=False)
+    accepted: float = 3.0  # decayed counts; the prior: alpha = 0.75
+    rejected: float = 1.0
     misses: int = 0
     pause: int = 0
     paused_for: int = 0
+    probing: bool = False
 
-    _MISSES = 2
-    _FIRST_PAUSE = 4
-    _MAX_PAUSE = 64
+    ROW_COST = 0.05  # a verification row against a decode step (weight-bound: a few percent)
+    DECAY = 0.8
+    MISSES = 2
+    FIRST_PAUSE = 4
+    MAX_PAUSE = 64
 
-    def __post_init__(self) -> None:
-        self.k = self.limit
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
 
-    def next_k(self) -> int:
-        """Drafts wanted this step (counts a paused step down)."""
+    def next_k(self, draft_cost: float = 0.0) -> int:
+        """Drafts wanted this step, ``draft_cost`` being a drafted token's cost in target steps
+        (counts a paused step down)."""
+        if not self.adaptive:
+            return self.limit
         if self.paused_for > 0:
             self.paused_for -= 1
+            if self.paused_for == 0:
+                self.probing = True
             return 0
-        return self.k
+        if self.probing:
+            return 1
+        cost = draft_cost + self.ROW_COST
+        best_k, best, tokens = 0, 1.0, 1.0
+        for k in range(1, self.limit + 1):
+            tokens += self.alpha ** k
+            if tokens / (1 + k * cost) > best:
+                best_k, best = k, tokens / (1 + k * cost)
+        if best_k == 0:
+            self._pause()
+        return best_k
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Learns from a verification of ``num_drafted`` drafts."""
         if not self.adaptive or num_drafted == 0:
             return
-        if num_accepted == num_drafted:
-            self.k = min(self.limit, self.k + 1)
-        else:
-            self.k = max(1, num_accepted)
+        self.probing = False
+        self.accepted = self.DECAY * self.accepted + num_accepted
+        self.rejected = self.DECAY * self.rejected + (num_accepted < num_drafted)
         if num_accepted > 0:
             self.misses, self.pause = 0, 0
             return
         self.misses += 1
-        if self.misses >= self._MISSES:
-            self.pause = min(self._MAX_PAUSE, max(self._FIRST_PAUSE, 2 * self.pause))
-            self.paused_for, self.misses = self.pause, 0
+        if self.misses >= self.MISSES:
+            self._pause()
+
+    def _pause(self) -> None:
+        self.pause = min(self.MAX_PAUSE, max(self.FIRST_PAUSE, 2 * self.pause))
+        self.paused_for, self.misses = self.pause, 0
 
 
 def accepted_length(drafts: Sequence[int], sampled: Sequence[int]) -> int:
