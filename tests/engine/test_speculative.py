@@ -13,7 +13,7 @@ import torch
 from conftest import prefill_logits
 from fastllm import LLM, SamplingParams
 from fastllm.engine import Engine, EngineConfig
-from fastllm.engine.speculative import DraftLength, NgramProposer, SpeculativeConfig
+from fastllm.engine.speculative import DraftLength, NgramProposer, SpeculativeConfig, StepCosts
 from fastllm.kv_cache import BlockManager, PagedKVCache
 
 STORY = ("Once upon a time, there was a little girl named Lily. She liked to play outside. "
@@ -236,26 +236,44 @@ def test_ngram_lookup():
 
 
 def test_draft_length_turns_down_and_pauses():
+    cheap = [1.0, 1.05, 1.1, 1.15, 1.2]  # a step's seconds with k = 0 .. 4 drafts
     length = DraftLength(limit=4)
-    assert length.next_k() == 4  # free drafts, optimistic prior
-    assert length.next_k(draft_cost=0.5) < 4  # costly drafts: fewer
-    for _ in range(6):
-        length.update(4, 4)
-    assert length.next_k(draft_cost=0.3) == 4  # ... unless nearly all are accepted
-    length.update(4, 0)
-    length.update(4, 0)  # two misses in a row: a pause, then a probe of one draft
-    assert [length.next_k() for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert length.next_k(None) == 0  # no plain step measured yet: nothing to compare with
+    assert length.next_k(cheap) == 4  # cheap drafts, optimistic prior
+    medium = [1.0, 1.3, 1.6, 1.9, 2.2]
+    assert length.next_k(medium) in (2, 3)
+    for _ in range(3):
+        length.update(4, 1)
+    assert length.next_k(medium) == 1  # a lower acceptance: fewer
+    length.update(2, 0)
+    length.update(1, 0)  # two misses in a row: a pause, then a probe of one draft
+    assert [length.next_k(cheap) for _ in range(5)] == [0, 0, 0, 0, 1]
     length.update(1, 0)
-    k = length.next_k()
+    k = length.next_k(cheap)
     assert k >= 1
     length.update(k, 0)  # a second miss: the next pause is twice as long
-    assert [length.next_k() for _ in range(9)] == [0] * 8 + [1]
+    assert [length.next_k(cheap) for _ in range(9)] == [0] * 8 + [1]
     length.update(1, 1)  # accepted: back to choosing by the estimate
-    assert length.pause == 0 and length.next_k() >= 1
+    assert length.pause == 0 and length.next_k(cheap) >= 1
+    # Drafting that costs about a step per token never pays: it pauses.
+    costly = [1.0, 1.9, 2.8, 3.7, 4.6]
+    fresh = DraftLength(limit=4)
+    assert [fresh.next_k(costly) for _ in range(5)] == [0, 0, 0, 0, 0]
+    assert fresh.next_k(costly) == 1  # the probe
     fixed = DraftLength(limit=3, adaptive=False)
     fixed.update(3, 0)
     fixed.update(3, 0)
-    assert fixed.next_k(draft_cost=5.0) == 3
+    assert fixed.next_k(None) == fixed.next_k(costly) == 3
+
+
+def test_step_costs_estimate_what_was_not_measured():
+    costs = StepCosts(limit=3)
+    assert costs.step_s() is None
+    costs.record_step(0, 1.0)
+    assert costs.step_s() == pytest.approx([1.0, 1.1, 1.2, 1.3])
+    costs.record_step(3, 2.0)
+    costs.record_drafting(3, 0.6)  # 0.2 s a drafted token
+    assert costs.step_s() == pytest.approx([1.0, 1.1 + 0.2, 1.2 + 0.4, 2.0 + 0.6])
 
 
 def test_low_acceptance_turns_speculation_off(model_path):

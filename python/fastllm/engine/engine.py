@@ -31,7 +31,7 @@ from fastllm.engine.outputs import Logprob, spec_acceptance_rate, spec_mean_acce
 from fastllm.engine.request import Request
 from fastllm.engine.scheduler import Scheduler, SchedulerConfig
 from fastllm.engine.speculative import (DraftLength, DraftModelProposer, NgramProposer,
-                                        SpeculativeConfig, accepted_length)
+                                        SpeculativeConfig, StepCosts, accepted_length)
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.models.pool import load, resolve_dtype
@@ -180,9 +180,8 @@ class Engine:
             if self.device.type == "cuda" and not config.enforce_eager else None)
         self.runner = ModelRunner(model, kv_cache, decode_graphs)
         self.proposer = self._make_proposer(config.speculative)
-        # Measured times (decayed means): a decode step's, and a draft step's of the proposer.
-        self._decode_step_s: float | None = None
-        self._draft_step_s = 0.0
+        self._step_costs = (None if config.speculative is None
+                            else StepCosts(config.speculative.num_speculative_tokens))
         self._failed: list[Request] = []  # the requests the current step failed
 
     def _make_proposer(self, config: SpeculativeConfig | None
@@ -271,8 +270,9 @@ class Engine:
             self._append_tokens(sampling, sampled)
             if self.proposer is not None:
                 if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in batch.sequences):
-                    self._decode_step_s = _decayed_mean(self._decode_step_s,
-                                                        time.perf_counter() - started)
+                    self._step_costs.record_step(
+                        max(s.num_draft_tokens for s in batch.sequences),
+                        time.perf_counter() - started)
                 self._propose([request for request, _ in sampling])
         counters = self.scheduler.prefix_cache_counters()
         self.stats.prefix_cache_hits = counters["hits"]
@@ -316,6 +316,7 @@ class Engine:
         each one's adaptive draft length allows and its limits leave room for."""
         started = time.perf_counter()
         config = self.config.speculative
+        step_s = self._step_costs.step_s()
         going, lengths = [], []
         for request in requests:
             if request.finished or request.seq_id is None:
@@ -326,25 +327,23 @@ class Engine:
             # Room for the drafts and the verification step's own token.
             room = min(request.params.max_tokens - len(request.output_token_ids),
                        self.max_model_len - request.num_tokens) - 1
-            k = min(request.draft_length.next_k(self._draft_cost()), room)
+            k = min(request.draft_length.next_k(step_s), room)
             if k > 0:
                 going.append(request)
                 lengths.append(k)
         if going:
-            with torch.inference_mode():
-                drafts = self.proposer.propose(going, lengths)
+            try:
+                with torch.inference_mode():
+                    drafts = self.proposer.propose(going, lengths)
+            except Exception as error:  # drafts are an optimization: no request fails for one
+                logger.warning("speculative drafting failed, this step goes without: %s", error)
+                for request in going:
+                    self.proposer.release(request)
+                return
             for request, tokens in zip(going, drafts):
                 request.draft_token_ids = tokens
-            self._draft_step_s = _decayed_mean(
-                self._draft_step_s, (time.perf_counter() - started) / max(lengths))
+            self._step_costs.record_drafting(max(lengths), time.perf_counter() - started)
         self.stats.propose_s += time.perf_counter() - started
-
-    def _draft_cost(self) -> float:
-        """A drafted token's cost in decode steps, as measured so far (0 before a
-        measurement: the first drafts are free to try)."""
-        if not self._decode_step_s:
-            return 0.0
-        return self._draft_step_s / self._decode_step_s
 
     def _sample(self, logits: torch.Tensor,
                 sampling: list[tuple[Request, ScheduledSequence]]
@@ -481,11 +480,6 @@ class Engine:
                 entry[token_id] = Logprob(logprob, ranks[token_id],
                                           decode([token_id], skip_special_tokens=False))
         return entry
-
-
-def _decayed_mean(mean: float | None, sample: float, decay: float = 0.9) -> float:
-    """A running mean in which recent samples count most (the first sample, alone)."""
-    return sample if mean is None else decay * mean + (1 - decay) * sample
 
 
 def _request_error(what: str, error: Exception) -> Exception:

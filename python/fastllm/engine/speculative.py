@@ -25,8 +25,10 @@ The KV of rejected drafts is dropped from the block manager (:meth:`BlockManager
 before it is ever marked computed, so no block holding it enters the prefix cache.
 
 Speculation turns itself down per request (:class:`DraftLength`): each request drafts the
-number of tokens that pays best for its recent acceptance and the measured cost of drafting,
-and stops drafting for a while, longer each time, when none pays or its drafts keep failing.
+number of tokens that pays best for its recent acceptance and the engine's measured cost of
+steps that draft and verify that many (:class:`StepCosts`: a verification row costs a few
+percent of a decode step on float weights, tens of percent on quantized ones), and stops
+drafting for a while, longer each time, when none pays or its drafts keep failing.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from fastllm.ops.host_to_device import device_tensor
 from fastllm.sampling import SamplingTensors, draw
 
 __all__ = ["DraftLength", "DraftModelProposer", "NgramProposer", "SpeculativeConfig",
-           "accepted_length"]
+           "StepCosts", "accepted_length"]
 
 _METHODS = ("ngram", "draft")
 
@@ -119,12 +121,13 @@ class DraftLength:
     It estimates the request's acceptance probability per drafted token (alpha: accepted
     drafts over accepted drafts plus rejections, decayed so that recent steps count most,
     starting from an optimistic prior) and drafts the k in ``[0, limit]`` that maximizes the
-    expected tokens per step over the step's cost: ``(1 + alpha + ... + alpha^k) /
-    (1 + k * cost)``, where ``cost`` is a drafted token's cost in target steps (drafting it,
-    plus ``ROW_COST`` for its verification row). When no k pays, or after ``MISSES``
-    verifications in a row that accept nothing, drafting pauses for ``pause`` steps, doubled at
-    each pause (up to ``MAX_PAUSE``) and reset by an accepted draft; then it probes with one
-    draft. So a request whose text does not repeat costs almost nothing.
+    expected tokens per second, ``(1 + alpha + ... + alpha^k) / step_s[k]``, with ``step_s[k]``
+    what a step drafting and verifying k tokens costs as the engine measured it
+    (:class:`StepCosts`). When no k > 0 pays, or after ``MISSES`` verifications in a row that
+    accept nothing, drafting pauses for ``pause`` steps, doubled at each pause (up to
+    ``MAX_PAUSE``) and reset by an accepted draft; then it probes with one draft. So a request
+    whose text does not repeat, or an engine where drafting costs more than it gives, runs
+    almost as without speculation.
 
     ``adaptive=False``: always ``limit``.
     """
@@ -138,7 +141,6 @@ class DraftLength:
     paused_for: int = 0
     probing: bool = False
 
-    ROW_COST = 0.05  # a verification row against a decode step (weight-bound: a few percent)
     DECAY = 0.8
     MISSES = 2
     FIRST_PAUSE = 4
@@ -148,11 +150,14 @@ class DraftLength:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def next_k(self, draft_cost: float = 0.0) -> int:
-        """Drafts wanted this step, ``draft_cost`` being a drafted token's cost in target steps
-        (counts a paused step down)."""
+    def next_k(self, step_s: Sequence[float] | None = None) -> int:
+        """Drafts wanted this step; ``step_s[k]`` is a step's cost with k drafts (k = 0 ..
+        limit), None when the engine has not measured a plain step yet (then none). Counts a
+        paused step down."""
         if not self.adaptive:
             return self.limit
+        if step_s is None:
+            return 0
         if self.paused_for > 0:
             self.paused_for -= 1
             if self.paused_for == 0:
@@ -160,12 +165,11 @@ class DraftLength:
             return 0
         if self.probing:
             return 1
-        cost = draft_cost + self.ROW_COST
-        best_k, best, tokens = 0, 1.0, 1.0
+        best_k, best, tokens = 0, 1.0 / step_s[0], 1.0
         for k in range(1, self.limit + 1):
             tokens += self.alpha ** k
-            if tokens / (1 + k * cost) > best:
-                best_k, best = k, tokens / (1 + k * cost)
+            if tokens / step_s[k] > best:
+                best_k, best = k, tokens / step_s[k]
         if best_k == 0:
             self._pause()
         return best_k
@@ -187,6 +191,42 @@ class DraftLength:
     def _pause(self) -> None:
         self.pause = min(self.MAX_PAUSE, max(self.FIRST_PAUSE, 2 * self.pause))
         self.paused_for, self.misses = self.pause, 0
+
+
+class StepCosts:
+    """What decode steps cost, measured (decayed means of seconds): ``verify[k]``, a step whose
+    longest draft was k tokens (k = 0: a plain decode step); ``draft[k]``, drafting k tokens.
+    Unmeasured lengths are estimated from the measured ones (a verification row at
+    ``ROW_COST`` of a step, drafting linear in k) so each gets tried."""
+
+    ROW_COST = 0.1
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.verify: list[float | None] = [None] * (limit + 1)
+        self.draft: list[float | None] = [0.0] + [None] * limit
+
+    def record_step(self, k: int, seconds: float) -> None:
+        self.verify[k] = _decayed_mean(self.verify[k], seconds)
+
+    def record_drafting(self, k: int, seconds: float) -> None:
+        self.draft[k] = _decayed_mean(self.draft[k], seconds)
+
+    def step_s(self) -> list[float] | None:
+        """Each k's cost: verifying plus drafting (None before a plain step was measured)."""
+        base = self.verify[0]
+        if base is None:
+            return None
+        per_draft = [d / k for k, d in enumerate(self.draft) if k and d is not None]
+        draft_per_token = min(per_draft, default=0.0)
+        return [(base * (1 + k * self.ROW_COST) if v is None else v)
+                + (draft_per_token * k if d is None else d)
+                for k, (v, d) in enumerate(zip(self.verify, self.draft))]
+
+
+def _decayed_mean(mean: float | None, sample: float, decay: float = 0.8) -> float:
+    """A running mean in which recent samples count most (the first sample, alone)."""
+    return sample if mean is None else decay * mean + (1 - decay) * sample
 
 
 def accepted_length(drafts: Sequence[int], sampled: Sequence[int]) -> int:
