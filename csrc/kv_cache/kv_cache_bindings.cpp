@@ -72,10 +72,10 @@ ValueError.)doc")
       .def("truncate", &BlockManager::truncate, py::arg("seq_id"), py::arg("num_tokens"),
            R"doc(
 Drops the sequence's tokens from ``num_tokens`` on (speculative drafts the model rejected):
-the blocks past the new end go back to the pool; the partial last block kept is the sequence's
-own (appending made it so). The KV of the first ``num_tokens`` tokens stays as computed. With
-prefix caching, ``num_tokens`` may not cut into a block already offered to the prefix cache
-(one marked computed while full): a ValueError. Never fails for lack of blocks.)doc")
+the blocks past the new end go back to the pool, and the computed count drops to
+``num_tokens`` if it was above. With prefix caching, ``num_tokens`` may not cut into a block
+already offered to the prefix cache (one marked computed while full): a ValueError, as is a
+count above ``num_tokens(seq_id)``. Never fails for lack of blocks.)doc")
       .def("fork", &BlockManager::fork, py::arg("parent_seq_id"), py::arg("child_seq_id"),
            "Registers ``child_seq_id`` sharing all the parent's blocks (n > 1 samples).")
       .def("free", &BlockManager::free, py::arg("seq_id"),

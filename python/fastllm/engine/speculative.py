@@ -232,12 +232,7 @@ def _decayed_mean(mean: float | None, sample: float, decay: float = 0.8) -> floa
 def accepted_length(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     """How many leading drafts equal the tokens sampled at their positions: ``sampled[i]`` is
     the token drawn at the row before ``drafts[i]`` (``len(sampled) == len(drafts) + 1``)."""
-    accepted = 0
-    for draft, token in zip(drafts, sampled):
-        if draft != token:
-            break
-        accepted += 1
-    return accepted
+    return _common_prefix(drafts, sampled)
 
 
 class NgramProposer:
@@ -364,6 +359,7 @@ class DraftModelProposer:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
