@@ -334,6 +334,8 @@ class Engine:
         if going:
             try:
                 with torch.inference_mode():
+                    self.proposer.prepare(going)
+                    drafting = time.perf_counter()
                     drafts = self.proposer.propose(going, lengths)
             except Exception as error:  # drafts are an optimization: no request fails for one
                 logger.warning("speculative drafting failed, this step goes without: %s", error)
@@ -342,7 +344,7 @@ class Engine:
                 return
             for request, tokens in zip(going, drafts):
                 request.draft_token_ids = tokens
-            self._step_costs.record_drafting(max(lengths), time.perf_counter() - started)
+            self._step_costs.record_drafting(max(lengths), time.perf_counter() - drafting)
         self.stats.propose_s += time.perf_counter() - started
 
     def _sample(self, logits: torch.Tensor,

@@ -248,6 +248,9 @@ class NgramProposer:
         return [self._lookup(request.all_token_ids, k) if k > 0 else []
                 for request, k in zip(requests, lengths)]
 
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """Nothing to prepare: the n-gram method keeps no state per request."""
+
     def release(self, request: Request) -> None:
         """Nothing to drop: the n-gram method keeps no state per request."""
 
@@ -290,6 +293,28 @@ class DraftModelProposer:
         self._held.pop(request, None)
         if seq_id is not None:
             self.kv_cache.block_manager.free(seq_id)
+
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """Prefills the draft model on the tokens of the requests it has not seen, but their
+        last (left for :meth:`propose` to give logits): a one-time cost per request, kept out
+        of the drafting cost the engine measures."""
+        manager = self.kv_cache.block_manager
+        new, prompts = [], []
+        for request in requests:
+            if request in self._seq_ids:
+                continue
+            tokens = request.all_token_ids
+            seq_id = next(self._next_id)
+            try:
+                manager.allocate(seq_id, tokens)
+            except KVCacheFullError:
+                continue
+            self._seq_ids[request], self._held[request] = seq_id, list(tokens)
+            new.append(seq_id)
+            prompts.append(tokens[:-1])
+        if new:
+            run_step(self.model, self.kv_cache, new, prompts, starts=[0] * len(new),
+                     logits=False)
 
     def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
         """Up to ``lengths[i]`` drafts for each request (none where the draft KV pool is
@@ -350,7 +375,9 @@ class DraftModelProposer:
             self._seq_ids[request], self._held[request] = seq_id, list(tokens)
             return 0
         held = self._held[request]
-        agree = min(_common_prefix(held, tokens), len(tokens) - 1)  # one left to give logits
+        # Computed and still the request's, with one left to give logits.
+        agree = min(_common_prefix(held, tokens), manager.num_computed_tokens(seq_id),
+                    len(tokens) - 1)
         manager.truncate(seq_id, agree)
         self._held[request] = held[:agree]
         manager.append_tokens(seq_id, tokens[agree:])
