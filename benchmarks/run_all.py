@@ -3,8 +3,8 @@
 ``--device`` (default cpu) is passed to every benchmark, and each one's defaults depend on it:
 on ``cuda`` they measure the sizes set for a GPU (each benchmark's docstring says which), on
 the CPU the sizes of ``make bench`` on two cores. The GGUF and serving benchmarks (fastllm
-against llama.cpp, which ``make bench`` builds for the CPU) run on the CPU only, and are left out
-on other devices.
+against llama.cpp, which ``make bench`` builds for the CPU) and the speculative decoding one
+(batch 1 on the CPU) run on the CPU only, and are left out on other devices.
 ``--benchmarks`` runs some of them only. The benchmarks that need model files (the Qwen3
 tokenizer, stories260K, the DL19 run) read them from ``$FASTLLM_MODELS_DIR``, else from
 ``shared/models`` beside the checkout. A benchmark that fails is reported and the others still
@@ -30,12 +30,14 @@ import bench_mask_cache
 import bench_rerank
 import bench_sampling
 import bench_serve
+import bench_spec
 
 BENCHMARKS = {"mask_cache": bench_mask_cache.main, "attention": bench_attention.main,
               "kv_cache": bench_kv_cache.main, "sampling": bench_sampling.main,
               "generate": bench_generate.main, "engine": bench_engine.main,
-              "rerank": bench_rerank.main, "gguf": bench_gguf.main, "serve": bench_serve.main}
-CPU_ONLY = {"gguf", "serve"}  # their peer runs on the CPU only
+              "rerank": bench_rerank.main, "gguf": bench_gguf.main, "serve": bench_serve.main,
+              "spec": bench_spec.main}
+CPU_ONLY = {"gguf", "serve", "spec"}  # their peer runs on the CPU only; batch-1 speculation
 
 
 def main(argv: list[str] | None = None) -> None:

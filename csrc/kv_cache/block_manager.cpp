@@ -226,6 +226,23 @@ void BlockManager::mark_computed(int64_t seq_id, int64_t num_tokens) {
   seq.num_settled_blocks = std::max(seq.num_settled_blocks, num_tokens / block_size_);
 }
 
+void BlockManager::truncate(int64_t seq_id, int64_t num_tokens) {
+  Sequence& seq = sequence(seq_id, "truncate");
+  const int64_t settled = enable_prefix_caching_ ? seq.num_settled_blocks * block_size_ : 0;
+  TORCH_CHECK_VALUE(num_tokens >= settled && num_tokens <= int64_t(seq.token_ids.size()),
+                    "BlockManager.truncate(seq_id=", seq_id, "): num_tokens=", num_tokens,
+                    " is not in [", settled, ", ", seq.token_ids.size(),
+                    "] (the tokens it holds, after its blocks offered to the prefix cache)");
+  const int64_t num_kept_blocks = ceil_div(num_tokens, block_size_);
+  while (int64_t(seq.blocks.size()) > num_kept_blocks) {
+    release(seq.blocks.back());
+    seq.blocks.pop_back();
+  }
+  seq.token_ids.resize(num_tokens);
+  seq.num_computed = std::min(seq.num_computed, num_tokens);
+  seq.num_settled_blocks = std::min(seq.num_settled_blocks, num_tokens / block_size_);
+}
+
 void BlockManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
   const Sequence& parent = sequence(parent_seq_id, "fork");
   TORCH_CHECK_VALUE(sequences_.count(child_seq_id) == 0, "BlockManager.fork: sequence ",

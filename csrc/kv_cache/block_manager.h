@@ -62,6 +62,9 @@ class BlockManager {
   // The sequence's first num_tokens tokens have their KV written: its full blocks among them
   // enter the prefix cache. Counts below the current one change nothing.
   void mark_computed(int64_t seq_id, int64_t num_tokens);
+  // Drops the sequence's tokens from num_tokens on (rejected speculative drafts), with the
+  // blocks that held only them. It may not cut into a block offered to the prefix cache.
+  void truncate(int64_t seq_id, int64_t num_tokens);
   void fork(int64_t parent_seq_id, int64_t child_seq_id);
   void free(int64_t seq_id);
 

@@ -69,6 +69,13 @@ the forward step that wrote them). Only then do their full blocks enter the pref
 block allocated for a chunk not yet run, or for a step that failed, is never reused by another
 sequence. A count below the current one changes nothing; one above ``num_tokens(seq_id)`` is a
 ValueError.)doc")
+      .def("truncate", &BlockManager::truncate, py::arg("seq_id"), py::arg("num_tokens"),
+           R"doc(
+Drops the sequence's tokens from ``num_tokens`` on (speculative drafts the model rejected):
+the blocks past the new end go back to the pool, and the computed count drops to
+``num_tokens`` if it was above. With prefix caching, ``num_tokens`` may not cut into a block
+already offered to the prefix cache (one marked computed while full): a ValueError, as is a
+count above ``num_tokens(seq_id)``. Never fails for lack of blocks.)doc")
       .def("fork", &BlockManager::fork, py::arg("parent_seq_id"), py::arg("child_seq_id"),
            "Registers ``child_seq_id`` sharing all the parent's blocks (n > 1 samples).")
       .def("free", &BlockManager::free, py::arg("seq_id"),

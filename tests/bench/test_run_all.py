@@ -45,7 +45,7 @@ def test_every_benchmark_gets_out_and_device(tmp_path: Path, monkeypatch: pytest
     printed = capsys.readouterr().out
     assert all(f"# {name}" in printed for name in ran)
     if device != "cpu":
-        assert run_all.CPU_ONLY and f"left out on {device}: gguf, serve (CPU only)" in printed
+        assert run_all.CPU_ONLY and f"left out on {device}: gguf, serve, spec (CPU only)" in printed
 
 
 def test_a_failing_benchmark_does_not_stop_the_others(tmp_path: Path,

@@ -6,6 +6,10 @@ the scheduler what was computed, then samples one token for each request that re
 of its tokens. A preempted request's random stream is keyed by its own seed and token count, so
 its output does not change when it is recomputed.
 
+With ``speculative`` set (:mod:`fastllm.engine.speculative`), a decoding request's step also
+verifies the tokens drafted for it: they are sampled row by row as plain decode steps would
+sample them, the leading ones that match are kept, and the scheduler drops the rest's KV.
+
 The host waits for the device once per step, for the sampled ids.
 """
 
@@ -13,20 +17,25 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fastllm import ops
 from fastllm.engine.decode_graphs import DecodeGraphs
-from fastllm.engine.model_runner import ModelRunner, ScheduledBatch, StepLogits
-from fastllm.engine.outputs import Logprob
+from fastllm.engine.model_runner import (ModelRunner, ScheduledBatch, ScheduledSequence,
+                                         StepLogits)
+from fastllm.engine.outputs import Logprob, spec_acceptance_rate, spec_mean_accepted_length
 from fastllm.engine.request import Request
 from fastllm.engine.scheduler import Scheduler, SchedulerConfig
 from fastllm.engine.structured_output import GrammarCompiler, grammar_bitmask
+from fastllm.engine.speculative import (DraftLength, DraftModelProposer, NgramProposer,
+                                        SpeculativeConfig, StepCosts, accepted_length)
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
-from fastllm.models.pool import resolve_dtype
+from fastllm.models.pool import load, resolve_dtype
 from fastllm.ops.host_to_device import device_tensor, to_device
 from fastllm.sampling import SampleOutput, SamplingTensors, draw, mask_tokens, penalize
 from fastllm.tokenizer import Tokenizer
@@ -60,6 +69,10 @@ class EngineConfig:
             was chunked or on a preemption, so a seeded request gives the same tokens alone or
             in any batch, in every dtype (without it that holds in float32 decode batches, not
             across prefill and decode or in 16 bits). Costs prefill speed (no GEMM); CPU only.
+        speculative: speculative decoding, a :class:`~fastllm.engine.speculative.
+            SpeculativeConfig` or a dict of its fields, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 4}`` or ``{"method": "draft", "model": PATH}``; None
+            (default) drafts nothing. Tokens are the same with it as without.
     """
 
     max_num_seqs: int = 32
@@ -68,8 +81,10 @@ class EngineConfig:
     enforce_eager: bool = False
     kv_cache_dtype: str | torch.dtype = "auto"
     batch_invariant: bool = False
+    speculative: SpeculativeConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.speculative = SpeculativeConfig.of(self.speculative)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -106,6 +121,21 @@ class EngineStats:
     detokenize_s: float = 0.0  # of which: detokenization and stop checks
     prefix_cache_hits: int = 0  # prompt blocks reused (the block manager's counters)
     prefix_cache_queries: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_verify_steps: int = 0  # request-steps that verified drafts
+    propose_s: float = 0.0  # of step_s: drafting
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts over drafted ones, all requests (None before any draft)."""
+        return spec_acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification step gave a request on average, its own included (None
+        before any)."""
+        return spec_mean_accepted_length(self.num_accepted_tokens, self.num_verify_steps)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -151,7 +181,24 @@ class Engine:
             if self.device.type == "cuda" and not config.enforce_eager else None)
         self.runner = ModelRunner(model, kv_cache, decode_graphs)
         self._grammars: GrammarCompiler | None = None  # built for the first constrained request
+        self.proposer = self._make_proposer(config.speculative)
+        self._step_costs = (None if config.speculative is None
+                            else StepCosts(config.speculative.num_speculative_tokens))
         self._failed: list[Request] = []  # the requests the current step failed
+
+    def _make_proposer(self, config: SpeculativeConfig | None
+                       ) -> NgramProposer | DraftModelProposer | None:
+        if config is None:
+            return None
+        if config.method == "ngram":
+            return NgramProposer(config)
+        draft = load(config.model, config.draft_dtype or self.model.dtype, self.device)
+        if draft.config.vocab_size != self.vocab_size:
+            raise ValueError(f"speculative model {config.model} has a vocabulary of "
+                             f"{draft.config.vocab_size} tokens, the model {self.vocab_size}: "
+                             "a draft model must share the tokenizer")
+        return DraftModelProposer(draft, self.device, self.kv_cache.num_blocks,
+                                  self.kv_cache.spec.block_size, self.max_model_len)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -174,6 +221,7 @@ class Engine:
     def abort_request(self, request: Request) -> None:
         """Ends a request now ("abort"): its KV blocks are freed at once."""
         self.scheduler.finish_request(request)
+        self._release_drafts(request)
         request.abort()
 
     def fail_request(self, request: Request, error: Exception) -> None:
@@ -181,6 +229,7 @@ class Engine:
         KV blocks are freed at once."""
         logger.warning("request %s failed: %s", request.request_id, error)
         self.scheduler.finish_request(request)
+        self._release_drafts(request)
         request.fail(error)
         self._failed.append(request)
 
@@ -223,8 +272,8 @@ class Engine:
         with torch.inference_mode(), ops.batch_invariant(self.config.batch_invariant):
             for part, part_owners, output in self._execute(batch, owners):
                 scored += self.scheduler.update_from_output(part, part_owners, output)
-                sampling += [owner for owner, sequence in zip(part_owners, part.sequences)
-                             if sequence.logit_token_ids == "all"]
+                sampling += [(owner, sequence) for owner, sequence in
+                             zip(part_owners, part.sequences) if sequence.logit_token_ids == "all"]
                 if output.logits is not None:
                     logits.append(output.logits)
             sampled = None
@@ -241,11 +290,17 @@ class Engine:
             self._finish(request)
         if sampled is not None:
             self._append_tokens(sampling, sampled)
+            if self.proposer is not None:
+                if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in batch.sequences):
+                    self._step_costs.record_step(
+                        max(s.num_draft_tokens for s in batch.sequences),
+                        time.perf_counter() - started)
+                self._propose([request for request, _ in sampling])
         counters = self.scheduler.prefix_cache_counters()
         self.stats.prefix_cache_hits = counters["hits"]
         self.stats.prefix_cache_queries = counters["queries"]
         self.stats.step_s += time.perf_counter() - started
-        return list(dict.fromkeys(scored + sampling + self._failed))
+        return list(dict.fromkeys(scored + [request for request, _ in sampling] + self._failed))
 
     def _execute(self, batch: ScheduledBatch, owners: list[Request]
                  ) -> list[tuple[ScheduledBatch, list[Request], StepLogits]]:
@@ -271,83 +326,175 @@ class Engine:
     def _finish(self, request: Request) -> None:
         request.metrics.kv_usage = self.scheduler.usage
         self.scheduler.finish_request(request)
+        self._release_drafts(request)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]
-                ) -> tuple[list[Request], SampleOutput | None]:
-        """A token for each request; returns the requests that got one and their rows. When
-        the batch cannot be sampled (the CPU sampler raises on a row whose logits hold NaN or
-        +inf, e.g. after its penalties overflowed), each row is sampled alone and the requests
-        whose row still fails fail alone. A row's draw never depends on the other rows, so the
+    def _release_drafts(self, request: Request) -> None:
+        request.draft_token_ids = []
+        if self.proposer is not None:
+            self.proposer.release(request)
+
+    def _propose(self, requests: list[Request]) -> None:
+        """Drafts the next tokens of the requests that just got tokens and go on, as many as
+        each one's adaptive draft length allows and its limits leave room for."""
+        started = time.perf_counter()
+        config = self.config.speculative
+        step_s = self._step_costs.step_s()
+        going, lengths = [], []
+        for request in requests:
+            # A constrained request does not speculate: each verified row would need the
+            # grammar's state after the drafts before it.
+            if request.finished or request.seq_id is None or request.grammar is not None:
+                continue
+            if request.draft_length is None:
+                request.draft_length = DraftLength(config.num_speculative_tokens,
+                                                   config.adaptive)
+            # Room for the drafts and the verification step's own token.
+            room = min(request.params.max_tokens - len(request.output_token_ids),
+                       self.max_model_len - request.num_tokens) - 1
+            k = min(request.draft_length.next_k(step_s), room)
+            if k > 0:
+                going.append(request)
+                lengths.append(k)
+        if going:
+            try:
+                with torch.inference_mode():
+                    self.proposer.prepare(going)
+                    drafting = time.perf_counter()
+                    drafts = self.proposer.propose(going, lengths)
+            except Exception as error:  # drafts are an optimization: no request fails for one
+                logger.warning("speculative drafting failed, this step goes without: %s", error)
+                for request in going:
+                    self.proposer.release(request)
+                return
+            for request, tokens in zip(going, drafts):
+                request.draft_token_ids = tokens
+            self._step_costs.record_drafting(max(lengths), time.perf_counter() - drafting)
+        self.stats.propose_s += time.perf_counter() - started
+
+    def _sample(self, logits: torch.Tensor,
+                sampling: list[tuple[Request, ScheduledSequence]]
+                ) -> tuple[list[tuple[Request, ScheduledSequence]], SampleOutput | None]:
+        """A token for each logits row (``1 + num_draft_tokens`` rows per request, the rows of
+        a verification step sampled as the plain decode steps at those positions would);
+        returns the requests that got theirs and their rows. When the batch cannot be sampled
+        (the CPU sampler raises on a row whose logits hold NaN or +inf, e.g. after its
+        penalties overflowed), each request's rows are sampled alone and the requests whose
+        rows still fail fail alone. A row's draw never depends on the other rows, so the
         others get the tokens the batch would have given them."""
-        tensors = SamplingTensors.from_params([r.params for r in requests], self.vocab_size,
-                                              self.device, seeds=[r.seed for r in requests])
-        # Each request's random stream is keyed by (seed, tokens it has sampled): the batch
-        # around it never changes its draws.
-        offsets = device_tensor([len(r.output_token_ids) for r in requests], torch.int64,
-                                self.device)
+        counts = [1 + sequence.num_draft_tokens for _, sequence in sampling]
+        rows = [request for (request, _), n in zip(sampling, counts) for _ in range(n)]
+        tensors = SamplingTensors.from_params([r.params for r in rows], self.vocab_size,
+                                              self.device, seeds=[r.seed for r in rows])
+        # Each request's random stream is keyed by (seed, its output position): the batch
+        # around it, and whether the position is verified or decoded, never change its draws.
+        offsets = device_tensor([len(request.output_token_ids) + j
+                                 for (request, _), n in zip(sampling, counts) for j in range(n)],
+                                torch.int64, self.device)
         prompt_mask = output_counts = None
         if tensors.needs_penalties:
             zeros_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            zeros_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
             prompt_mask = torch.stack([zeros_mask if r.prompt_mask is None else r.prompt_mask
-                                       for r in requests])
-            output_counts = torch.stack([zeros_counts if r.output_counts is None
-                                         else r.output_counts for r in requests])
-        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
+                                       for r in rows])
+            output_counts = torch.cat([self._output_counts(request, sequence)
+                                       for request, sequence in sampling])
+        constrained = [row for row, request in enumerate(rows) if request.grammar is not None]
         if constrained:  # before the penalties: a disallowed token stays -inf whatever they add
             mask_tokens(logits, constrained,
-                        grammar_bitmask([requests[row].grammar for row in constrained]))
+                        grammar_bitmask([rows[row].grammar for row in constrained]))
         penalized = not tensors.needs_penalties
         try:
             if not penalized:
                 penalize(logits, tensors, prompt_mask, output_counts)
                 penalized = True  # every row: the op raises before it writes, or not at all
-            kept, sampled = requests, draw(logits, tensors, offsets)
+            return sampling, draw(logits, tensors, offsets)
         except Exception:
-            kept, parts = [], []
-            for row, request in enumerate(requests):
-                rows = slice(row, row + 1)
+            kept, parts, start = [], [], 0
+            for (request, sequence), n in zip(sampling, counts):
+                part, start = slice(start, start + n), start + n
                 try:
                     if not penalized:
-                        penalize(logits[rows], tensors.rows(rows), prompt_mask[rows],
-                                 output_counts[rows])
-                    parts.append(draw(logits[rows], tensors.rows(rows), offsets[rows]))
+                        penalize(logits[part], tensors.rows(part), prompt_mask[part],
+                                 output_counts[part])
+                    parts.append(draw(logits[part], tensors.rows(part), offsets[part]))
                 except Exception as error:
                     self.fail_request(request, _request_error(
                         "this request's logits (after its penalties and logit_bias) cannot be "
                         "sampled", error))
                     continue
-                kept.append(request)
-            sampled = SampleOutput.cat(parts) if parts else None
-        if tensors.needs_penalties and sampled is not None:
-            one = torch.ones(1, dtype=torch.int32, device=self.device)
-            for row, request in enumerate(kept):
-                if request.output_counts is not None:  # counted on the device: no sync
-                    request.output_counts.index_put_((sampled.tokens[row:row + 1],), one,
-                                                     accumulate=True)
-        return kept, sampled
+                kept.append((request, sequence))
+            return kept, SampleOutput.cat(parts) if parts else None
 
-    def _append_tokens(self, requests: list[Request], sampled: SampleOutput) -> None:
+    def _output_counts(self, request: Request, sequence: ScheduledSequence) -> torch.Tensor:
+        """int32 ``[1 + drafts, vocab]``: the request's output counts at each row of its step,
+        row j counting the first j drafts as generated."""
+        n = 1 + sequence.num_draft_tokens
+        if request.output_counts is None:
+            return torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
+        counts = request.output_counts.expand(n, -1)
+        if n == 1:
+            return counts
+        drafted = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
+        drafted[torch.arange(1, n, device=self.device),
+                device_tensor(sequence.draft_token_ids, torch.long, self.device)] = 1
+        return counts + drafted.cumsum(0, dtype=torch.int32)
+
+    def _append_tokens(self, sampling: list[tuple[Request, ScheduledSequence]],
+                       sampled: SampleOutput) -> None:
+        """Gives each request its sampled token or, after a verification step, the drafts that
+        match the samples at their rows and the sample that follows them."""
         sampled = sampled.to_host()  # the step's one wait for the device
         tokens = sampled.tokens.tolist()
         started = time.perf_counter()  # after the sync: device time is not detokenization
-        for row, (request, token) in enumerate(zip(requests, tokens)):
-            if token < 0:  # how a GPU sampler under trusted_inputs marks a bad logits row
-                self.fail_request(request, ValueError(
-                    "this request's logits (after its penalties and logit_bias) contain NaN or "
-                    "+inf, or no finite value"))
-                continue
-            try:
-                logprobs = (self._logprob_entry(sampled, row, token, request.params.logprobs)
-                            if request.params.logprobs is not None else None)
-                request.append_token(token, logprobs)
-            except Exception as error:  # e.g. its tokenizer cannot decode the token
-                self.fail_request(request, _request_error(
-                    f"this request's token {token} cannot be added", error))
-                continue
+        row = 0
+        for request, sequence in sampling:
+            first, row = row, row + 1 + sequence.num_draft_tokens
+            drafts = sequence.draft_token_ids
+            accepted = accepted_length(drafts, tokens[first:row])
+            if drafts:
+                self._count_drafts(request, len(drafts), accepted)
+            appended = []
+            for at in range(first, first + accepted + 1):
+                if not self._append_token(request, sampled, at, tokens[at]):
+                    break
+                appended.append(tokens[at])
+                if request.finished:
+                    self._finish(request)
+                    break
             if request.finished:
-                self._finish(request)
+                continue
+            if request.output_counts is not None:  # counted on the device: no sync
+                request.output_counts.index_put_(
+                    (device_tensor(appended, torch.long, self.device),),
+                    torch.ones(len(appended), dtype=torch.int32, device=self.device),
+                    accumulate=True)
+            if drafts:
+                self.scheduler.settle_drafts(request, sequence, accepted)
         self.stats.detokenize_s += time.perf_counter() - started
+
+    def _append_token(self, request: Request, sampled: SampleOutput, row: int,
+                      token: int) -> bool:
+        """Adds row ``row``'s token to the request; False when that failed the request."""
+        if token < 0:  # how a GPU sampler under trusted_inputs marks a bad logits row
+            self.fail_request(request, ValueError(
+                "this request's logits (after its penalties and logit_bias) contain NaN or "
+                "+inf, or no finite value"))
+            return False
+        try:
+            logprobs = (self._logprob_entry(sampled, row, token, request.params.logprobs)
+                        if request.params.logprobs is not None else None)
+            request.append_token(token, logprobs)
+        except Exception as error:  # e.g. its tokenizer cannot decode the token
+            self.fail_request(request, _request_error(
+                f"this request's token {token} cannot be added", error))
+            return False
+        return True
+
+    def _count_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        for metrics in (request.metrics, self.stats):
+            metrics.num_draft_tokens += num_drafted
+            metrics.num_accepted_tokens += num_accepted
+            metrics.num_verify_steps += 1
+        request.draft_length.update(num_drafted, num_accepted)
 
     def _logprob_entry(self, sampled: SampleOutput, row: int, token: int,
                        num_logprobs: int) -> dict[int, Logprob]:

@@ -36,12 +36,20 @@ class ScheduledSequence:
         logit_token_ids: what the step gives back at its last new token: None for nothing,
             ``"all"`` for the whole vocabulary's logits (it samples), or a tuple of token ids
             whose logits alone are computed (a scorer reads two logits, not 151,936).
+        num_draft_tokens: its last new tokens that are speculative drafts being verified
+            (with ``"all"``): the step gives logits at each of its last
+            ``1 + num_draft_tokens`` rows.
     """
 
     seq_id: int
     start: int
     token_ids: list[int]
     logit_token_ids: None | str | tuple[int, ...] = None
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
 
 
 @dataclass
@@ -71,6 +79,11 @@ class ScheduledBatch:
         """One new token per sequence, each sampling from the whole vocabulary."""
         return all(len(s.token_ids) == 1 and s.logit_token_ids == "all" for s in self.sequences)
 
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of the step's full-vocabulary logits."""
+        return sum(1 + s.num_draft_tokens for s in self.sequences if s.logit_token_ids == "all")
+
 
 @dataclass
 class StepLogits:
@@ -78,7 +91,7 @@ class StepLogits:
 
     Attributes:
         logits: ``[n, vocab]`` for the sequences with ``logit_token_ids == "all"``, in batch
-            order (None if there are none).
+            order, ``1 + num_draft_tokens`` rows each (None if there are none).
         scores: for each sequence that asked for some token ids (by its index in the batch),
             ``[len(ids)]`` logits of those ids.
     """
@@ -131,7 +144,7 @@ class ModelRunner:
             end += len(sequence.token_ids)
             wanted = sequence.logit_token_ids
             if wanted == "all":
-                sampling_rows.append(end - 1)
+                sampling_rows.extend(range(end - 1 - sequence.num_draft_tokens, end))
             elif wanted is not None:
                 score_rows.setdefault(wanted, []).append((index, end - 1))
         logits = None

@@ -56,6 +56,16 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+def spec_acceptance_rate(num_accepted: int, num_drafted: int) -> float | None:
+    """Accepted drafts over drafted ones, None before any draft."""
+    return num_accepted / num_drafted if num_drafted else None
+
+
+def spec_mean_accepted_length(num_accepted: int, num_steps: int) -> float | None:
+    """Tokens per verification step (accepted drafts plus the step's own), None before any."""
+    return 1 + num_accepted / num_steps if num_steps else None
+
+
 @dataclass
 class RequestMetrics:
     """Timestamps (``time.perf_counter()`` seconds) and counts of one request.
@@ -74,6 +84,21 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_preemptions: int = 0  # times its KV was freed under memory pressure and recomputed
     kv_usage: float | None = None  # fraction of the KV pool in use when it finished
+    # Speculative decoding: drafted tokens verified, those accepted, verification steps.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafts over drafted ones (None before any draft)."""
+        return spec_acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verification step gave on average: the accepted drafts plus the step's
+        own token (vLLM's mean acceptance length; None before any verification)."""
+        return spec_mean_accepted_length(self.num_accepted_tokens, self.num_verify_steps)
 
     @property
     def queue_time(self) -> float | None:

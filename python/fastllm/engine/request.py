@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -19,6 +20,9 @@ from fastllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, Re
 from fastllm.engine.structured_output import GrammarMatcher
 from fastllm.sampling import SamplingParams, resolve_seed
 from fastllm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from fastllm.engine.speculative import DraftLength
 
 __all__ = ["Request"]
 
@@ -42,7 +46,8 @@ class Request:
 
     An engine keeps its scheduling state here too: the sequence id the request holds in the
     block manager (None while waiting or preempted), its resolved seed (drawn once, so a
-    preempted request resumes the same random stream) and its penalty counts.
+    preempted request resumes the same random stream), its penalty counts and, under
+    speculative decoding, its drafts and draft length.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
@@ -82,6 +87,9 @@ class Request:
         self.prompt_mask: Tensor | None = None  # bool [vocab], with penalties only
         self.output_counts: Tensor | None = None  # int32 [vocab], with penalties only
         self.grammar: GrammarMatcher | None = None  # with structured outputs only
+        # Speculative decoding: the tokens drafted for its next step, and how many it drafts.
+        self.draft_token_ids: list[int] = []
+        self.draft_length: DraftLength | None = None
 
     @property
     def finished(self) -> bool:

@@ -205,8 +205,25 @@ class Scheduler:
                         scheduled.append(self._prefill(encoder, tokens, budget, None))
                         budget -= len(scheduled[-1].token_ids)
                 return scheduled
-        return [self._prefill(request.seq_id, request.all_token_ids, budget,
-                              self._logit_ids(request))]
+        sequence = self._prefill(request.seq_id, request.all_token_ids, budget,
+                                 self._logit_ids(request))
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        if drafts and len(sequence.token_ids) == 1 and sequence.logit_token_ids == "all":
+            self._add_drafts(sequence, drafts[:budget - 1])
+        return [sequence]
+
+    def _add_drafts(self, sequence: ScheduledSequence, drafts: list[int]) -> None:
+        """Makes a decode step a verification step: the drafts join the sequence (placed in
+        the block manager, not yet computed) when there are blocks for them; they never
+        preempt anyone."""
+        if not drafts:
+            return
+        try:
+            self._append(sequence.seq_id, drafts)
+        except KVCacheFullError:
+            return
+        sequence.token_ids += drafts
+        sequence.num_draft_tokens = len(drafts)
 
     def _prefill(self, seq_id: int, tokens: Sequence[int], budget: int,
                  logit_ids: None | str | tuple[int, ...]) -> ScheduledSequence:
@@ -342,7 +359,8 @@ class Scheduler:
         manager = self.block_manager
         done = []
         for index, (sequence, request) in enumerate(zip(batch.sequences, owners)):
-            end = sequence.start + len(sequence.token_ids)
+            # Drafts' KV counts once they are accepted (settle_drafts).
+            end = sequence.start + len(sequence.token_ids) - sequence.num_draft_tokens
             manager.mark_computed(sequence.seq_id, end)
             if (request.score_token_ids is not None and sequence.seq_id == request.seq_id
                     and end == request.num_tokens):
@@ -363,6 +381,18 @@ class Scheduler:
                 manager.free(encoder)
                 del job.encoders[chunk]
         return done
+
+    def settle_drafts(self, request: Request, sequence: ScheduledSequence,
+                      num_accepted: int) -> None:
+        """After a verification step of a request still running: its first ``num_accepted``
+        drafts are kept (their KV computed), the rest dropped from the block manager with any
+        block that held only them. Rejected drafts were never marked computed, so no block
+        holding their KV entered the prefix cache."""
+        if request.seq_id != sequence.seq_id:
+            return  # it left the engine, or was preempted and readmitted
+        kept = sequence.start + len(sequence.token_ids) - sequence.num_draft_tokens + num_accepted
+        self.block_manager.truncate(sequence.seq_id, kept)
+        self.block_manager.mark_computed(sequence.seq_id, kept)
 
 
 def layout_batch(block_manager: BlockManager,

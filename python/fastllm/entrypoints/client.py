@@ -69,12 +69,13 @@ class EngineClient:
                  max_prefill_chunk: int | None = None, enforce_eager: bool = False,
                  chunk_store_memory: int | None = None, quantization: str | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False,
+                 speculative: Mapping[str, Any] | None = None) -> None:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_prefill_chunk=max_prefill_chunk,
                                      enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
-                                     batch_invariant=batch_invariant)
+                                     batch_invariant=batch_invariant, speculative=speculative)
         if chunk_store_memory is not None and (not isinstance(chunk_store_memory, int)
                                                or chunk_store_memory < 0):
             raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "

@@ -74,6 +74,12 @@ class LLM:
         batch_invariant: compute each request the same way whatever else runs with it
             (:func:`fastllm.ops.batch_invariant`): a seeded request's tokens are the same alone,
             in any batch and after a preemption, in every dtype; prefill is slower. CPU only.
+        speculative: speculative decoding (:mod:`fastllm.engine.speculative`), a dict such as
+            ``{"method": "ngram", "num_speculative_tokens": 4}`` (prompt lookup: drafts copied
+            from earlier in the request's own tokens) or ``{"method": "draft", "model": PATH}``
+            (a small model sharing the tokenizer drafts). Each decoding request's drafts are
+            checked in one model step; the tokens are the ones generation gives without it,
+            greedy or seeded sampling. None (default): no speculation.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
@@ -85,7 +91,8 @@ class LLM:
                  max_prefill_chunk: int | None = None, enforce_eager: bool = False,
                  chunk_store_memory: int | None = None, quantization: str | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto",
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False,
+                 speculative: Mapping[str, Any] | None = None) -> None:
         self.client = EngineClient(
             model, dtype=dtype, device=device, tokenizer=tokenizer, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, block_size=block_size,
@@ -93,7 +100,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
             enforce_eager=enforce_eager, chunk_store_memory=chunk_store_memory,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant, speculative=speculative)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.kv_cache, self.engine = self.client.kv_cache, self.client.engine
         self.device, self.max_model_len = self.client.device, self.client.max_model_len

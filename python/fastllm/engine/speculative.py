@@ -1,0 +1,395 @@
+"""Speculative decoding: cheap drafts of a request's next tokens, checked by the model in one step.
+
+A proposer guesses up to k next tokens of a decoding request: :class:`NgramProposer` looks the
+request's last n tokens up earlier in its own tokens (prompt lookup, as vLLM's ``ngram``
+method) and proposes what followed them; :class:`DraftModelProposer` runs a small model that
+shares the tokenizer. The scheduler appends the drafts to the request's sequence and schedules
+``[last token, d_1 .. d_k]`` as one short prefill chunk through paged attention; the model
+runner gives logits at each of its k + 1 rows.
+
+Verification (:func:`accepted_length`): every row is sampled exactly as a plain decode step
+samples that position (same penalties, same seeded random stream keyed by the request's seed
+and output position), and the drafts are kept while they equal those samples; the first sample
+that differs, or the one after the last draft, is the step's own token. A request's tokens are
+therefore the ones it gets without speculation, greedy or sampled, whatever was drafted. For a
+draft that is a token rather than a distribution (n-gram, or a draft model's own seeded draw)
+this is Leviathan et al.'s rejection sampling: draft d is kept with probability p(d), and a
+rejected position's token follows p restricted to the other tokens, the normalized residual
+max(0, p - q) for a one-hot q. The draft model draws its drafts with the same seeded stream at
+the same positions (a Gumbel-max coupling of its distribution with the target's), so on
+sampled requests it is accepted where both draws agree: with probability at least
+(1 - TV) / (1 + TV) for the two distributions' total variation distance TV, a little under
+rejection sampling's 1 - TV, in exchange for output that never depends on the drafts.
+
+The KV of rejected drafts is dropped from the block manager (:meth:`BlockManager.truncate`)
+before it is ever marked computed, so no block holding it enters the prefix cache.
+
+Speculation turns itself down per request (:class:`DraftLength`): each request drafts the
+number of tokens that pays best for its recent acceptance and the engine's measured cost of
+steps that draft and verify that many (:class:`StepCosts`: a verification row costs a few
+percent of a decode step on float weights, tens of percent on quantized ones), and stops
+drafting for a while, longer each time, when none pays or its drafts keep failing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fastllm.engine.request import Request
+from fastllm.engine.scheduler import run_step
+from fastllm.kv_cache import KVCacheFullError, PagedKVCache
+from fastllm.models import DecoderLM
+from fastllm.ops.host_to_device import device_tensor
+from fastllm.sampling import SamplingTensors, draw
+
+__all__ = ["DraftLength", "DraftModelProposer", "NgramProposer", "SpeculativeConfig",
+           "StepCosts", "accepted_length"]
+
+_METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """How an engine speculates (``LLM(..., speculative={...})`` takes these keys).
+
+    Attributes:
+        method: "ngram" (prompt lookup in the request's own tokens) or "draft" (a small model).
+        num_speculative_tokens: the most tokens drafted for a request per step (k).
+        prompt_lookup_max, prompt_lookup_min: "ngram": the longest and shortest suffix of the
+            request's tokens looked up in its earlier tokens; the longest match wins.
+        model: "draft": the draft model, a path :func:`fastllm.load` reads (a Hugging Face
+            folder or a GGUF file) with the target's tokenizer (same vocabulary).
+        draft_dtype: "draft": the draft model's activation dtype; None = the target's.
+        adaptive: shrink and pause drafting for requests whose drafts are rejected
+            (:class:`DraftLength`); False drafts k tokens whenever the proposer has them.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | os.PathLike | None = None
+    draft_dtype: str | torch.dtype | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in _METHODS:
+            raise ValueError(f"speculative method must be one of {_METHODS}, got "
+                             f"{self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be an int >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min={self.prompt_lookup_min} is above "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative 'model' is the draft method's draft model: give it "
+                             f"with method='draft' (and only then), got method={self.method!r}, "
+                             f"model={self.model!r}")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | None
+           ) -> SpeculativeConfig | None:
+        """A config from ``LLM``'s ``speculative`` argument (a dict of these fields)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(f"speculative must be None, a dict or a SpeculativeConfig, got "
+                            f"{type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass
+class DraftLength:
+    """A request's adaptive draft length: how many tokens to draft for its next step.
+
+    It estimates the request's acceptance probability per drafted token (alpha: accepted
+    drafts over accepted drafts plus rejections, decayed so that recent steps count most,
+    starting from an optimistic prior) and drafts the k in ``[0, limit]`` that maximizes the
+    expected tokens per second, ``(1 + alpha + ... + alpha^k) / step_s[k]``, with ``step_s[k]``
+    what a step drafting and verifying k tokens costs as the engine measured it
+    (:class:`StepCosts`). When no k > 0 pays, or after ``MISSES`` verifications in a row that
+    accept nothing, drafting pauses for ``pause`` steps, doubled at each pause (up to
+    ``MAX_PAUSE``) and reset by an accepted draft; then it probes with one draft. So a request
+    whose text does not repeat, or an engine where drafting costs more than it gives, runs
+    almost as without speculation.
+
+    ``adaptive=False``: always ``limit``.
+    """
+
+    limit: int
+    adaptive: bool = True
+    accepted: float = 3.0  # decayed counts; the prior: alpha = 0.75
+    rejected: float = 1.0
+    misses: int = 0
+    pause: int = 0
+    paused_for: int = 0
+    probing: bool = False
+
+    DECAY = 0.8
+    MISSES = 2
+    FIRST_PAUSE = 4
+    MAX_PAUSE = 64
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def next_k(self, step_s: Sequence[float] | None = None) -> int:
+        """Drafts wanted this step; ``step_s[k]`` is a step's cost with k drafts (k = 0 ..
+        limit), None when the engine has not measured a plain step yet (then none). Counts a
+        paused step down."""
+        if not self.adaptive:
+            return self.limit
+        if step_s is None:
+            return 0
+        if self.paused_for > 0:
+            self.paused_for -= 1
+            if self.paused_for == 0:
+                self.probing = True
+            return 0
+        if self.probing:
+            return 1
+        best_k, best, tokens = 0, 1.0 / step_s[0], 1.0
+        for k in range(1, self.limit + 1):
+            tokens += self.alpha ** k
+            if tokens / step_s[k] > best:
+                best_k, best = k, tokens / step_s[k]
+        if best_k == 0:
+            self._pause()
+        return best_k
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        """Learns from a verification of ``num_drafted`` drafts."""
+        if not self.adaptive or num_drafted == 0:
+            return
+        self.probing = False
+        self.accepted = self.DECAY * self.accepted + num_accepted
+        self.rejected = self.DECAY * self.rejected + (num_accepted < num_drafted)
+        if num_accepted > 0:
+            self.misses, self.pause = 0, 0
+            return
+        self.misses += 1
+        if self.misses >= self.MISSES:
+            self._pause()
+
+    def _pause(self) -> None:
+        self.pause = min(self.MAX_PAUSE, max(self.FIRST_PAUSE, 2 * self.pause))
+        self.paused_for, self.misses = self.pause, 0
+
+
+class StepCosts:
+    """What decode steps cost, measured (decayed means of seconds): ``verify[k]``, a step whose
+    longest draft was k tokens (k = 0: a plain decode step); ``draft[k]``, drafting k tokens.
+    Unmeasured lengths are estimated from the measured ones (a verification row at
+    ``ROW_COST`` of a step, drafting linear in k) so each gets tried."""
+
+    ROW_COST = 0.1
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.verify: list[float | None] = [None] * (limit + 1)
+        self.draft: list[float | None] = [0.0] + [None] * limit
+
+    def record_step(self, k: int, seconds: float) -> None:
+        self.verify[k] = _decayed_mean(self.verify[k], seconds)
+
+    def record_drafting(self, k: int, seconds: float) -> None:
+        self.draft[k] = _decayed_mean(self.draft[k], seconds)
+
+    def step_s(self) -> list[float] | None:
+        """Each k's cost: verifying plus drafting (None before a plain step was measured)."""
+        base = self.verify[0]
+        if base is None:
+            return None
+        per_draft = [d / k for k, d in enumerate(self.draft) if k and d is not None]
+        draft_per_token = min(per_draft, default=0.0)
+        return [(base * (1 + k * self.ROW_COST) if v is None else v)
+                + (draft_per_token * k if d is None else d)
+                for k, (v, d) in enumerate(zip(self.verify, self.draft))]
+
+
+def _decayed_mean(mean: float | None, sample: float, decay: float = 0.8) -> float:
+    """A running mean in which recent samples count most (the first sample, alone)."""
+    return sample if mean is None else decay * mean + (1 - decay) * sample
+
+
+def accepted_length(drafts: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many leading drafts equal the tokens sampled at their positions: ``sampled[i]`` is
+    the token drawn at the row before ``drafts[i]`` (``len(sampled) == len(drafts) + 1``)."""
+    return _common_prefix(drafts, sampled)
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's
+    last n tokens, for the longest n in ``[prompt_lookup_min, prompt_lookup_max]`` that
+    occurs."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to ``lengths[i]`` drafts for each request (possibly none)."""
+        return [self._lookup(request.all_token_ids, k) if k > 0 else []
+                for request, k in zip(requests, lengths)]
+
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """Nothing to prepare: the n-gram method keeps no state per request."""
+
+    def release(self, request: Request) -> None:
+        """Nothing to drop: the n-gram method keeps no state per request."""
+
+    def _lookup(self, token_ids: list[int], k: int) -> list[int]:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        total = len(tokens)
+        for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
+            suffix = tokens[total - n:]
+            # Windows starting at 0 .. total - n - 1: every earlier occurrence, not the suffix.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the latest occurrence: the nearest context
+                return tokens[start:start + k].tolist()
+        return []
+
+
+class DraftModelProposer:
+    """Drafts with a small model in a paged KV cache of its own (its own block manager, owned
+    here: the scheduler never sees it; no prefix caching, so dropping drafted tokens' KV never
+    touches a cached block). Each step it computes the request's tokens it lacks, then draws
+    k tokens one step at a time with the request's sampling parameters and seeded stream at
+    those positions (penalties aside: drafts need not be exact to keep the output exact)."""
+
+    def __init__(self, model: DecoderLM, device: torch.device, num_blocks: int,
+                 block_size: int, max_model_len: int) -> None:
+        self.model = model
+        spec = model.kv_cache_spec(block_size, model.dtype)
+        self.kv_cache = PagedKVCache(spec, num_blocks, device=device,
+                                     enable_prefix_caching=False)
+        model.reserve_positions(max_model_len)
+        self.vocab_size = model.config.vocab_size
+        self._seq_ids: dict[Request, int] = {}
+        self._held: dict[Request, list[int]] = {}  # the tokens each draft sequence holds
+        self._next_id = itertools.count()
+
+    def release(self, request: Request) -> None:
+        """Drops the request's draft KV (it finished or failed)."""
+        seq_id = self._seq_ids.pop(request, None)
+        self._held.pop(request, None)
+        if seq_id is not None:
+            self.kv_cache.block_manager.free(seq_id)
+
+    def prepare(self, requests: Sequence[Request]) -> None:
+        """Prefills the draft model on the tokens of the requests it has not seen, but their
+        last (left for :meth:`propose` to give logits): a one-time cost per request, kept out
+        of the drafting cost the engine measures."""
+        manager = self.kv_cache.block_manager
+        new, prompts = [], []
+        for request in requests:
+            if request in self._seq_ids:
+                continue
+            tokens = request.all_token_ids
+            seq_id = next(self._next_id)
+            try:
+                manager.allocate(seq_id, tokens)
+            except KVCacheFullError:
+                continue
+            self._seq_ids[request], self._held[request] = seq_id, list(tokens)
+            new.append(seq_id)
+            prompts.append(tokens[:-1])
+        if new:
+            run_step(self.model, self.kv_cache, new, prompts, starts=[0] * len(new),
+                     logits=False)
+
+    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to ``lengths[i]`` drafts for each request (none where the draft KV pool is
+        full)."""
+        manager = self.kv_cache.block_manager
+        drafts: list[list[int]] = [[] for _ in requests]
+        active: list[int] = []  # indices into requests still drafting
+        new_tokens: list[list[int]] = []
+        for i, (request, k) in enumerate(zip(requests, lengths)):
+            if k <= 0:
+                continue
+            tokens = request.all_token_ids
+            try:
+                computed = self._place(request, tokens)
+            except KVCacheFullError:
+                self.release(request)
+                continue
+            active.append(i)
+            new_tokens.append(tokens[computed:])
+        step = 0
+        while active:
+            picked = [requests[i] for i in active]
+            seq_ids = [self._seq_ids[r] for r in picked]
+            logits = run_step(self.model, self.kv_cache, seq_ids, new_tokens)  # [n, vocab]
+            tensors = dataclasses.replace(
+                SamplingTensors.from_params([r.params for r in picked], self.vocab_size,
+                                            logits.device, seeds=[r.seed for r in picked]),
+                wants_logprobs=False)
+            # The seeded stream at the positions the target samples them: a coupled draw.
+            offsets = device_tensor([len(r.output_token_ids) + step for r in picked],
+                                    torch.int64, logits.device)
+            tokens = draw(logits, tensors, offsets).tokens.tolist()
+            still, new_tokens = [], []
+            for i, request, seq_id, token in zip(active, picked, seq_ids, tokens):
+                drafts[i].append(token)
+                if len(drafts[i]) == lengths[i]:
+                    continue
+                try:
+                    manager.append_tokens(seq_id, [token])
+                except KVCacheFullError:
+                    continue
+                self._held[request].append(token)
+                still.append(i)
+                new_tokens.append([token])
+            active = still
+            step += 1
+        return drafts
+
+    def _place(self, request: Request, tokens: list[int]) -> int:
+        """Makes the request's draft sequence hold ``tokens``, keeping the KV of the leading
+        tokens it already computed (its earlier drafts that were accepted); returns how many
+        are computed."""
+        manager = self.kv_cache.block_manager
+        seq_id = self._seq_ids.get(request)
+        if seq_id is None:
+            seq_id = next(self._next_id)
+            manager.allocate(seq_id, tokens)
+            self._seq_ids[request], self._held[request] = seq_id, list(tokens)
+            return 0
+        held = self._held[request]
+        # Computed and still the request's, with one left to give logits.
+        agree = min(_common_prefix(held, tokens), manager.num_computed_tokens(seq_id),
+                    len(tokens) - 1)
+        manager.truncate(seq_id, agree)
+        self._held[request] = held[:agree]
+        manager.append_tokens(seq_id, tokens[agree:])
+        self._held[request] = list(tokens)
+        return agree
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,305 @@
+"""Speculative decoding: the tokens are the ones generation gives without it (greedy and seeded
+sampling, mixed batches, both methods, stories260K in float32 and the real SmolLM2), sampled
+tokens follow the model's distribution (chi-square), rejected drafts' KV leaves the block
+manager and never reaches the prefix cache, and the metrics count what happened."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import prefill_logits
+from fastllm import LLM, SamplingParams
+from fastllm.engine import Engine, EngineConfig
+from fastllm.engine.speculative import DraftLength, NgramProposer, SpeculativeConfig, StepCosts
+from fastllm.kv_cache import BlockManager, PagedKVCache
+
+STORY = ("Once upon a time, there was a little girl named Lily. She liked to play outside. "
+         "One day, Lily saw a big red ball. Once upon a time, there was a little girl named")
+
+
+def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def stories(model_path, **kwargs) -> LLM:
+    return LLM(model_path("stories260K_hf"), max_model_len=512, kv_cache_memory=8 << 20,
+               **kwargs)
+
+
+def mixed_batch(vocab: int) -> tuple[list, list[SamplingParams]]:
+    """Repetitive and random prompts of different lengths; greedy, seeded sampling with
+    penalties, logprobs, a stop string and short max_tokens side by side."""
+    rng = random.Random(0)
+    prompts = [STORY, "The cat sat on the mat. The cat sat on the",
+               {"prompt_token_ids": [1] + [rng.randrange(3, vocab) for _ in range(45)]},
+               STORY + " Lily", "Tim had a dog.", STORY[:60]]
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=40, ignore_eos=True,
+                             repetition_penalty=1.1, frequency_penalty=0.2),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, stop=["park"])]
+    return prompts, params
+
+
+def assert_no_block_held(llm: LLM) -> None:
+    stats = llm.kv_cache.block_manager.stats()
+    assert stats["referenced_blocks"] == 0, stats
+
+
+@pytest.fixture(scope="module")
+def stories_reference(model_path):
+    plain = stories(model_path)
+    prompts, params = mixed_batch(plain.model.config.vocab_size)
+    outputs = plain.generate(prompts, params, use_tqdm=False)
+    return prompts, params, outputs
+
+
+@pytest.mark.parametrize("speculative", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    {"method": "ngram", "num_speculative_tokens": 7, "adaptive": False},
+    {"method": "draft", "num_speculative_tokens": 3, "draft_dtype": "bfloat16"},
+], ids=["ngram", "ngram-k7-fixed", "draft"])
+def test_same_tokens_as_without_speculation(model_path, stories_reference, speculative):
+    prompts, params, expected = stories_reference
+    if speculative["method"] == "draft":
+        speculative = {**speculative, "model": model_path("stories260K_hf")}
+    llm = stories(model_path, speculative=speculative)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for want, out in zip(expected, got):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids, out.request_id
+        assert out.outputs[0].text == want.outputs[0].text
+        assert out.outputs[0].finish_reason == want.outputs[0].finish_reason
+    # Logprobs of the verified positions are the decode steps' own.
+    for a, b in zip(expected[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        for token in a:
+            assert b[token].logprob == pytest.approx(a[token].logprob, abs=1e-4)
+            assert b[token].rank == a[token].rank
+    stats = llm.engine.stats
+    assert stats.num_draft_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.steps < llm.engine.stats.scheduled_tokens  # fewer steps than tokens
+    metrics = got[0].metrics  # the repetitive story's
+    assert metrics.num_accepted_tokens > 0
+    assert metrics.acceptance_rate == metrics.num_accepted_tokens / metrics.num_draft_tokens
+    assert metrics.mean_accepted_length == 1 + (metrics.num_accepted_tokens
+                                                / metrics.num_verify_steps)
+    assert sum(o.metrics.num_draft_tokens for o in got) == stats.num_draft_tokens
+    assert_no_block_held(llm)
+    # The prefix cache kept only accepted tokens' KV: the same prompts again reuse it.
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+    assert llm.engine.stats.prefix_cache_hits > 0
+
+
+def test_streaming_and_preemption_under_speculation(model_path, stories_reference):
+    prompts, params, expected = stories_reference
+    # Room for about two requests: the others are preempted and recomputed.
+    plain = stories(model_path)
+    small = LLM(model_path("stories260K_hf"), max_model_len=192,
+                kv_cache_memory=12 * plain.kv_cache.spec.bytes_per_block,
+                speculative={"method": "ngram", "num_speculative_tokens": 5},
+                max_num_batched_tokens=40)
+    assert token_ids(small, prompts, params) == [o.outputs[0].token_ids for o in expected]
+    assert small.engine.stats.preemptions > 0 and small.engine.stats.num_accepted_tokens > 0
+    assert_no_block_held(small)
+    deltas = list(small.stream(prompts[0], params[0]))
+    assert "".join(deltas) == expected[0].outputs[0].text
+
+
+def test_speculative_sampling_keeps_the_distribution(model_path):
+    """Speculative sampling keeps the target distribution: the joint law of the first three
+    tokens (top-2 sampling at temperature 1.5, so each position has two outcomes) over 800
+    seeds against the exact one computed from the model, by a chi-square test. The second and
+    third tokens come from the first two rows of verification steps (two drafts each), with
+    drafts accepted and rejected."""
+    llm = stories(model_path, max_num_seqs=256,
+                  speculative={"method": "ngram", "num_speculative_tokens": 3,
+                               "prompt_lookup_min": 1, "adaptive": False})
+    prompt = llm.tokenizer.encode(STORY)
+    model = llm.model
+
+    def top2(tokens: list[int]) -> dict[int, float]:
+        logits = prefill_logits(model, tokens)[-1].double() / 1.5
+        values, ids = logits.topk(2)
+        return dict(zip(ids.tolist(), torch.softmax(values, 0).tolist()))
+
+    exact: dict[tuple[int, ...], float] = {}
+    with torch.inference_mode():
+        for t1, p1 in top2(prompt).items():
+            for t2, p2 in top2(prompt + [t1]).items():
+                for t3, p3 in top2(prompt + [t1, t2]).items():
+                    exact[(t1, t2, t3)] = p1 * p2 * p3
+    n = 800
+    params = [SamplingParams(temperature=1.5, top_k=2, seed=seed, max_tokens=4,
+                             ignore_eos=True) for seed in range(n)]
+    counts: dict[tuple[int, ...], int] = {}
+    for tokens in token_ids(llm, [{"prompt_token_ids": prompt}] * n, params):
+        counts[tuple(tokens[:3])] = counts.get(tuple(tokens[:3]), 0) + 1
+    assert set(counts) <= set(exact)
+    stats = llm.engine.stats
+    assert stats.num_accepted_tokens > 100
+    assert stats.num_draft_tokens - stats.num_accepted_tokens > 20
+    cells = [key for key in exact if exact[key] * n >= 5]  # the rest pooled into one cell
+    observed = [counts.get(key, 0) for key in cells] + [n - sum(counts.get(k, 0) for k in cells)]
+    expected = [exact[key] * n for key in cells] + [n * (1 - sum(exact[k] for k in cells))]
+    if expected[-1] < 5:
+        observed[-2] += observed.pop()
+        expected[-2] += expected.pop()
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    dof = len(observed) - 1
+    p_value = 1 - torch.special.gammainc(torch.tensor(dof / 2), torch.tensor(statistic / 2))
+    assert p_value > 1e-3, (statistic, dof, observed, expected)
+
+
+def test_seeded_sampling_reproduces(model_path, stories_reference):
+    prompts, params, expected = stories_reference
+    llm = stories(model_path, speculative={"method": "ngram", "num_speculative_tokens": 4})
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32, ignore_eos=True)
+              for i in range(len(prompts))]
+    first = token_ids(llm, prompts, params)
+    alone = [token_ids(llm, [p], [q])[0] for p, q in zip(prompts, params)]
+    assert first == alone == token_ids(stories(model_path), prompts, params)
+
+
+def engine_tokens(llm: LLM, prompts, params, **config) -> tuple[list[list[int]], Engine]:
+    """Runs an engine of its own over ``llm``'s model and tokenizer (loading SmolLM2's GGUF
+    vocabulary again would cost seconds)."""
+    engine = Engine(llm.model, llm.tokenizer, PagedKVCache(llm.kv_cache.spec, 48),
+                    EngineConfig(**config), llm.max_model_len)
+    requests = llm.client.make_requests(prompts, params)
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        engine.step()
+    return [request.output_token_ids for request in requests], engine
+
+
+def test_smollm2_greedy_same_tokens(smollm2_llm):
+    """The real model's quantized kernels: row-count-dependent rounding could flip an argmax
+    between a verification chunk and a decode step, so both run batch-invariant."""
+    code = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+            "def mul(a, b):\n    return a * b\n")
+    prompts = [smollm2_llm.chat_prompt([{"role": "user", "content": "Rewrite this Python code, "
+                                         "adding a docstring to each function:\n\n" + code}]),
+               "Write one sentence about the sea."]
+    params = [SamplingParams(temperature=0, max_tokens=28), SamplingParams(temperature=0,
+                                                                            max_tokens=6)]
+    expected, _ = engine_tokens(smollm2_llm, prompts, params, batch_invariant=True)
+    got, engine = engine_tokens(smollm2_llm, prompts, params, batch_invariant=True,
+                                speculative={"method": "ngram", "num_speculative_tokens": 4})
+    assert got == expected
+    assert engine.stats.num_accepted_tokens > 8
+    assert engine.stats.steps < 24
+    assert engine.kv_cache.block_manager.stats()["referenced_blocks"] == 0
+
+
+def test_truncate_drops_blocks_and_keeps_them_out_of_the_prefix_cache():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(10, 16))  # 6 tokens: one full block and a partial one
+    manager.allocate(0, prompt)
+    manager.mark_computed(0, 6)
+    manager.append_tokens(0, [1, 2, 3, 4, 5, 6, 7])  # drafts up to 13 tokens: 4 blocks
+    assert len(manager.block_table(0)) == 4
+    free = manager.num_free_blocks
+    manager.truncate(0, 7)  # one draft kept
+    manager.mark_computed(0, 7)
+    assert len(manager.block_table(0)) == 2 and manager.num_free_blocks == free + 2
+    assert manager.num_tokens(0) == manager.num_computed_tokens(0) == 7
+    manager.append_tokens(0, [9, 9])  # the sequence goes on after the kept draft
+    manager.mark_computed(0, 9)
+    # The rejected drafts' tokens were never cached: a prompt holding them finds only the
+    # blocks that are really computed.
+    hits = manager.stats()["hits"]
+    manager.allocate(1, prompt + [1, 2, 3, 4, 5, 6, 7])
+    assert manager.stats()["hits"] == hits + 1
+    with pytest.raises(ValueError, match="truncate"):
+        manager.truncate(0, 3)  # into a block offered to the prefix cache
+    with pytest.raises(ValueError, match="truncate"):
+        manager.truncate(0, 10)
+    manager.free(0)
+    manager.free(1)
+    assert manager.stats()["referenced_blocks"] == 0
+
+
+def test_ngram_lookup():
+    proposer = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    lookup = proposer._lookup
+    assert lookup([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]
+    assert lookup([1, 2, 3, 1, 2, 4, 1, 2], 2) == [4, 1]  # the latest occurrence
+    assert lookup([1, 2, 3, 4], 2) == []
+    assert lookup([7, 7], 3) == [7]
+
+
+def test_draft_length_turns_down_and_pauses():
+    cheap = [1.0, 1.05, 1.1, 1.15, 1.2]  # a step's seconds with k = 0 .. 4 drafts
+    length = DraftLength(limit=4)
+    assert length.next_k(None) == 0  # no plain step measured yet: nothing to compare with
+    assert length.next_k(cheap) == 4  # cheap drafts, optimistic prior
+    medium = [1.0, 1.3, 1.6, 1.9, 2.2]
+    assert length.next_k(medium) in (2, 3)
+    for _ in range(3):
+        length.update(4, 1)
+    assert length.next_k(medium) == 1  # a lower acceptance: fewer
+    length.update(2, 0)
+    length.update(1, 0)  # two misses in a row: a pause, then a probe of one draft
+    assert [length.next_k(cheap) for _ in range(5)] == [0, 0, 0, 0, 1]
+    length.update(1, 0)
+    k = length.next_k(cheap)
+    assert k >= 1
+    length.update(k, 0)  # a second miss: the next pause is twice as long
+    assert [length.next_k(cheap) for _ in range(9)] == [0] * 8 + [1]
+    length.update(1, 1)  # accepted: back to choosing by the estimate
+    assert length.pause == 0 and length.next_k(cheap) >= 1
+    # Drafting that costs about a step per token never pays: it pauses.
+    costly = [1.0, 1.9, 2.8, 3.7, 4.6]
+    fresh = DraftLength(limit=4)
+    assert [fresh.next_k(costly) for _ in range(5)] == [0, 0, 0, 0, 0]
+    assert fresh.next_k(costly) == 1  # the probe
+    fixed = DraftLength(limit=3, adaptive=False)
+    fixed.update(3, 0)
+    fixed.update(3, 0)
+    assert fixed.next_k(None) == fixed.next_k(costly) == 3
+
+
+def test_step_costs_estimate_what_was_not_measured():
+    costs = StepCosts(limit=3)
+    assert costs.step_s() is None
+    costs.record_step(0, 1.0)
+    assert costs.step_s() == pytest.approx([1.0, 1.1, 1.2, 1.3])
+    costs.record_step(3, 2.0)
+    costs.record_drafting(3, 0.6)  # 0.2 s a drafted token
+    assert costs.step_s() == pytest.approx([1.0, 1.1 + 0.2, 1.2 + 0.4, 2.0 + 0.6])
+
+
+def test_low_acceptance_turns_speculation_off(model_path):
+    """Random prompts and sampling at a high temperature: drafts fail, and the requests stop
+    drafting almost entirely."""
+    llm = stories(model_path, speculative={"method": "ngram", "num_speculative_tokens": 4,
+                                           "prompt_lookup_min": 1})
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [1] + [rng.randrange(3, 512) for _ in range(200)]}
+               for _ in range(2)]
+    params = SamplingParams(temperature=2.0, seed=0, max_tokens=120, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.stats
+    assert stats.num_verify_steps < 0.3 * 2 * 120, stats
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"method": "medusa"}, "method"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "draft"}, "model"),
+    ({"method": "ngram", "model": "x"}, "model"),
+    ({"k": 3}, "unknown keys"),
+])
+def test_bad_config(bad, error):
+    with pytest.raises(ValueError, match=error):
+        SpeculativeConfig.of(bad)
+    with pytest.raises(TypeError, match="speculative"):
+        SpeculativeConfig.of(["ngram"])
