@@ -156,6 +156,24 @@ def test_speculative_sampling_keeps_the_distribution(model_path):
     assert p_value > 1e-3, (statistic, dof, observed, expected)
 
 
+def test_a_constrained_request_does_not_speculate_beside_one_that_does(model_path):
+    """A request under structured output takes one token a step (its grammar would need a state
+    per draft); the request beside it still speculates, and both get their plain tokens."""
+    from fastllm import StructuredOutputsParams
+
+    prompts = [STORY, STORY]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30, structured_outputs=(
+                  StructuredOutputsParams(regex=r"(Lily|Tom) (ran|saw) [a-z]+( [a-z]+)*\\.")))]
+    expected = stories(model_path).generate(prompts, params, use_tqdm=False)
+    llm = stories(model_path, speculative={"method": "ngram", "num_speculative_tokens": 4})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert got[1].outputs[0].text.split(" ")[0] in ("Lily", "Tom")
+    assert got[0].metrics.num_draft_tokens > 0 and got[1].metrics.num_draft_tokens == 0
+    assert_no_block_held(llm)
+
+
 def test_seeded_sampling_reproduces(model_path, stories_reference):
     prompts, params, expected = stories_reference
     llm = stories(model_path, speculative={"method": "ngram", "num_speculative_tokens": 4})
