@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from fastllm import LLM, AsyncLLM, SamplingParams
+from fastllm.entrypoints.client import EngineClient
 
 NUM_PROMPTS = 32
 
@@ -137,6 +138,30 @@ def test_a_prompt_longer_than_the_context_fails_alone(folder, llm):
 
     out = asyncio.run(main())
     assert len(out.outputs[0].token_ids) == 5
+
+
+def test_async_llm_builds_its_engine_on_the_engine_thread(folder, monkeypatch):
+    """All the engine's parallel CPU work on one thread: a second OpenMP team on the same
+    cores (the caller's, had it loaded the model) makes every step's barriers sleep."""
+    built_on = []
+    original = EngineClient.__init__
+
+    def record(self, *args, **kwargs):
+        built_on.append(threading.current_thread())
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineClient, "__init__", record)
+
+    async def main():
+        async with AsyncLLM(folder) as engine:
+            out = await engine.generate({"prompt_token_ids": [1, 400]},
+                                        SamplingParams(temperature=0, max_tokens=3))
+            return engine._thread, out
+
+    thread, out = asyncio.run(main())
+    assert built_on == [thread] and len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="max_model_len"):  # raised in the caller
+        AsyncLLM(folder, max_model_len=-1)
 
 
 def test_async_streams_run_together_and_equal_generate(folder, llm):

@@ -5,10 +5,10 @@
         print(delta, end="")
     output = await llm.generate("The dog", SamplingParams(temperature=0))
 
-A background thread steps the engine while any request is unfinished; every request added from
-any coroutine joins the running batch at the next step. Cancelling the coroutine (or closing
-the ``stream`` iterator) aborts its request, whose KV blocks are freed at once when no step is
-running, else before the next step. Adding and aborting never wait for a running step: the
+A background thread builds the engine, then steps it while any request is unfinished; every
+request added from any coroutine joins the running batch at the next step. Cancelling the
+coroutine (or closing the ``stream`` iterator) aborts its request, whose KV blocks are freed at
+once when no step is running, else before the next step. Adding and aborting never wait for a running step: the
 engine thread applies what is queued before each step, so an event loop is never blocked by
 the engine. A request that fails inside a step (or that the engine refuses) raises its error
 in its own coroutine; the others go on, and so does the thread.
@@ -58,12 +58,14 @@ class StreamDelta:
 class AsyncLLM:
     """Continuous batching for asyncio callers; takes :class:`fastllm.LLM`'s arguments.
 
-    Its engine client (``self.client``, the one :class:`fastllm.LLM` uses too) is stepped by a
-    background thread. Call :meth:`shutdown` (or use ``async with``) to stop the thread.
+    Its engine client (``self.client``, the one :class:`fastllm.LLM` uses too) is built and
+    stepped by a background thread; an error building it (a bad path or argument) raises here.
+    Call :meth:`shutdown` (or use ``async with``) to stop the thread.
     """
 
+    client: EngineClient
+
     def __init__(self, model: str | os.PathLike, **llm_kwargs: Any) -> None:
-        self.client = EngineClient(model, **llm_kwargs)
         self._subscribers: dict[Request, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._subscribers_lock = threading.Lock()  # the engine thread reads them too
         # Requests to add ("add") or abort ("abort"), applied by the engine thread before its
@@ -73,8 +75,19 @@ class AsyncLLM:
         self._wake = threading.Event()
         self._closed = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="fastllm-engine", daemon=True)
+        # The engine is built on its thread too, so all its parallel CPU work runs on one
+        # thread: OpenMP keeps a team of workers per thread that starts parallel work, and
+        # two teams on the same cores make libgomp stop spinning at barriers (it throttles
+        # when it manages more threads than there are cores), which made each step of a
+        # 2-core server 3x slower when the model was loaded on the caller's thread.
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(model, llm_kwargs),
+                                        name="fastllm-engine", daemon=True)
         self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     @property
     def num_waiting(self) -> int:
@@ -198,7 +211,14 @@ class AsyncLLM:
                 request.fail(error)
                 self._notify(request)
 
-    def _run(self) -> None:
+    def _run(self, model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> None:
+        try:
+            self.client = EngineClient(model, **llm_kwargs)
+        except BaseException as error:  # raised again in the caller of __init__
+            self._start_error = error
+            return
+        finally:
+            self._started.set()
         engine = self.client.engine
         while not self._closed:
             with self.client.lock:
