@@ -14,6 +14,7 @@ The tasks (chat prompts through the file's template):
 
 - ``code_edit``: add a docstring to each function of a given Python file and return the file
   (the answer copies most of the prompt);
+- ``summarize``: summarize a given news article (the answer reuses its phrases and figures);
 - ``free_writing``: a short story (little in the prompt to copy).
 
 Per file and task, each engine (``fastllm.LLM(path, max_model_len=1024,
@@ -26,7 +27,8 @@ tokens must be the same: a run where they differ fails. Acceptance rate: accepte
 drafted ones; tokens/step (mean accepted length): tokens per verification step, its own
 included.
 
-Goal: >= 1.5x decode tokens/s on code_edit, >= 1.0x (no loss) on free_writing. On two cores
+Goal: >= 1.5x decode tokens/s on the repetitive tasks (code_edit, summarize), >= 1.0x (no
+loss) on free_writing. On two cores
 the default run takes about 5 minutes; ``--quick`` runs one short call of each on the shipped
 file (n-gram, and the file drafting for itself).
 
@@ -53,7 +55,7 @@ from fastllm.models.pool import model_pool
 
 FILES = ("F16", "Q8_0", "Q4_0", "Q4_1")  # Q4_1: the shipped file itself
 METHODS = ("ngram", "draft")
-TASKS = ("code_edit", "free_writing")
+TASKS = ("code_edit", "summarize", "free_writing")
 
 CODE = '''import math
 
@@ -87,9 +89,26 @@ def area_of_triangle(base, height):
         raise ValueError("sides must be non-negative")
     return base * height / 2
 '''
+DOCUMENT = """The town of Alder Creek voted on Tuesday to rebuild its old stone bridge \
+instead of replacing it with a new steel one. The bridge, built in 1887, carries the main road \
+over the creek and is used by about four thousand cars a day. Engineers found last spring that \
+two of its three arches had cracked, and the council closed it to trucks in June.
+
+The council had two plans before it. The first, a steel bridge, would have cost 6.2 million \
+dollars and taken eighteen months to build. The second, repairing the stone arches and adding a \
+concrete deck, will cost 7.1 million dollars and take two years, but it keeps the bridge that \
+appears on the town's flag. Residents spoke for three hours at the meeting, and most of them \
+asked the council to keep the stone bridge.
+
+The state will pay half of the cost. The town will pay the rest from its road fund and a small \
+increase in the parking fee downtown. Work will start in March, and the road will stay open to \
+cars during the repairs, with one lane in each direction.
+"""
 PROMPTS = {
     "code_edit": "Add a one-line docstring to each function in this Python file and return the "
                  "whole file:\n\n```python\n" + CODE + "```",
+    "summarize": "Summarize this news article in a few sentences, keeping its facts and "
+                 "figures:\n\n" + DOCUMENT,
     "free_writing": "Write a short story about a dragon who learns to bake bread.",
 }
 
@@ -207,7 +226,7 @@ def goal_summary(rows: list[dict[str, object]]) -> str:
     """Whether each method met its goal on each task."""
     lines = []
     for row in rows:
-        goal = 1.5 if row["task"] == "code_edit" else 1.0
+        goal = 1.0 if row["task"] == "free_writing" else 1.5
         verdict = "met" if row["speedup"] >= goal else "NOT met"
         lines.append(f"- {row['file']} {row['method']} {row['task']}: {row['speedup']:.2f}x "
                      f"(goal >= {goal}x: {verdict})")
@@ -254,7 +273,8 @@ def parse_args(argv: list[str] | None) -> tuple[SpecBenchConfig, Path]:
     args = parser.parse_args(argv)
     config = dataclasses.replace(
         defaults, files=tuple(args.files), methods=tuple(args.methods), tasks=tuple(args.tasks),
-        draft_target=args.draft_target, draft_file=args.draft_file, cache_dir=str(args.cache_dir), timer=TimerConfig.from_arguments(args),
+        draft_target=args.draft_target, draft_file=args.draft_file,
+        cache_dir=str(args.cache_dir), timer=TimerConfig.from_arguments(args),
         **{name: getattr(args, name) for name in ("decode_tokens", "k", "draft_k", "threads")})
     return config, args.out
 

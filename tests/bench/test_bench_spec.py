@@ -24,7 +24,7 @@ def test_defaults_are_make_benchs() -> None:
     config, out = bench_spec.parse_args([])
     assert config == bench_spec.SpecBenchConfig() and out == Path("results")
     assert (config.files, config.methods, config.tasks) == (
-        ("F16", "Q8_0"), ("ngram", "draft"), ("code_edit", "free_writing"))
+        ("F16", "Q8_0"), ("ngram", "draft"), ("code_edit", "summarize", "free_writing"))
     assert (config.draft_target, config.draft_file, config.k, config.draft_k,
             config.decode_tokens, config.threads) == ("F16", "Q4_0", 4, 3, 128, 2)
     assert config.timer == TimerConfig(warmup=1, repeats=3, budget_s=20.0)

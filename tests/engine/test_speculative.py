@@ -272,12 +272,17 @@ def test_draft_length_turns_down_and_pauses():
     length.update(k, 0)  # a second miss: the next pause is twice as long
     assert [length.next_k(cheap) for _ in range(9)] == [0] * 8 + [1]
     length.update(1, 1)  # accepted: back to choosing by the estimate
-    assert length.pause == 0 and length.next_k(cheap) >= 1
+    k = length.next_k(cheap)
+    assert k >= 1
+    length.update(k, k)  # drafts that pay, accepted: the pauses start over
+    assert length.pause == 0
     # Drafting that costs about a step per token never pays: it pauses.
     costly = [1.0, 1.9, 2.8, 3.7, 4.6]
     fresh = DraftLength(limit=4)
     assert [fresh.next_k(costly) for _ in range(5)] == [0, 0, 0, 0, 0]
     assert fresh.next_k(costly) == 1  # the probe
+    fresh.update(1, 1)  # accepted, yet drafting still does not pay: a longer pause
+    assert [fresh.next_k(costly) for _ in range(10)] == [0] * 9 + [1]
     fixed = DraftLength(limit=3, adaptive=False)
     fixed.update(3, 0)
     fixed.update(3, 0)
@@ -292,6 +297,17 @@ def test_step_costs_estimate_what_was_not_measured():
     costs.record_step(3, 2.0)
     costs.record_drafting(3, 0.6)  # 0.2 s a drafted token
     assert costs.step_s() == pytest.approx([1.0, 1.1 + 0.2, 1.2 + 0.4, 2.0 + 0.6])
+
+
+def test_step_costs_are_not_held_by_one_slow_step():
+    costs = StepCosts(limit=1)
+    costs.record_step(0, 5.0)  # e.g. the first decode step after a prefill
+    for _ in range(StepCosts.WINDOW // 2):
+        costs.record_step(0, 1.0)
+    assert costs.step_s()[0] == 1.0
+    for _ in range(StepCosts.WINDOW):  # and a cost that changed is followed
+        costs.record_step(0, 2.0)
+    assert costs.step_s()[0] == 2.0
 
 
 def test_low_acceptance_turns_speculation_off(model_path):

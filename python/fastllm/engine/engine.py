@@ -289,6 +289,11 @@ class Engine:
             request.finish_prompt()
             self._finish(request)
         if sampled is not None:
+            if self.proposer is not None:
+                # The draft model reads a prompt when the target has read it, before the first
+                # token: a one-time cost of the prompt (its TTFT), not of decoding.
+                self._prepare_drafts([request for request, _ in sampling
+                                      if not request.output_token_ids])
             self._append_tokens(sampling, sampled)
             if self.proposer is not None:
                 if all(len(s.token_ids) == 1 + s.num_draft_tokens for s in batch.sequences):
@@ -333,17 +338,36 @@ class Engine:
         if self.proposer is not None:
             self.proposer.release(request)
 
+    @staticmethod
+    def _speculates(request: Request) -> bool:
+        """Whether a request may draft: running and unconstrained (a constrained request's
+        verified rows would each need the grammar's state after the drafts before them)."""
+        return not request.finished and request.seq_id is not None and request.grammar is None
+
+    def _prepare_drafts(self, requests: list[Request]) -> None:
+        """Has the proposer read the prompts of requests that will speculate."""
+        going = [r for r in requests if self._speculates(r) and r.params.max_tokens > 1]
+        if not going:
+            return
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self.proposer.prepare(going)
+        except Exception as error:  # drafts are an optimization: no request fails for one
+            logger.warning("speculative drafting failed, this step goes without: %s", error)
+            for request in going:
+                self.proposer.release(request)
+        self.stats.propose_s += time.perf_counter() - started
+
     def _propose(self, requests: list[Request]) -> None:
         """Drafts the next tokens of the requests that just got tokens and go on, as many as
         each one's adaptive draft length allows and its limits leave room for."""
         started = time.perf_counter()
         config = self.config.speculative
         step_s = self._step_costs.step_s()
-        going, lengths = [], []
+        going, lengths, resuming = [], [], False
         for request in requests:
-            # A constrained request does not speculate: each verified row would need the
-            # grammar's state after the drafts before it.
-            if request.finished or request.seq_id is None or request.grammar is not None:
+            if not self._speculates(request):
                 continue
             if request.draft_length is None:
                 request.draft_length = DraftLength(config.num_speculative_tokens,
@@ -355,6 +379,7 @@ class Engine:
             if k > 0:
                 going.append(request)
                 lengths.append(k)
+                resuming |= request.draft_length.probing
         if going:
             try:
                 with torch.inference_mode():
@@ -368,7 +393,8 @@ class Engine:
                 return
             for request, tokens in zip(going, drafts):
                 request.draft_token_ids = tokens
-            self._step_costs.record_drafting(max(lengths), time.perf_counter() - drafting)
+            if not resuming:  # a draft model resuming after a pause first reads what it missed
+                self._step_costs.record_drafting(max(lengths), time.perf_counter() - drafting)
         self.stats.propose_s += time.perf_counter() - started
 
     def _sample(self, logits: torch.Tensor,

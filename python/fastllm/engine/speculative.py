@@ -33,9 +33,11 @@ drafting for a while, longer each time, when none pays or its drafts keep failin
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +127,9 @@ class DraftLength:
     what a step drafting and verifying k tokens costs as the engine measured it
     (:class:`StepCosts`). When no k > 0 pays, or after ``MISSES`` verifications in a row that
     accept nothing, drafting pauses for ``pause`` steps, doubled at each pause (up to
-    ``MAX_PAUSE``) and reset by an accepted draft; then it probes with one draft. So a request
+    ``MAX_PAUSE``) and reset when drafts chosen because they pay are accepted; then it probes
+    with one draft (an accepted probe lets the estimate choose again: when drafting still does
+    not pay, the next pause is longer). So a request
     whose text does not repeat, or an engine where drafting costs more than it gives, runs
     almost as without speculation.
 
@@ -178,11 +182,13 @@ class DraftLength:
         """Learns from a verification of ``num_drafted`` drafts."""
         if not self.adaptive or num_drafted == 0:
             return
-        self.probing = False
+        probe, self.probing = self.probing, False
         self.accepted = self.DECAY * self.accepted + num_accepted
         self.rejected = self.DECAY * self.rejected + (num_accepted < num_drafted)
         if num_accepted > 0:
-            self.misses, self.pause = 0, 0
+            self.misses = 0
+            if not probe:  # drafting that paid was accepted
+                self.pause = 0
             return
         self.misses += 1
         if self.misses >= self.MISSES:
@@ -194,39 +200,47 @@ class DraftLength:
 
 
 class StepCosts:
-    """What decode steps cost, measured (decayed means of seconds): ``verify[k]``, a step whose
-    longest draft was k tokens (k = 0: a plain decode step); ``draft[k]``, drafting k tokens.
-    Unmeasured lengths are estimated from the measured ones (a verification row at
-    ``ROW_COST`` of a step, drafting linear in k) so each gets tried."""
+    """What decode steps cost, measured: ``verify[k]``, a step whose longest draft was k tokens
+    (k = 0: a plain decode step); ``draft[k]``, drafting k tokens. Each is the median of its
+    ``WINDOW`` latest samples (a step is slower now and then, e.g. the first after a prefill,
+    and one such sample must not decide for long). Unmeasured lengths are estimated from the
+    measured ones (a verification row at ``ROW_COST`` of a step, drafting linear in k) so each
+    gets tried."""
 
     ROW_COST = 0.1
+    WINDOW = 8
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.verify: list[float | None] = [None] * (limit + 1)
-        self.draft: list[float | None] = [0.0] + [None] * limit
+        self._verify = [collections.deque(maxlen=self.WINDOW) for _ in range(limit + 1)]
+        self._draft = [collections.deque(maxlen=self.WINDOW) for _ in range(limit + 1)]
 
     def record_step(self, k: int, seconds: float) -> None:
-        self.verify[k] = _decayed_mean(self.verify[k], seconds)
+        self._verify[k].append(seconds)
 
     def record_drafting(self, k: int, seconds: float) -> None:
-        self.draft[k] = _decayed_mean(self.draft[k], seconds)
+        self._draft[k].append(seconds)
+
+    @property
+    def verify(self) -> list[float | None]:
+        return [statistics.median(samples) if samples else None for samples in self._verify]
+
+    @property
+    def draft(self) -> list[float | None]:
+        return [0.0] + [statistics.median(samples) if samples else None
+                        for samples in self._draft[1:]]
 
     def step_s(self) -> list[float] | None:
         """Each k's cost: verifying plus drafting (None before a plain step was measured)."""
-        base = self.verify[0]
+        verify, draft = self.verify, self.draft
+        base = verify[0]
         if base is None:
             return None
-        per_draft = [d / k for k, d in enumerate(self.draft) if k and d is not None]
+        per_draft = [d / k for k, d in enumerate(draft) if k and d is not None]
         draft_per_token = min(per_draft, default=0.0)
         return [(base * (1 + k * self.ROW_COST) if v is None else v)
                 + (draft_per_token * k if d is None else d)
-                for k, (v, d) in enumerate(zip(self.verify, self.draft))]
-
-
-def _decayed_mean(mean: float | None, sample: float, decay: float = 0.8) -> float:
-    """A running mean in which recent samples count most (the first sample, alone)."""
-    return sample if mean is None else decay * mean + (1 - decay) * sample
+                for k, (v, d) in enumerate(zip(verify, draft))]
 
 
 def accepted_length(drafts: Sequence[int], sampled: Sequence[int]) -> int:
