@@ -43,12 +43,11 @@ def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
     config, _ = bench_spec.parse_args(["--quick"])
     assert (config.files, config.draft_target, config.draft_file, config.decode_tokens) == (
         ("Q4_1",), "Q4_1", "Q4_1", 16)
-    # The draft method is left out: a third LLM would read SmolLM2's vocabulary again (seconds).
     document = bench_spec.main(["--out", str(tmp_path), "--quick", "--tasks", "code_edit",
-                                "--methods", "ngram", "--decode-tokens", "8"])
+                                "--decode-tokens", "8"])
     rows = document["rows"]
     assert [(row["file"], row["method"], row["task"]) for row in rows] == [
-        ("Q4_1", "ngram", "code_edit")]
+        ("Q4_1", "ngram", "code_edit"), ("Q4_1", "draft", "code_edit")]
     for row in rows:
         assert row["speedup"] > 0 and row["plain_decode_tok_s"] > 0
         assert row["acceptance_rate"] is None or 0 <= row["acceptance_rate"] <= 1
