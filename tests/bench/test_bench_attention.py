@@ -4,7 +4,6 @@ a run at tiny sizes."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +12,9 @@ import torch.nn.functional as F
 
 from fastllm.bench.timer import TimerConfig
 from fastllm.bench.workloads import MODEL_SHAPES, make_attention_inputs
+from tiny_bench import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_attention
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_attention = import_benchmark("bench_attention")
 
 GPU_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 

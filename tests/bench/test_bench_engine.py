@@ -5,21 +5,15 @@ per device."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import find_model
 from tiny_bench import (MIXED_OUTPUT_TOKENS, MIXED_REQUESTS, OUTPUT_TOKENS, PREFIX_LEN,
-                        PREFIX_REQUESTS, REQUESTS, ROUNDS, SUFFIX_LEN, TINY_ENGINE, engine_args)
+                        PREFIX_REQUESTS, REQUESTS, ROUNDS, SUFFIX_LEN, TINY_ENGINE, engine_args,
+                        import_benchmark)
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_engine
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_engine = import_benchmark("bench_engine")
 
 
 def test_cpu_defaults_are_make_benchs() -> None:

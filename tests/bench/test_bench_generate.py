@@ -4,7 +4,6 @@ tokens in float32, and the rows hold what the report says), and its defaults per
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,9 @@ import torch
 from conftest import find_model
 
 from fastllm.bench.timer import TimerConfig
+from tiny_bench import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_generate
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_generate = import_benchmark("bench_generate")
 
 VOCAB, HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM = 151_936, 64, 192, 16, 8, 128
 

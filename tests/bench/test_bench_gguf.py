@@ -6,20 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import find_model
 
 from fastllm.bench.timer import TimerConfig
+from tiny_bench import import_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_gguf
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_gguf = import_benchmark("bench_gguf")
 
 SAMPLE = REPO / "tests" / "data" / "bench_gguf_quick.json"
 

@@ -4,7 +4,6 @@ holds the same keys."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,9 @@ import torch
 
 from fastllm.ops import reference
 from fastllm.bench.timer import TimerConfig
+from tiny_bench import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_kv_cache
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_kv_cache = import_benchmark("bench_kv_cache")
 
 
 def test_cpu_defaults_are_make_benchs() -> None:

@@ -5,21 +5,15 @@ does, and the rows hold what the report says), and the DL19 evaluation's nDCG@10
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import find_model
-from tiny_bench import QUERIES, TOP_K, rerank_args
+from tiny_bench import QUERIES, TOP_K, import_benchmark, rerank_args
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_generate
-    import bench_rerank
-    import eval_rerank_dl19
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_generate = import_benchmark("bench_generate")
+bench_rerank = import_benchmark("bench_rerank")
+eval_rerank_dl19 = import_benchmark("eval_rerank_dl19")
 
 
 @pytest.fixture(scope="module")

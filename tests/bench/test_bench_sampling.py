@@ -4,7 +4,6 @@ sample what they claim to."""
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -14,13 +13,9 @@ import torch
 
 from fastllm import ops
 from fastllm.bench.timer import TimerConfig
+from tiny_bench import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_sampling
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_sampling = import_benchmark("bench_sampling")
 
 
 def test_cpu_defaults_are_make_benchs() -> None:

@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import find_model
+from tiny_bench import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_serve
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_serve = import_benchmark("bench_serve")
 
 
 def test_defaults_are_make_benchs() -> None:

@@ -5,19 +5,14 @@ speculation (the run fails otherwise)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from fastllm.bench.timer import TimerConfig
+from tiny_bench import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import bench_spec
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+bench_spec = import_benchmark("bench_spec")
 
 
 def test_defaults_are_make_benchs() -> None:

@@ -3,18 +3,13 @@ failing one."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tiny_bench import import_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-try:
-    import run_all
-finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+run_all = import_benchmark("run_all")
 
 
 def fake_benchmarks(out: Path, calls: list[tuple[str, list[str]]],
