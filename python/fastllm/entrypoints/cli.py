@@ -38,11 +38,15 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="quantize a float checkpoint's weights at load (weight-only)")
     _add_kv_cache_dtype(parser)
+    _add_batch_invariant(parser)
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(run=_generate)
+
+
+def _add_batch_invariant(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the same tokens for a seeded request whatever runs beside it, in "
                              "every dtype (slower prefill; CPU only)")
-    parser.add_argument("--device", default="cpu")
-    parser.set_defaults(run=_generate)
 
 
 def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
@@ -132,9 +136,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="a seeded request gets the same tokens whatever else is in the "
-                             "batch (slower prefill; CPU only)")
+    _add_batch_invariant(parser)
     parser.add_argument("--device", default="cpu")
     parser.set_defaults(run=_serve)
 
