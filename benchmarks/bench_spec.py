@@ -28,9 +28,9 @@ drafted ones; tokens/step (mean accepted length): tokens per verification step, 
 included.
 
 Goal: >= 1.5x decode tokens/s on the repetitive tasks (code_edit, summarize), >= 1.0x (no
-loss) on free_writing. On two cores
-the default run takes about 5 minutes; ``--quick`` runs one short call of each on the shipped
-file (n-gram, and the file drafting for itself).
+loss) on free_writing. On two cores the default run takes about 2 minutes on a quiet machine;
+``--quick`` runs one short call of each on the shipped file (n-gram, and the file drafting for
+itself).
 
     python benchmarks/bench_spec.py --out results
     python benchmarks/bench_spec.py --out results --quick

@@ -96,6 +96,35 @@ def test_same_tokens_as_without_speculation(model_path, stories_reference, specu
     assert llm.engine.stats.prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("failing", ["prepare", "propose"])
+def test_a_failing_draft_model_costs_no_request(model_path, stories_reference, monkeypatch,
+                                                 caplog, failing):
+    """Drafting that raises (here after doing its work, on the first and every third call,
+    leaving the draft KV ahead of what the engine knows) drops those requests' draft state and
+    the step goes on without drafts: the same tokens, nothing held."""
+    prompts, params, expected = stories_reference
+    path = model_path("stories260K_hf")
+    llm = stories(model_path, speculative={"method": "draft", "model": path,
+                                           "num_speculative_tokens": 3})
+    proposer = llm.engine.proposer
+    original, calls = getattr(proposer, failing), []
+
+    def flaky(*args):
+        calls.append(args)
+        result = original(*args)
+        if len(calls) % 3 == 1:
+            raise RuntimeError("draft model out of memory")
+        return result
+
+    monkeypatch.setattr(proposer, failing, flaky)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert "speculative drafting failed" in caplog.text and len(calls) > 3
+    assert llm.engine.stats.num_accepted_tokens > 0  # drafting went on after the failures
+    assert_no_block_held(llm)
+    assert proposer.kv_cache.block_manager.stats()["referenced_blocks"] == 0
+
+
 def test_streaming_and_preemption_under_speculation(model_path, stories_reference):
     prompts, params, expected = stories_reference
     # Room for about two requests: the others are preempted and recomputed.

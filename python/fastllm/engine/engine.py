@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +43,7 @@ from fastllm.tokenizer import Tokenizer
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
 
 logger = logging.getLogger("fastllm")
+T = TypeVar("T")
 
 
 @dataclass
@@ -350,14 +351,21 @@ class Engine:
         if not going:
             return
         started = time.perf_counter()
+        self._draft_or_drop(going, lambda: self.proposer.prepare(going))
+        self.stats.propose_s += time.perf_counter() - started
+
+    def _draft_or_drop(self, requests: list[Request], work: Callable[[], T]) -> T | None:
+        """``work()`` (the proposer's, for ``requests``) under inference mode; when it raises,
+        their draft state is dropped and None returned: drafts are an optimization, no request
+        fails for one."""
         try:
             with torch.inference_mode():
-                self.proposer.prepare(going)
-        except Exception as error:  # drafts are an optimization: no request fails for one
+                return work()
+        except Exception as error:
             logger.warning("speculative drafting failed, this step goes without: %s", error)
-            for request in going:
+            for request in requests:
                 self.proposer.release(request)
-        self.stats.propose_s += time.perf_counter() - started
+            return None
 
     def _propose(self, requests: list[Request]) -> None:
         """Drafts the next tokens of the requests that just got tokens and go on, as many as
@@ -381,16 +389,14 @@ class Engine:
                 lengths.append(k)
                 resuming |= request.draft_length.probing
         if going:
-            try:
-                with torch.inference_mode():
-                    self.proposer.prepare(going)
-                    drafting = time.perf_counter()
-                    drafts = self.proposer.propose(going, lengths)
-            except Exception as error:  # drafts are an optimization: no request fails for one
-                logger.warning("speculative drafting failed, this step goes without: %s", error)
-                for request in going:
-                    self.proposer.release(request)
+            def draft() -> tuple[float, list[list[int]]]:
+                self.proposer.prepare(going)  # a request readmitted after preemption
+                return time.perf_counter(), self.proposer.propose(going, lengths)
+
+            drafted = self._draft_or_drop(going, draft)
+            if drafted is None:
                 return
+            drafting, drafts = drafted
             for request, tokens in zip(going, drafts):
                 request.draft_token_ids = tokens
             if not resuming:  # a draft model resuming after a pause first reads what it missed

@@ -129,9 +129,8 @@ class DraftLength:
     accept nothing, drafting pauses for ``pause`` steps, doubled at each pause (up to
     ``MAX_PAUSE``) and reset when drafts chosen because they pay are accepted; then it probes
     with one draft (an accepted probe lets the estimate choose again: when drafting still does
-    not pay, the next pause is longer). So a request
-    whose text does not repeat, or an engine where drafting costs more than it gives, runs
-    almost as without speculation.
+    not pay, the next pause is longer). So a request whose text does not repeat, or an engine
+    where drafting costs more than it gives, runs almost as without speculation.
 
     ``adaptive=False``: always ``limit``.
     """
@@ -211,7 +210,6 @@ class StepCosts:
     WINDOW = 8
 
     def __init__(self, limit: int) -> None:
-        self.limit = limit
         self._verify = [collections.deque(maxlen=self.WINDOW) for _ in range(limit + 1)]
         self._draft = [collections.deque(maxlen=self.WINDOW) for _ in range(limit + 1)]
 
