@@ -29,10 +29,11 @@ constexpr int64_t kMaxStreamRows = 16;
 // Weight rows dequantized at a time on the GEMM path (a tile of a few hundred KiB stays in L2).
 constexpr int64_t kGemmTileRows = 128;
 
-// Activations quantized per row and block of 32 to int16 with one float scale (amax /
-// kActivationMax): exact to about 1e-5 of the block's largest value, where ggml's int8
-// activations (1/127) flip near-tied logits. Each block keeps its scaled sum too, for the
-// weights' offsets: sum_j (s q_j + o) x_j = s sum_j q_j x_j + o sum_j x_j.
+// Activations quantized per row and block of 32 to integers of at most `max` with one float
+// scale (amax / max): int16 (kActivationMax) is exact to about 1e-5 of the block's largest
+// value, where ggml's int8 activations (1/127) flip near-tied logits; K-quants take bytes
+// (quantized_cpu.h). Each block keeps its scaled sum too, for the weights' offsets:
+// sum_j (s q_j + o) x_j = s sum_j q_j x_j + o sum_j x_j.
 struct QuantizedActivations {
   int64_t rows = 0, blocks = 0;
   std::vector<int16_t> values;
@@ -44,7 +45,8 @@ struct QuantizedActivations {
   }
 };
 
-QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t k_len) {
+QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t k_len,
+                                          int max_value) {
   QuantizedActivations q;
   q.rows = rows;
   q.blocks = k_len / kSubBlockValues;
@@ -66,7 +68,7 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
     }
     float amax;
     __builtin_memcpy(&amax, &amax_bits, sizeof(amax));
-    const float scale = amax / float(kActivationMax);
+    const float scale = amax / float(max_value);
     const float inverse = scale > 0.f ? 1.f / scale : 0.f;
     // Local arrays, copied out after: stores through the vectors' int8 data could alias
     // anything, which keeps the compiler from vectorizing the loop.
@@ -75,7 +77,7 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
     int32_t sum = 0;
     for (int j = 0; j < kSubBlockValues; ++j) {
       // Clamped: a subnormal scale's inverse is too coarse to keep the product in range.
-      const float max = float(kActivationMax);
+      const float max = float(max_value);
       const int32_t value = int32_t(std::clamp(std::nearbyint(src[j] * inverse), -max, max));
       values[j] = int16_t(value);
       low[j] = int8_t(value);  // two's complement: value - low is 256 * high
@@ -156,7 +158,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
     if (bias.has_value()) y_float.add_(bias->to(at::kFloat));
   } else {
     const QuantizedActivations xq = quantize_activations(x_float.const_data_ptr<float>(), rows,
-                                                         k_len);
+                                                         k_len, activation_max(format));
     const ActivationBlocks activations = xq.view();
     const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     const float* bias_data = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;

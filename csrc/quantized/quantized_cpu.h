@@ -13,9 +13,25 @@ namespace fastllm {
 // Largest magnitude of the activations' int16: the largest x whose bytes split as
 // x = 256 * high + low with both signed bytes (the form 8-bit dot products take).
 constexpr int kActivationMax = 127 * 256 + 127;
+// K-quants' decode rows take activations of one signed byte (high is 0): one 8-bit dot product
+// per 4 values instead of two, +15-20% on a hot product, and what llama.cpp does for them
+// (q8_K), though with a scale per 32 values, not per 256. The other formats keep int16: with
+// bytes, the shipped SmolLM2 Q4_1 no longer answered "Paris" (tests/models/test_smollm2.py).
+constexpr int kByteActivationMax = 127;
 
-// Activation rows quantized per sub-block of 32 values to int16 (|x| <= kActivationMax) with
-// one float scale each, also split into bytes.
+template <BlockFormat F>
+constexpr bool kByteActivations = F == BlockFormat::kQ4_K || F == BlockFormat::kQ5_K ||
+                                  F == BlockFormat::kQ6_K;
+
+// The activations' largest integer for decode rows of `format`.
+inline int activation_max(BlockFormat format) {
+  return visit_block_format(format, [](auto f) {
+    return kByteActivations<decltype(f)::value> ? kByteActivationMax : kActivationMax;
+  });
+}
+
+// Activation rows quantized per sub-block of 32 values to integers (|x| <= activation_max)
+// with one float scale each, also split into bytes.
 struct ActivationBlocks {
   int64_t rows = 0, blocks = 0;   // blocks of 32 per row
   const int16_t* values;          // [rows, blocks * 32]

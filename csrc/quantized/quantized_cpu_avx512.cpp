@@ -4,8 +4,9 @@
 //
 // A sub-block's unsigned 8-bit integers u meet the activations split into signed bytes,
 // x = 256 * high + low, in two vpdpbusd: u . x = 256 (u . high) + u . low, exact in int32,
-// without widening the weights. Each int32 lane holds 4 values' products, so Q6_K's int8
-// scale (one per 16 values) and zero point apply to its lanes: (u - 32) . x times the scale.
+// without widening the weights; K-quants' activations are single bytes (quantized_cpu.h), one
+// vpdpbusd. Each int32 lane holds 4 values' products, so Q6_K's int8 scale (one per 16
+// values) and zero point apply to its lanes: (u - 32) . x times the scale.
 #include "quantized/quantized_cpu.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -24,9 +25,12 @@ struct Avx512 {
   struct SplitBytes {
     __m256i high, low;
   };
-  // Q6_K's: each lane's 4 values' sum times 32, the zero point's share of u . x.
-  struct SplitBytesAndZero {
-    __m256i high, low, zero;
+  struct Bytes {  // a K-quant's activations
+    __m256i x;
+  };
+  // Q6_K's: also each lane's 4 values' sum times 32, the zero point's share of u . x.
+  struct BytesAndZero {
+    __m256i x, zero;
   };
   struct Q6KWeights {
     __m256i u, scales;  // the 6-bit integers; the int8 scale of each lane's 16 values
@@ -46,26 +50,31 @@ struct Avx512 {
   template <BlockFormat F>
   static auto activations(const ActivationBlocks& x, int64_t i) {
     const int64_t at = i * kSubBlockValues;
-    const SplitBytes split{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.high + at)),
-                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.low + at))};
-    if constexpr (F != BlockFormat::kQ6_K)
-      return split;
+    const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.low + at));
+    if constexpr (!kByteActivations<F>)
+      return SplitBytes{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.high + at)), low};
+    else if constexpr (F != BlockFormat::kQ6_K)
+      return Bytes{low};
     else
-      return SplitBytesAndZero{split.high, split.low,
-                               _mm256_slli_epi32(dot(_mm256_set1_epi8(1), split), 5)};
+      return BytesAndZero{low, _mm256_slli_epi32(dot(_mm256_set1_epi8(1), low), 5)};
   }
   static Acc zero() { return _mm256_setzero_ps(); }
+  static __m256i dot(__m256i u, __m256i x) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+  }
   // u . x per lane of 4 values: |256 (u . high) + u . low| <= 4 * 255 * 32767, an int32.
   static __m256i dot(__m256i u, SplitBytes x) {
-    const __m256i high = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x.high);
-    return _mm256_dpbusd_epi32(_mm256_slli_epi32(high, 8), u, x.low);
+    return _mm256_dpbusd_epi32(_mm256_slli_epi32(dot(u, x.high), 8), u, x.low);
   }
   static Acc dot_fma(__m256i u, SplitBytes x, float scale, Acc acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u, x)), _mm256_set1_ps(scale), acc);
   }
-  // |(u - 32) . x| <= 4 * 32 * 32767 per lane, times an int8 scale: an int32.
-  static Acc dot_fma(Q6KWeights w, SplitBytesAndZero x, float scale, Acc acc) {
-    const __m256i dots = _mm256_sub_epi32(dot(w.u, {x.high, x.low}), x.zero);
+  static Acc dot_fma(__m256i u, Bytes x, float scale, Acc acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u, x.x)), _mm256_set1_ps(scale), acc);
+  }
+  // |(u - 32) . x| <= 4 * 32 * 127 per lane, times an int8 scale: an int32.
+  static Acc dot_fma(Q6KWeights w, BytesAndZero x, float scale, Acc acc) {
+    const __m256i dots = _mm256_sub_epi32(dot(w.u, x.x), x.zero);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(dots, w.scales)),
                            _mm256_set1_ps(scale), acc);
   }

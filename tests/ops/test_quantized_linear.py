@@ -48,13 +48,18 @@ def in_features(weight: torch.Tensor, weight_type: int) -> int:
     return weight.shape[1] // block_bytes * values
 
 
-def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int) -> torch.Tensor:
-    """The most the kernel may differ from exact float64: its int16 activation blocks round each
-    value by at most half a step (block amax / 32639, the int16 range the kernels split into
-    two signed bytes), plus float32 summation."""
+def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: int,
+                           backend_name: str) -> torch.Tensor:
+    """The most the kernel may differ from exact float64: its activation blocks round each value
+    by at most half a step, plus float32 summation. The step is block amax / 32639 (the int16
+    range the kernels split into two signed bytes), but for the CPU's K-quant kernels, which
+    take bytes as llama.cpp does: amax / 127."""
     w = reference.dequantize(weight, weight_type).abs()  # [out, in]
     xd = x.double()
-    step = xd.abs().reshape(x.shape[0], -1, 32).amax(-1) / 32639  # [rows, blocks]
+    byte_activations = (backend_name.startswith("cpu")
+                        and ops.BLOCK_FORMATS[weight_type][0] in K_QUANTS)
+    levels = 127 if byte_activations else 32639
+    step = xd.abs().reshape(x.shape[0], -1, 32).amax(-1) / levels  # [rows, blocks]
     per_value = step.repeat_interleave(32, dim=1) / 2  # [rows, in]
     return per_value @ w.T + 1e-5 * (xd.abs() @ w.T) + 1e-6
 
@@ -102,7 +107,7 @@ def check_quantized_linear(backend, type_name: str, rows: int, shape: tuple[int,
                                        weight_type, bias.to(backend.device)).cpu()
     expected = reference.quantized_linear(x, weight, weight_type, bias)
     assert got.shape == (rows, out) and got.dtype == torch.float32
-    bound = (activation_error_bound(x, weight, weight_type)
+    bound = (activation_error_bound(x, weight, weight_type, backend.name)
              + gemm_error_bound(backend, x, weight, weight_type))
     err = (got.double() - expected).abs()
     assert (err <= bound).all(), f"max error {err.max():.3g}, bound there {bound[err.argmax()]}"
@@ -158,7 +163,8 @@ def test_quantized_linear_low_precision(type_name, rows, dtype, backend):
             x, reference.dequantize(weight, weight_type).to(dtype), bias)
         assert_within_twice_plain_error(got.double(), plain.double(), expected)
     else:  # exact weights, float32 sums, one rounding to dtype
-        bound = (activation_error_bound(x.float(), weight, weight_type) + expected.abs() * 2**-7
+        bound = (activation_error_bound(x.float(), weight, weight_type, backend.name)
+                 + expected.abs() * 2**-7
                  + gemm_error_bound(backend, x, weight, weight_type))
         assert ((got.double() - expected).abs() <= bound).all()
 
@@ -204,7 +210,7 @@ def test_strided_inputs(type_name, rows, backend):
               torch.randn(256, rows, device=device).T):
         got = backend.ops.quantized_linear(x, strided_weight, weight_type, bias.to(device)).cpu()
         expected = reference.quantized_linear(x.cpu(), weight, weight_type, bias)
-        bound = (activation_error_bound(x.cpu(), weight, weight_type)
+        bound = (activation_error_bound(x.cpu(), weight, weight_type, backend.name)
                  + gemm_error_bound(backend, x.cpu(), weight, weight_type))
         assert ((got.double() - expected).abs() <= bound).all()
 
@@ -319,7 +325,7 @@ def test_batch_invariant_rows_equal_each_row_alone(weight_type, dtype):
                            for i in range(x.shape[0])])
     assert torch.equal(batch, alone)
     exact = x.double() @ reference.dequantize(weight, weight_type).T
-    bound = activation_error_bound(x.float(), weight, weight_type)
+    bound = activation_error_bound(x.float(), weight, weight_type, "cpu")
     if dtype == torch.bfloat16:  # the result's own rounding
         bound = bound + exact.abs() * 2.0 ** -8
     assert ((batch.double() - exact).abs() <= bound).all()
