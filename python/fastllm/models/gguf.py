@@ -1,10 +1,11 @@
 """Loads a llama.cpp GGUF checkpoint into a :class:`~fastllm.models.llama.DecoderLM`.
 
-The file is memory-mapped with ``gguf.GGUFReader``. Its metadata (``{arch}.block_count``, ...)
-is translated into the HF ``config.json`` keys it came from, so :meth:`ModelConfig.from_hf_config`
-applies the same per-architecture rules as for a HF folder. Each tensor is dequantized to
-float32 with ``gguf.quants`` and handed to the safetensors loader's :func:`build_model` under its
-HF name, so the fused q/k/v and gate/up layout and the meta-device build are the same code.
+The file is memory-mapped with ``gguf.GGUFReader`` (:class:`fastllm.gguf_file.GGUFFileReader`).
+Its metadata (``{arch}.block_count``, ...) is translated into the HF ``config.json`` keys it came
+from, so :meth:`ModelConfig.from_hf_config` applies the same per-architecture rules as for a HF
+folder. Each tensor is dequantized to float32 with ``gguf.quants`` and handed to the safetensors
+loader's :func:`build_model` under its HF name, so the fused q/k/v and gate/up layout and the
+meta-device build are the same code.
 
 Two conventions of llama.cpp's ``convert_hf_to_gguf.py`` are undone here:
 
@@ -25,18 +26,17 @@ naming the file and the metadata key or the tensor.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType,
-                  ReaderField, ReaderTensor)
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from torch import Tensor
 
 from fastllm import ops
+from fastllm.gguf_file import GGUFFileReader
 from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
@@ -88,83 +88,6 @@ def gguf_tensor_name(hf_name: str) -> str:
         return f"{_GLOBAL_NAMES[module]}.{kind}"
     _, _, layer, rest = module.split(".", 3)  # "model", "layers", "{i}", rest
     return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
-
-
-class _GGUFFileError(ValueError):
-    """A bad GGUF file, already named in the message (raised by :class:`_CheckedReader`)."""
-
-
-class _CheckedReader(GGUFReader):
-    """``gguf.GGUFReader`` that refuses a file it cannot read faithfully, naming where.
-
-    The reader parses everything in its constructor and makes an array view of every tensor's
-    data there, so the checks hook its steps: :meth:`_get` (each read must lie within the file:
-    a bad count then fails at once instead of reading short or looping over an array of 2**60
-    nothing), :meth:`_push_field` and :meth:`_get_tensor_info_field` (where it is, for the
-    message) and :meth:`_build_tensors` (each tensor's entry, before its view is made). Any
-    other error of the reader (a bad value type, a duplicate key, a bad alignment) becomes a
-    ValueError naming the file and where it was.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.position = path, "the header"
-        try:
-            super().__init__(path)
-        except _GGUFFileError:
-            raise
-        except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
-            raise ValueError(f"{path}: cannot read {self.position}: {error}") from error
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
-             ) -> np.ndarray:
-        end = offset + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise _GGUFFileError(f"{self.path} is truncated: {self.position} reads bytes up to "
-                                 f"{end}, past the end of the file ({len(self.data)} bytes)")
-        return super()._get(offset, dtype, count, override_order)
-
-    def _push_field(self, field: ReaderField, skip_sum: bool = False) -> int:
-        self.position = f"the metadata after {field.name!r}"
-        return super()._push_field(field, skip_sum)
-
-    def _get_tensor_info_field(self, orig_offs: int) -> ReaderField:
-        field = super()._get_tensor_info_field(orig_offs)
-        self.position = f"the tensor infos after {field.name!r}"
-        return field
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        for field in fields:
-            self.position = f"tensor {field.name}"
-            _, _, _, dims, raw_type, offset = field.parts
-            self._check_tensor_info(field.name, [int(n) for n in dims], int(raw_type[0]),
-                                    start_offs, int(offset[0]))
-        self.position = "the tensors"
-        super()._build_tensors(start_offs, fields)
-
-    def _check_tensor_info(self, name: str, dims: list[int], raw_type: int, start: int,
-                           offset: int) -> None:
-        """Refuses a tensor entry whose data the reader would view wrongly: an unknown type,
-        rows that are not whole blocks, an offset off the file's alignment (once read as NaN
-        weights), or data past the end of the file (a truncated file)."""
-        where = f"{self.path}: tensor {name}"
-        if raw_type not in GGML_QUANT_SIZES:
-            raise _GGUFFileError(f"{where} has unknown ggml type {raw_type}")
-        kind = GGMLQuantizationType(raw_type)
-        if not 1 <= len(dims) <= 4:  # GGML_MAX_DIMS
-            raise _GGUFFileError(f"{where} has {len(dims)} dimensions; ggml takes 1 to 4")
-        block, block_bytes = GGML_QUANT_SIZES[kind]
-        if dims[0] % block:  # ggml lists the row (innermost) dimension first
-            raise _GGUFFileError(f"{where} has rows of {dims[0]} values, not whole {kind.name} "
-                                 f"blocks of {block}")
-        if offset % self.alignment:
-            raise _GGUFFileError(f"{where} starts at offset {offset} of the data section, not a "
-                                 f"multiple of the file's alignment {self.alignment}")
-        n_bytes = math.prod(dims) // block * block_bytes
-        if start + offset + n_bytes > len(self.data):
-            raise _GGUFFileError(
-                f"{where} ({kind.name}, ggml shape {dims}) needs bytes {start + offset} to "
-                f"{start + offset + n_bytes}, past the end of the file ({len(self.data)} bytes): "
-                "the file is truncated or the entry is wrong")
 
 
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
@@ -286,7 +209,7 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         magic = file.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    reader = _CheckedReader(path)
+    reader = GGUFFileReader(path)
     if check_quantization(quantization) is not None:
         packed = [t for t in reader.tensors if t.tensor_type not in _FLOAT_TYPES]
         if packed:

@@ -11,6 +11,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from fastllm.gguf_file import GGUFFileReader
 from fastllm.tokenizer.base import _SPACE, _Backend
 from fastllm.tokenizer.hf_tokenizers import _TokenizersBackend
 from fastllm.tokenizer.sentencepiece import (_CONTROL, _NORMAL, _UNKNOWN, _UNUSED, _USER_DEFINED,
@@ -52,9 +53,7 @@ class _GGUFSentencePieceBackend(_SentencePieceLike):
 
 def _read_gguf_tokenizer(path: Path) -> dict[str, Any]:
     """The ``tokenizer.*`` metadata of a GGUF file, keys without the ``tokenizer.`` prefix."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = GGUFFileReader(Path(path))
     meta = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
