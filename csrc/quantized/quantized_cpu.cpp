@@ -24,8 +24,11 @@ namespace {
 
 // Up to this many activation rows the integer kernel streams the weights once for all of them;
 // past it the product is compute-bound and the dequantize + GEMM path wins (decode rows and
-// prefill rows differ in their last bits: int16 activations against a GEMM's).
-constexpr int64_t kMaxStreamRows = 16;
+// prefill rows differ in their last bits: int16 activations against a GEMM's). The GEMM path
+// pays for dequantizing the whole weight, so it wins only past 44-64 rows (SmolLM2's Q8_0 and
+// Q4_0, the Qwen3 shape's Q4_K, 2 threads); at 17-32 rows streaming took 1.3-2.8x less time,
+// which is a draft model's catch-up chunk, a verification step or a batch of 32 decodes.
+constexpr int64_t kMaxStreamRows = 32;
 // Weight rows dequantized at a time on the GEMM path (a tile of a few hundred KiB stays in L2).
 constexpr int64_t kGemmTileRows = 128;
 

@@ -81,7 +81,7 @@ def test_dequantize_equals_gguf(type_name, backend):
 
 
 # Rows past this take the CPU's dequantize + GEMM path (kMaxStreamRows, quantized_cpu.cpp).
-CPU_STREAM_ROWS = 16
+CPU_STREAM_ROWS = 32
 
 
 def gemm_error_bound(backend, x: torch.Tensor, weight: torch.Tensor,
@@ -118,14 +118,14 @@ def case_ids(cases: list) -> list[str]:
 
 
 # (activation rows, (weight rows, blocks per row)) on either side of each kernel's switch:
-# decode rows up to 16 on the CPU (AVX-512 tiles 4 rows and AVX2 2: full tiles and every
+# decode rows up to 32 on the CPU (AVX-512 tiles 4 rows and AVX2 2: full tiles and every
 # tail; weight rows in tiles of 4 and alone), up to 8 in CUDA's GEMV; past them tiles of 128
 # dequantized weight rows (each ISA's dequantization: test_dequantize_equals_gguf) for a GEMM.
 # The CPU's ISAs and the simulator run DECODE_CASES.
 DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 8, 9)), (1, (1, 1)), (3, (1, 1)),
                 (4, (64, 2))]
-MORE_CASES = [(5, (7, 3)), (16, (7, 3)), (17, (7, 3)), (17, (1, 1)), (40, (130, 1)),
-              (512, (7, 1))]
+MORE_CASES = [(5, (7, 3)), (17, (7, 3)), (32, (7, 3)), (33, (7, 3)), (33, (1, 1)),
+              (40, (130, 1)), (512, (7, 1))]
 
 
 @pytest.mark.cpu_isas

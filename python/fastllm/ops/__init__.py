@@ -227,7 +227,7 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
         bias: ``[out_features]`` in x's dtype, or None.
 
     Returns ``[rows, out_features]`` in x's dtype. On the CPU a few rows (a decode step, up to
-    16) quantize the activations to int16 blocks of 32 (int8 for the K-quants, as llama.cpp
+    32) quantize the activations to int16 blocks of 32 (int8 for the K-quants, as llama.cpp
     does) and take integer dot products with the weight's blocks (AVX-512 VNNI, or AVX2, or
     plain C++: the widest the CPU has, or the environment variable
     ``FASTLLM_CPU_ISA=avx512|avx2|scalar``), streaming the weight once in its own size; more rows dequantize tiles of the weight and use ATen's GEMM. On CUDA up to 8
