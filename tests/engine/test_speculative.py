@@ -318,6 +318,55 @@ def test_draft_length_turns_down_and_pauses():
     assert fixed.next_k(None) == fixed.next_k(costly) == 3
 
 
+def test_a_draft_model_stops_for_good_when_drafting_does_not_pay():
+    """A proposer that reads every token (a draft model) probes with all its drafts, and stops
+    at the second pause before drafting paid; one whose drafts pay goes on through pauses."""
+    costly = [1.0, 1.9, 2.8, 3.7, 4.6]  # drafting about a step per token never pays
+    length = DraftLength(limit=4, gives_up=True)
+    assert length.next_k(costly) == 4  # the first drafts are a probe, of all k
+    length.update(4, 4)
+    assert [length.next_k(costly) for _ in range(6)] == [0] * 5 + [4]  # a pause, a probe
+    length.update(4, 4)
+    assert not length.stopped
+    assert length.next_k(costly) == 0 and length.stopped  # the second pause: for good
+    assert [length.next_k([1.0] * 5) for _ in range(100)] == [0] * 100
+    cheap = [1.0, 1.05, 1.1, 1.15, 1.2]
+    paying = DraftLength(limit=4, gives_up=True)
+    for _ in range(3):  # pay, miss twice (a pause), probe: twice over
+        assert paying.next_k(cheap) == 4
+        paying.update(4, 4)
+        paying.update(paying.next_k(cheap), 0)
+        paying.update(paying.next_k(cheap), 0)
+        assert [paying.next_k(cheap) for _ in range(paying.pause + 1)][-1] == 4
+        paying.update(4, 4)
+    assert not paying.stopped
+    assert DraftLength(limit=4).next_k(costly) == 0  # n-gram: cheap probes, no first one
+
+
+def test_a_draft_model_that_does_not_pay_leaves_its_requests(model_path, monkeypatch):
+    """When drafting stops for a request, the draft model's state for it goes at once, and
+    the request verifies no more drafts."""
+    monkeypatch.setattr(DraftLength, "MARGIN", 100.0)  # no drafts ever pay
+    llm = stories(model_path, speculative={"method": "draft", "num_speculative_tokens": 3,
+                                           "model": model_path("stories260K_hf")})
+    proposer = llm.engine.proposer
+    released_running = []
+    release = proposer.release
+
+    def recording_release(request):
+        if request in proposer._seq_ids and not request.finished:
+            released_running.append(request.request_id)
+        release(request)
+
+    monkeypatch.setattr(proposer, "release", recording_release)
+    [out] = llm.generate([STORY], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                         use_tqdm=False)
+    assert released_running == [out.request_id]
+    assert out.metrics.num_verify_steps == 2  # the first probe and the one after a pause
+    assert not proposer._seq_ids and proposer.kv_cache.block_manager.stats()[
+        "referenced_blocks"] == 0
+
+
 def test_step_costs_estimate_what_was_not_measured():
     costs = StepCosts(limit=3)
     assert costs.step_s() is None

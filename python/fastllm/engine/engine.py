@@ -379,11 +379,14 @@ class Engine:
                 continue
             if request.draft_length is None:
                 request.draft_length = DraftLength(config.num_speculative_tokens,
-                                                   config.adaptive)
+                                                   config.adaptive,
+                                                   self.proposer.reads_every_token)
             # Room for the drafts and the verification step's own token.
             room = min(request.params.max_tokens - len(request.output_token_ids),
                        self.max_model_len - request.num_tokens) - 1
             k = min(request.draft_length.next_k(step_s), room)
+            if request.draft_length.stopped:  # for good: its draft state can go now
+                self.proposer.release(request)
             if k > 0:
                 going.append(request)
                 lengths.append(k)

@@ -125,18 +125,28 @@ class DraftLength:
     starting from an optimistic prior) and drafts the k in ``[0, limit]`` that maximizes the
     expected tokens per second, ``(1 + alpha + ... + alpha^k) / step_s[k]``, with ``step_s[k]``
     what a step drafting and verifying k tokens costs as the engine measured it
-    (:class:`StepCosts`). When no k > 0 pays, or after ``MISSES`` verifications in a row that
+    (:class:`StepCosts`), where that beats a plain step's by ``MARGIN``. When no k > 0 pays, or after ``MISSES`` verifications in a row that
     accept nothing, drafting pauses for ``pause`` steps, doubled at each pause (up to
     ``MAX_PAUSE``) and reset when drafts chosen because they pay are accepted; then it probes
     with one draft (an accepted probe lets the estimate choose again: when drafting still does
     not pay, the next pause is longer). So a request whose text does not repeat, or an engine
     where drafting costs more than it gives, runs almost as without speculation.
 
+    ``gives_up``: for a proposer that reads every token the request emits, drafting or not (a
+    draft model), a pause saves nothing of that reading, and resuming reads the paused
+    tokens first (a probe after 16 paused steps cost three plain steps: SmolLM2's Q4_0 copy
+    drafting for its F16 one); so the second pause before drafting has paid again stops
+    drafting for the rest of the request (:attr:`stopped`). Its probes, the request's first
+    drafts included, draft ``limit`` tokens: their cost is mostly that reading, and they
+    teach alpha ``limit`` times as fast.
+
     ``adaptive=False``: always ``limit``.
     """
 
     limit: int
     adaptive: bool = True
+    gives_up: bool = False
+    stopped: bool = False
     accepted: float = 3.0  # decayed counts; the prior: alpha = 0.75
     rejected: float = 1.0
     misses: int = 0
@@ -145,6 +155,10 @@ class DraftLength:
     probing: bool = False
 
     DECAY = 0.8
+    # Drafting must promise this much more than a plain step's tokens per second: alpha and
+    # the costs are estimates, and near the break-even a wrong bet loses more than a right one
+    # gains (free writing on SmolLM2: 0.93x without the margin).
+    MARGIN = 0.1
     MISSES = 2
     FIRST_PAUSE = 4
     MAX_PAUSE = 64
@@ -159,7 +173,7 @@ class DraftLength:
         paused step down."""
         if not self.adaptive:
             return self.limit
-        if step_s is None:
+        if step_s is None or self.stopped:
             return 0
         if self.paused_for > 0:
             self.paused_for -= 1
@@ -167,8 +181,8 @@ class DraftLength:
                 self.probing = True
             return 0
         if self.probing:
-            return 1
-        best_k, best, tokens = 0, 1.0 / step_s[0], 1.0
+            return self.limit if self.gives_up else 1
+        best_k, best, tokens = 0, (1 + self.MARGIN) / step_s[0], 1.0
         for k in range(1, self.limit + 1):
             tokens += self.alpha ** k
             if tokens / step_s[k] > best:
@@ -193,7 +207,12 @@ class DraftLength:
         if self.misses >= self.MISSES:
             self._pause()
 
+    def __post_init__(self) -> None:
+        self.probing = self.gives_up  # its first drafts are a probe
+
     def _pause(self) -> None:
+        if self.gives_up and self.pause > 0:  # paused before, and drafting has not paid since
+            self.stopped = True
         self.pause = min(self.MAX_PAUSE, max(self.FIRST_PAUSE, 2 * self.pause))
         self.paused_for, self.misses = self.pause, 0
 
@@ -252,6 +271,8 @@ class NgramProposer:
     last n tokens, for the longest n in ``[prompt_lookup_min, prompt_lookup_max]`` that
     occurs."""
 
+    reads_every_token = False  # it looks tokens up only when asked for drafts
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
@@ -286,6 +307,8 @@ class DraftModelProposer:
     touches a cached block). Each step it computes the request's tokens it lacks, then draws
     k tokens one step at a time with the request's sampling parameters and seeded stream at
     those positions (penalties aside: drafts need not be exact to keep the output exact)."""
+
+    reads_every_token = True  # its KV must hold every token before it drafts the next
 
     def __init__(self, model: DecoderLM, device: torch.device, num_blocks: int,
                  block_size: int, max_model_len: int) -> None:
