@@ -34,8 +34,8 @@ constexpr int64_t kGemmTileRows = 128;
 
 // Activations quantized per row and block of 32 to integers of at most `max` with one float
 // scale (amax / max): int16 (kActivationMax) is exact to about 1e-5 of the block's largest
-// value, where ggml's int8 activations (1/127) flip near-tied logits; K-quants take bytes
-// (quantized_cpu.h). Each block keeps its scaled sum too, for the weights' offsets:
+// value, where ggml's int8 activations (1/127) flip near-tied logits; Q4_0 and the K-quants
+// take bytes (quantized_cpu.h). Each block keeps its scaled sum too, for the weights' offsets:
 // sum_j (s q_j + o) x_j = s sum_j q_j x_j + o sum_j x_j.
 struct QuantizedActivations {
   int64_t rows = 0, blocks = 0;

@@ -13,15 +13,17 @@ namespace fastllm {
 // Largest magnitude of the activations' int16: the largest x whose bytes split as
 // x = 256 * high + low with both signed bytes (the form 8-bit dot products take).
 constexpr int kActivationMax = 127 * 256 + 127;
-// K-quants' decode rows take activations of one signed byte (high is 0): one 8-bit dot product
-// per 4 values instead of two, +15-20% on a hot product, and what llama.cpp does for them
-// (q8_K), though with a scale per 32 values, not per 256. The other formats keep int16: with
-// bytes, the shipped SmolLM2 Q4_1 no longer answered "Paris" (tests/models/test_smollm2.py).
+// Q4_0's and the K-quants' decode rows take activations of one signed byte (high is 0): one
+// 8-bit dot product per 4 values instead of two, +15-20% on a hot product, as llama.cpp does
+// (q8_0, q8_K), with a scale per 32 values. SmolLM2's Q4_0 and Q4_K_M rewrites still answer
+// "Paris" and agree with HF's greedy tokens at 97-100% of positions; the other formats keep
+// int16: with bytes, the shipped SmolLM2 Q4_1 no longer answered "Paris"
+// (tests/models/test_smollm2.py).
 constexpr int kByteActivationMax = 127;
 
 template <BlockFormat F>
-constexpr bool kByteActivations = F == BlockFormat::kQ4_K || F == BlockFormat::kQ5_K ||
-                                  F == BlockFormat::kQ6_K;
+constexpr bool kByteActivations = F == BlockFormat::kQ4_0 || F == BlockFormat::kQ4_K ||
+                                  F == BlockFormat::kQ5_K || F == BlockFormat::kQ6_K;
 
 // The activations' largest integer for decode rows of `format`.
 inline int activation_max(BlockFormat format) {

@@ -4,8 +4,8 @@
 //
 // A sub-block's unsigned 8-bit integers u meet the activations split into signed bytes,
 // x = 256 * high + low, in two vpdpbusd: u . x = 256 (u . high) + u . low, exact in int32,
-// without widening the weights; K-quants' activations are single bytes (quantized_cpu.h), one
-// vpdpbusd. Each int32 lane holds 4 values' products, so Q6_K's int8 scale (one per 16
+// without widening the weights; Q4_0's and the K-quants' activations are single bytes
+// (quantized_cpu.h), one vpdpbusd. Each int32 lane holds 4 values' products, so Q6_K's int8 scale (one per 16
 // values) and zero point apply to its lanes: (u - 32) . x times the scale.
 #include "quantized/quantized_cpu.h"
 
@@ -25,7 +25,7 @@ struct Avx512 {
   struct SplitBytes {
     __m256i high, low;
   };
-  struct Bytes {  // a K-quant's activations
+  struct Bytes {  // single-byte activations (kByteActivations)
     __m256i x;
   };
   // Q6_K's: also each lane's 4 values' sum times 32, the zero point's share of u . x.

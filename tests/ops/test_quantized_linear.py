@@ -52,12 +52,12 @@ def activation_error_bound(x: torch.Tensor, weight: torch.Tensor, weight_type: i
                            backend_name: str) -> torch.Tensor:
     """The most the kernel may differ from exact float64: its activation blocks round each value
     by at most half a step, plus float32 summation. The step is block amax / 32639 (the int16
-    range the kernels split into two signed bytes), but for the CPU's K-quant kernels, which
-    take bytes as llama.cpp does: amax / 127."""
+    range the kernels split into two signed bytes), but for the CPU's Q4_0 and K-quant
+    kernels, which take bytes as llama.cpp does: amax / 127."""
     w = reference.dequantize(weight, weight_type).abs()  # [out, in]
     xd = x.double()
     byte_activations = (backend_name.startswith("cpu")
-                        and ops.BLOCK_FORMATS[weight_type][0] in K_QUANTS)
+                        and ops.BLOCK_FORMATS[weight_type][0] in K_QUANTS | {"Q4_0"})
     levels = 127 if byte_activations else 32639
     step = xd.abs().reshape(x.shape[0], -1, 32).amax(-1) / levels  # [rows, blocks]
     per_value = step.repeat_interleave(32, dim=1) / 2  # [rows, in]

@@ -227,13 +227,13 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
         bias: ``[out_features]`` in x's dtype, or None.
 
     Returns ``[rows, out_features]`` in x's dtype. On the CPU a few rows (a decode step, up to
-    32) quantize the activations to int16 blocks of 32 (int8 for the K-quants, as llama.cpp
-    does) and take integer dot products with the weight's blocks (AVX-512 VNNI, or AVX2, or
-    plain C++: the widest the CPU has, or the environment variable
-    ``FASTLLM_CPU_ISA=avx512|avx2|scalar``), streaming the weight once in its own size; more rows dequantize tiles of the weight and use ATen's GEMM. On CUDA up to 8
-    rows run a GEMV that decodes the blocks in registers (float32 sums); more rows dequantize
-    the weight to x's dtype for cuBLAS. Within those decode rows a row's result does not depend
-    on the others.
+    32) quantize the activations to int16 blocks of 32 (int8 for Q4_0 and the K-quants, as
+    llama.cpp does) and take integer dot products with the weight's blocks (AVX-512 VNNI, or
+    AVX2, or plain C++: the widest the CPU has, or the environment variable
+    ``FASTLLM_CPU_ISA=avx512|avx2|scalar``), streaming the weight once in its own size; more
+    rows dequantize tiles of the weight and use ATen's GEMM. On CUDA up to 8 rows run a GEMV
+    that decodes the blocks in registers (float32 sums); more rows dequantize the weight to x's
+    dtype for cuBLAS. Within those decode rows a row's result does not depend on the others.
     """
     return torch.ops.fastllm.quantized_linear.default(x, weight, weight_type, bias)
 
