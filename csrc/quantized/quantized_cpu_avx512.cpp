@@ -5,8 +5,8 @@
 // A sub-block's unsigned 8-bit integers u meet the activations split into signed bytes,
 // x = 256 * high + low, in two vpdpbusd: u . x = 256 (u . high) + u . low, exact in int32,
 // without widening the weights; Q4_0's and the K-quants' activations are single bytes
-// (quantized_cpu.h), one vpdpbusd. Each int32 lane holds 4 values' products, so Q6_K's int8 scale (one per 16
-// values) and zero point apply to its lanes: (u - 32) . x times the scale.
+// (quantized_cpu.h), one vpdpbusd. Each int32 lane holds 4 values' products, so Q6_K's int8
+// scale (one per 16 values) and zero point apply to its lanes: (u - 32) . x times the scale.
 #include "quantized/quantized_cpu.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \

@@ -222,7 +222,9 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="Linux only")
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(),
+                    reason="Linux only: the pool is an anonymous mapping committed as written "
+                           "only there (elsewhere it is zeroed at once), and /proc measures it")
 def test_a_cpu_pool_costs_memory_only_as_it_is_written():
     """A pool is as large as memory allows, so it is committed as sequences fill it: at load a
     memset of a Qwen3-0.6B's 4 GiB of K/V took 4 of its 10 s."""

@@ -125,12 +125,13 @@ class DraftLength:
     starting from an optimistic prior) and drafts the k in ``[0, limit]`` that maximizes the
     expected tokens per second, ``(1 + alpha + ... + alpha^k) / step_s[k]``, with ``step_s[k]``
     what a step drafting and verifying k tokens costs as the engine measured it
-    (:class:`StepCosts`), where that beats a plain step's by ``MARGIN``. When no k > 0 pays, or after ``MISSES`` verifications in a row that
-    accept nothing, drafting pauses for ``pause`` steps, doubled at each pause (up to
-    ``MAX_PAUSE``) and reset when drafts chosen because they pay are accepted; then it probes
-    with one draft (an accepted probe lets the estimate choose again: when drafting still does
-    not pay, the next pause is longer). So a request whose text does not repeat, or an engine
-    where drafting costs more than it gives, runs almost as without speculation.
+    (:class:`StepCosts`), where that beats a plain step's by ``MARGIN``. When no k > 0 pays,
+    or after ``MISSES`` verifications in a row that accept nothing, drafting pauses for
+    ``pause`` steps, doubled at each pause (up to ``MAX_PAUSE``) and reset when drafts chosen
+    because they pay are accepted; then it probes with one draft (an accepted probe lets the
+    estimate choose again: when drafting still does not pay, the next pause is longer). So a
+    request whose text does not repeat, or an engine where drafting costs more than it gives,
+    runs almost as without speculation.
 
     ``gives_up``: for a proposer that reads every token the request emits, drafting or not (a
     draft model), a pause saves nothing of that reading, and resuming reads the paused

@@ -8,10 +8,10 @@
 A background thread builds the engine, then steps it while any request is unfinished; every
 request added from any coroutine joins the running batch at the next step. Cancelling the
 coroutine (or closing the ``stream`` iterator) aborts its request, whose KV blocks are freed at
-once when no step is running, else before the next step. Adding and aborting never wait for a running step: the
-engine thread applies what is queued before each step, so an event loop is never blocked by
-the engine. A request that fails inside a step (or that the engine refuses) raises its error
-in its own coroutine; the others go on, and so does the thread.
+once when no step is running, else before the next step. Adding and aborting never wait for a
+running step: the engine thread applies what is queued before each step, so an event loop is
+never blocked by the engine. A request that fails inside a step (or that the engine refuses)
+raises its error in its own coroutine; the others go on, and so does the thread.
 """
 
 from __future__ import annotations
