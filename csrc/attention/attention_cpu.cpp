@@ -38,8 +38,10 @@ constexpr int64_t kMinKeysPerSplit = 128;
 // Below this many multiply-adds a call runs on the calling thread: waking OpenMP workers that
 // went to sleep costs more than the work (decode of short sequences, tiny prefills).
 constexpr int64_t kMinParallelWork = int64_t(1) << 17;
-// Tiles of at most this many rows (decode: one position x the GQA group) read K and V rows in
-// place instead of packing them for the tile GEMM, which needs many rows to pay off.
+// Decode tiles (one position: its GQA group's rows, at most this many) read K and V rows in
+// place instead of packing them for the tile GEMM, which needs more rows to pay off: from two
+// positions on (a verification step's) the GEMM path took 0.75-0.85x the time (SmolLM2's
+// 3-head groups, 400 keys).
 constexpr int64_t kDirectMaxRows = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -367,7 +369,10 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
       for (int64_t c = 0; c < nk; ++c) {
         float* dst = vf + c * Dp;
         const cache_t* src = v_rows[c];
-        if (vl.dim == 1)
+        if (vl.dim == 1 && pb.direct_ok)  // whole vectors (at::vec::convert from halves is
+          // element by element: a quarter of a verification step's attention)
+          for (int64_t d = 0; d < D; d += VecF::size()) load_as_float(src + d).store(dst + d);
+        else if (vl.dim == 1)
           at::vec::convert(src, dst, D);
         else
           for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * vl.dim]);
@@ -409,7 +414,8 @@ std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q,
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len_q = cu_q[b + 1] - cu_q[b], len_k = key_lens[b];
-    const bool direct = pb.direct_ok && (invariant || len_q * pb.group <= kDirectMaxRows);
+    const bool direct =
+        pb.direct_ok && (invariant || (len_q == 1 && pb.group <= kDirectMaxRows));
     const int64_t positions = !direct ? gemm_positions : invariant ? invariant_positions : len_q;
     for (int64_t p0 = 0; p0 < len_q; p0 += positions) {
       Tile t{cu_q[b] + p0, p0, std::min(positions, len_q - p0), b, len_q, len_k,

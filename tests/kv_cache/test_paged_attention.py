@@ -259,6 +259,7 @@ NARROWER_CACHE = {  # (lens_q, seq_lens, head_dim): decode tiles read rows in pl
     "decode": ([1, 1, 1], [600, 1, 77], 64),  # 600 keys: split over 2 threads
     "chunked_prefill": ([7, 0, 20, 1], [57, 9, 20, 33], 64),
     "odd_head_dim": ([1, 5], [300, 40], 67),
+    "verification": ([5, 2], [300, 41], 64),  # drafts checked over long histories: packed
 }
 
 
