@@ -141,9 +141,12 @@ class DraftLength:
     draft model), a pause saves nothing of that reading, and resuming reads the paused
     tokens first (a probe after 16 paused steps cost three plain steps: SmolLM2's Q4_0 copy
     drafting for its F16 one); so the second pause before drafting has paid again stops
-    drafting for the rest of the request (:attr:`stopped`). Its probes, the request's first
-    drafts included, draft ``limit`` tokens: their cost is mostly that reading, and they
-    teach alpha ``limit`` times as fast.
+    drafting for the rest of the request (:attr:`stopped`), as does a step cost that no
+    acceptance could repay (k drafts all accepted, k + 1 tokens, not worth a step drafting k:
+    SmolLM2's Q4_0 copy drafting for its F16 one, 7 ms a draft token against 10 ms a plain
+    step, whose probes cost free writing 4%). Its probes, the request's first drafts
+    included, draft ``limit`` tokens: their cost is mostly that reading, and they teach alpha
+    ``limit`` times as fast.
 
     ``adaptive=False``: always ``limit``.
     """
@@ -178,6 +181,11 @@ class DraftLength:
             return self.limit
         if step_s is None or self.stopped:
             return 0
+        plain = (1 + self.MARGIN) / step_s[0]  # a plain step's tokens/s, plus the margin
+        if self.gives_up and all((k + 1) / step_s[k] <= plain for k in range(1, self.limit + 1)):
+            # Not even drafts all accepted would pay: no probe can change that.
+            self.stopped = True
+            return 0
         if self.paused_for > 0:
             self.paused_for -= 1
             if self.paused_for == 0:
@@ -185,7 +193,7 @@ class DraftLength:
             return 0
         if self.probing:
             return self.limit if self.gives_up else 1
-        best_k, best, tokens = 0, (1 + self.MARGIN) / step_s[0], 1.0
+        best_k, best, tokens = 0, plain, 1.0
         for k in range(1, self.limit + 1):
             tokens += self.alpha ** k
             if tokens / step_s[k] > best:
