@@ -402,7 +402,8 @@ def test_a_draft_model_stops_for_good_when_drafting_does_not_pay():
 
 def test_a_draft_model_that_does_not_pay_leaves_its_requests(model_path, monkeypatch):
     """When drafting stops for a request, the draft model's state for it goes at once, and
-    the request verifies no more drafts."""
+    the request verifies no more drafts; once the engine knows no draft can pay, the draft
+    model does not read new requests' prompts."""
     monkeypatch.setattr(DraftLength, "MARGIN", 100.0)  # no drafts ever pay
     llm = stories(model_path, speculative={"method": "draft", "num_speculative_tokens": 3,
                                            "model": model_path("stories260K_hf")})
@@ -422,6 +423,40 @@ def test_a_draft_model_that_does_not_pay_leaves_its_requests(model_path, monkeyp
     assert out.metrics.num_verify_steps == 0  # not even a probe: no acceptance would pay
     assert not proposer._seq_ids and proposer.kv_cache.block_manager.stats()[
         "referenced_blocks"] == 0
+    # The engine has measured its steps now: the next request's prompt is not even read.
+    prepared = []
+    prepare = proposer.prepare
+    monkeypatch.setattr(proposer, "prepare",
+                        lambda requests: (prepared.extend(requests), prepare(requests)))
+    [again] = llm.generate([STORY], SamplingParams(temperature=0, max_tokens=60,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert prepared == [] and again.metrics.num_verify_steps == 0
+    assert proposer.num_held == 0
+
+
+def test_a_draft_models_first_probe_is_measured(model_path, monkeypatch):
+    """A request's first probe drafts from the prompt the draft model has read, so its cost
+    is drafting's and is measured (so that drafting that cannot pay is seen before later
+    requests probe); a probe after a pause also reads the missed tokens, and is not."""
+    length = DraftLength(limit=3, gives_up=True)
+    assert length.probing and not length.resuming  # the first probe
+    length.update(3, 0)
+    assert [length.next_k([1.0, 1.6, 2.2, 2.8]) for _ in range(6)] == [0] * 5 + [3]
+    assert length.probing and length.resuming  # a probe after a pause
+    update = DraftLength.update
+
+    def probe_only(self, num_drafted, num_accepted):  # the request's first probe, no more
+        update(self, num_drafted, num_accepted)
+        self.stopped = True
+
+    monkeypatch.setattr(DraftLength, "update", probe_only)
+    llm = stories(model_path, speculative={"method": "draft", "num_speculative_tokens": 3,
+                                           "model": model_path("stories260K_hf")})
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    [first] = llm.generate([STORY], params, use_tqdm=False)
+    assert first.metrics.num_verify_steps == 1
+    assert llm.engine._step_costs.draft[3] is not None
 
 
 def test_step_costs_estimate_what_was_not_measured():

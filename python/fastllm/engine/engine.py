@@ -346,13 +346,31 @@ class Engine:
         return not request.finished and request.seq_id is not None and request.grammar is None
 
     def _prepare_drafts(self, requests: list[Request]) -> None:
-        """Has the proposer read the prompts of requests that will speculate."""
+        """Has the proposer read the prompts of requests that will speculate, but where the
+        step costs measured so far say no draft could pay for a proposer that reads every
+        token (:meth:`DraftLength.can_pay`): those requests never draft, and the draft model
+        reads nothing of theirs."""
         going = [r for r in requests if self._speculates(r) and r.params.max_tokens > 1]
+        step_s = self._step_costs.step_s()
+        if self.proposer.reads_every_token and step_s is not None:
+            for request in going:
+                length = self._draft_length(request)
+                if length.adaptive and not length.can_pay(step_s):
+                    length.stopped = True
+            going = [r for r in going if not r.draft_length.stopped]
         if not going:
             return
         started = time.perf_counter()
         self._draft_or_drop(going, lambda: self.proposer.prepare(going))
         self.stats.propose_s += time.perf_counter() - started
+
+    def _draft_length(self, request: Request) -> DraftLength:
+        """The request's adaptive draft length, made at its first use."""
+        if request.draft_length is None:
+            config = self.config.speculative
+            request.draft_length = DraftLength(config.num_speculative_tokens, config.adaptive,
+                                               self.proposer.reads_every_token)
+        return request.draft_length
 
     def _draft_or_drop(self, requests: list[Request], work: Callable[[], T]) -> T | None:
         """``work()`` (the proposer's, for ``requests``) under inference mode; when it raises,
@@ -371,26 +389,21 @@ class Engine:
         """Drafts the next tokens of the requests that just got tokens and go on, as many as
         each one's adaptive draft length allows and its limits leave room for."""
         started = time.perf_counter()
-        config = self.config.speculative
         step_s = self._step_costs.step_s()
         going, lengths, resuming = [], [], False
         for request in requests:
             if not self._speculates(request):
                 continue
-            if request.draft_length is None:
-                request.draft_length = DraftLength(config.num_speculative_tokens,
-                                                   config.adaptive,
-                                                   self.proposer.reads_every_token)
             # Room for the drafts and the verification step's own token.
             room = min(request.params.max_tokens - len(request.output_token_ids),
                        self.max_model_len - request.num_tokens) - 1
-            k = min(request.draft_length.next_k(step_s), room)
+            k = min(self._draft_length(request).next_k(step_s), room)
             if request.draft_length.stopped:  # for good: its draft state can go now
                 self.proposer.release(request)
             if k > 0:
                 going.append(request)
                 lengths.append(k)
-                resuming |= request.draft_length.probing
+                resuming |= request.draft_length.resuming
         if going:
             def draft() -> tuple[float, list[list[int]]]:
                 self.proposer.prepare(going)  # a request readmitted after preemption

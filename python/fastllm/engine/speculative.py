@@ -173,6 +173,13 @@ class DraftLength:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    @property
+    def resuming(self) -> bool:
+        """Whether this step's drafts are a probe after a pause (a draft model reads the
+        tokens it missed first, so the step costs more than drafting); a request's first
+        probe is not."""
+        return self.probing and self.pause > 0
+
     def next_k(self, step_s: Sequence[float] | None = None) -> int:
         """Drafts wanted this step; ``step_s[k]`` is a step's cost with k drafts (k = 0 ..
         limit), None when the engine has not measured a plain step yet (then none). Counts a
@@ -181,9 +188,7 @@ class DraftLength:
             return self.limit
         if step_s is None or self.stopped:
             return 0
-        plain = (1 + self.MARGIN) / step_s[0]  # a plain step's tokens/s, plus the margin
-        if self.gives_up and all((k + 1) / step_s[k] <= plain for k in range(1, self.limit + 1)):
-            # Not even drafts all accepted would pay: no probe can change that.
+        if self.gives_up and not self.can_pay(step_s):  # no probe can change that
             self.stopped = True
             return 0
         if self.paused_for > 0:
@@ -193,7 +198,7 @@ class DraftLength:
             return 0
         if self.probing:
             return self.limit if self.gives_up else 1
-        best_k, best, tokens = 0, plain, 1.0
+        best_k, best, tokens = 0, (1 + self.MARGIN) / step_s[0], 1.0
         for k in range(1, self.limit + 1):
             tokens += self.alpha ** k
             if tokens / step_s[k] > best:
@@ -201,6 +206,12 @@ class DraftLength:
         if best_k == 0:
             self._pause()
         return best_k
+
+    def can_pay(self, step_s: Sequence[float]) -> bool:
+        """Whether some k drafts, all accepted (k + 1 tokens), would be worth a step drafting
+        k (by ``MARGIN``, as :meth:`next_k` judges)."""
+        plain = (1 + self.MARGIN) / step_s[0]
+        return any((k + 1) / step_s[k] > plain for k in range(1, self.limit + 1))
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Learns from a verification of ``num_drafted`` drafts."""
