@@ -369,11 +369,8 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
       for (int64_t c = 0; c < nk; ++c) {
         float* dst = vf + c * Dp;
         const cache_t* src = v_rows[c];
-        if (vl.dim == 1 && pb.direct_ok)  // whole vectors (at::vec::convert from halves is
-          // element by element: a quarter of a verification step's attention)
-          for (int64_t d = 0; d < D; d += VecF::size()) load_as_float(src + d).store(dst + d);
-        else if (vl.dim == 1)
-          at::vec::convert(src, dst, D);
+        if (vl.dim == 1)
+          convert_to_float(src, dst, D);
         else
           for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d * vl.dim]);
         std::fill(dst + D, dst + Dp, 0.f);

@@ -33,6 +33,16 @@ inline void store_from_float(const VecF& v, scalar_t* p) {
   }
 }
 
+// dst[0, n) = src[0, n) as float32, a vector at a time (at::vec::convert from float16 and
+// bfloat16 goes element by element: a quarter of packing a verification step's V rows).
+template <typename scalar_t>
+inline void convert_to_float(const scalar_t* src, float* dst, int64_t n) {
+  constexpr int64_t W = VecF::size();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) load_as_float(src + i).store(dst + i);
+  for (; i < n; ++i) dst[i] = float(src[i]);
+}
+
 inline int64_t round_up_to_vec(int64_t n) {
   constexpr int64_t W = VecF::size();
   return (n + W - 1) / W * W;

@@ -130,7 +130,7 @@ RowResult sample_row(const scalar_t* row, int64_t vocab, int64_t r, const RowPar
     x = row;
   } else {
     sc.x.resize(vocab);
-    at::vec::convert(row, sc.x.data(), vocab);
+    convert_to_float(row, sc.x.data(), vocab);
     x = sc.x.data();
   }
   // NaN propagates through maximum; +inf and all -inf show in the maximum too.

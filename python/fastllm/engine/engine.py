@@ -348,16 +348,14 @@ class Engine:
     def _prepare_drafts(self, requests: list[Request]) -> None:
         """Has the proposer read the prompts of requests that will speculate, but where the
         step costs measured so far say no draft could pay for a proposer that reads every
-        token (:meth:`DraftLength.can_pay`): those requests never draft, and the draft model
-        reads nothing of theirs."""
+        token (:meth:`DraftLength.gives_up_if_hopeless`): those requests never draft, and the
+        draft model reads nothing of theirs."""
         going = [r for r in requests if self._speculates(r) and r.params.max_tokens > 1]
-        step_s = self._step_costs.step_s()
-        if self.proposer.reads_every_token and step_s is not None:
-            for request in going:
-                length = self._draft_length(request)
-                if length.adaptive and not length.can_pay(step_s):
-                    length.stopped = True
-            going = [r for r in going if not r.draft_length.stopped]
+        if going and self.proposer.reads_every_token:
+            step_s = self._step_costs.step_s()
+            if step_s is not None:
+                going = [r for r in going
+                         if not self._draft_length(r).gives_up_if_hopeless(step_s)]
         if not going:
             return
         started = time.perf_counter()

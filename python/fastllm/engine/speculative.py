@@ -186,10 +186,7 @@ class DraftLength:
         paused step down."""
         if not self.adaptive:
             return self.limit
-        if step_s is None or self.stopped:
-            return 0
-        if self.gives_up and not self.can_pay(step_s):  # no probe can change that
-            self.stopped = True
+        if step_s is None or self.gives_up_if_hopeless(step_s):
             return 0
         if self.paused_for > 0:
             self.paused_for -= 1
@@ -207,11 +204,14 @@ class DraftLength:
             self._pause()
         return best_k
 
-    def can_pay(self, step_s: Sequence[float]) -> bool:
-        """Whether some k drafts, all accepted (k + 1 tokens), would be worth a step drafting
-        k (by ``MARGIN``, as :meth:`next_k` judges)."""
-        plain = (1 + self.MARGIN) / step_s[0]
-        return any((k + 1) / step_s[k] > plain for k in range(1, self.limit + 1))
+    def gives_up_if_hopeless(self, step_s: Sequence[float]) -> bool:
+        """Whether drafting stopped for good, stopping it now for a proposer that gives up
+        where not even drafts all accepted would pay: k drafts giving k + 1 tokens are worth no
+        step drafting k (by ``MARGIN``, as :meth:`next_k` judges). No probe can change that."""
+        if self.adaptive and self.gives_up and not self.stopped:
+            plain = (1 + self.MARGIN) / step_s[0]
+            self.stopped = all((k + 1) / step_s[k] <= plain for k in range(1, self.limit + 1))
+        return self.stopped
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """Learns from a verification of ``num_drafted`` drafts."""
