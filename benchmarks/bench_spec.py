@@ -10,6 +10,13 @@ package ships (its Q4_1 file), made once into ``--cache-dir`` by ``benchmarks/be
 - ``draft``: on ``--draft-target`` (F16) with ``--draft-file`` (Q4_0) drafting, a quantized
   self-draft: ``{"method": "draft", "model": Q4_0, "num_speculative_tokens": --draft-k}``.
 
+Beside the n-gram method, the peer a CPU user would pick (``--peer llama_cpp``, the default;
+``none`` leaves it out): llama.cpp (llama-cpp-python's ``Llama(path, n_threads=--threads,
+n_threads_batch=--threads, n_ctx=1024)``) on the same file, plain and with its prompt lookup
+(``draft_model=LlamaPromptLookupDecoding(num_pred_tokens=--k)``), in the same alternation;
+its row is its own speedup, and the n-gram row's ``vs llama.cpp ngram`` is fastllm's
+speculative tokens/s over llama.cpp's. llama.cpp's tokens are not checked: its numerics differ.
+
 The tasks (chat prompts through the file's template):
 
 - ``code_edit``: add a docstring to each function of a given Python file and return the file
@@ -28,7 +35,7 @@ drafted ones; tokens/step (mean accepted length): tokens per verification step, 
 included.
 
 Goal: >= 1.5x decode tokens/s on the repetitive tasks (code_edit, summarize), >= 1.0x (no
-loss) on free_writing. On two cores the default run takes about 2 minutes on a quiet machine;
+loss) on free_writing. On two cores the default run takes about 3 minutes on a quiet machine;
 ``--quick`` runs one short call of each on the shipped file (n-gram, and the file drafting for
 itself).
 
@@ -48,13 +55,15 @@ import torch
 
 import fastllm
 from bench_generate import GenerateSample, fastllm_call
-from bench_gguf import DEFAULT_CACHE_DIR, GGUFBenchConfig, model_file, torch_threads
+from bench_gguf import (DEFAULT_CACHE_DIR, GGUFBenchConfig, _llama_cpp, llama_cpp_call,
+                        model_file, torch_threads)
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare, summarize
 from fastllm.models.pool import model_pool
 
 FILES = ("F16", "Q8_0", "Q4_0", "Q4_1")  # Q4_1: the shipped file itself
 METHODS = ("ngram", "draft")
+PEERS = ("llama_cpp", "none")
 TASKS = ("code_edit", "summarize", "free_writing")
 
 CODE = '''import math
@@ -125,6 +134,7 @@ class SpecBenchConfig:
     draft_k: int = 3
     draft_target: str = "F16"  # the file the draft method runs on
     draft_file: str = "Q4_0"  # its draft model
+    peer: str = "llama_cpp"  # llama.cpp's own prompt lookup beside the n-gram method, or none
     threads: int = 2
     cache_dir: str = str(DEFAULT_CACHE_DIR)
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=3,
@@ -138,6 +148,8 @@ class SpecBenchConfig:
         if self.draft_target not in FILES or self.draft_file not in FILES:
             raise ValueError(f"draft_target and draft_file must be of {', '.join(FILES)}, got "
                              f"{self.draft_target!r} and {self.draft_file!r}")
+        if self.peer not in PEERS:
+            raise ValueError(f"peer must be one of {', '.join(PEERS)}, got {self.peer!r}")
         if min(self.decode_tokens, self.k, self.draft_k, self.threads) < 1:
             raise ValueError(f"decode_tokens, k, draft_k and threads must be >= 1, got {self}")
 
@@ -145,7 +157,7 @@ class SpecBenchConfig:
     def quick(cls) -> SpecBenchConfig:
         """A check that everything runs: the shipped file, 1 + 16 tokens, one call each."""
         return cls(files=("Q4_1",), draft_target="Q4_1", draft_file="Q4_1", decode_tokens=16,
-                   timer=TimerConfig(warmup=0, repeats=1, budget_s=0.0))
+                   peer="none", timer=TimerConfig(warmup=0, repeats=1, budget_s=0.0))
 
     def competitors(self, file: str) -> dict[str, dict | None]:
         """Engine name -> its ``speculative`` argument, for one file."""
@@ -175,18 +187,21 @@ def task_rows(file: str, config: SpecBenchConfig) -> list[dict[str, object]]:
                                  enable_prefix_caching=False, speculative=spec,
                                  tokenizer=shared)
     tokenizer = llms["plain"].tokenizer
+    peers = llama_cpp_engines(path, config) if "ngram" in speculative else {}
     new_tokens = 1 + config.decode_tokens
     rows = []
     for task in config.tasks:
         prompt = llms["plain"].chat_prompt([{"role": "user", "content": PROMPTS[task]}])
         prompt = prompt["prompt_token_ids"]
-        samples: dict[str, list[GenerateSample]] = {name: [] for name in llms}
+        samples: dict[str, list[GenerateSample]] = {name: [] for name in [*llms, *peers]}
         with torch.inference_mode():
             calls = {name: fastllm_call(llm, prompt, new_tokens, samples[name])
                      for name, llm in llms.items()}
+            calls |= {name: llama_cpp_call(peer, prompt, new_tokens, samples[name])
+                      for name, peer in peers.items()}
             timings = compare(calls, config.timer)
         decode = {name: summarize([s.decode_s for s in samples[name][-timings[name].repeats:]])
-                  for name in llms}
+                  for name in calls}
         plain_tok_s = config.decode_tokens / decode["plain"].median_s
         for name in llms:
             if name == "plain":
@@ -210,12 +225,47 @@ def task_rows(file: str, config: SpecBenchConfig) -> list[dict[str, object]]:
                 "spec_decode_median_ms": decode[name].median_s * 1e3,
                 "repeats": decode[name].repeats,
                 "text": tokenizer.decode(kept[-1].tokens)[:200]})
+        if peers:
+            # llama.cpp's prompt lookup against its own plain decode, on the same file and
+            # prompt; and fastllm's n-gram tokens/s against it (the absolute comparison).
+            cpp_tok_s = {name: config.decode_tokens / decode[name].median_s for name in peers}
+            ngram_row = next(r for r in rows if r["task"] == task and r["method"] == "ngram")
+            ngram_row["vs_llama_cpp_ngram"] = (ngram_row["spec_decode_tok_s"]
+                                               / cpp_tok_s["llama_cpp_ngram"])
+            rows.append({
+                "file": file, "task": task, "method": "llama.cpp ngram", "draft": "",
+                "k": config.k, "prompt_len": len(prompt), "decode_tokens": config.decode_tokens,
+                "plain_decode_tok_s": cpp_tok_s["llama_cpp"],
+                "spec_decode_tok_s": cpp_tok_s["llama_cpp_ngram"],
+                "speedup": cpp_tok_s["llama_cpp_ngram"] / cpp_tok_s["llama_cpp"],
+                "acceptance_rate": None, "mean_accepted_length": None,
+                "plain_decode_median_ms": decode["llama_cpp"].median_s * 1e3,
+                "spec_decode_median_ms": decode["llama_cpp_ngram"].median_s * 1e3,
+                "repeats": decode["llama_cpp_ngram"].repeats,
+                "text": tokenizer.decode(samples["llama_cpp_ngram"][-1].tokens)[:200]})
         for llm in llms.values():  # the next task's acceptance counts start from zero
             llm.engine.stats = type(llm.engine.stats)()
-    del llms, calls
+    del llms, calls, peers
     model_pool.clear()  # LLMs share loaded models through the pool: let these go
     gc.collect()
     return rows
+
+
+def llama_cpp_engines(path, config: SpecBenchConfig) -> dict[str, object]:
+    """llama.cpp on the same file, plain and with its prompt lookup drafting ``config.k``
+    tokens (``LlamaPromptLookupDecoding``), or none (``peer="none"``)."""
+    if config.peer == "none":
+        return {}
+    llama_cpp = _llama_cpp()
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    def load(draft: object = None) -> object:
+        return llama_cpp.Llama(str(path), n_threads=config.threads,
+                               n_threads_batch=config.threads, n_ctx=1024, verbose=False,
+                               draft_model=draft)
+
+    return {"llama_cpp": load(),
+            "llama_cpp_ngram": load(LlamaPromptLookupDecoding(num_pred_tokens=config.k))}
 
 
 def run(config: SpecBenchConfig) -> list[dict[str, object]]:
@@ -227,9 +277,11 @@ def run(config: SpecBenchConfig) -> list[dict[str, object]]:
 
 
 def goal_summary(rows: list[dict[str, object]]) -> str:
-    """Whether each method met its goal on each task."""
+    """Whether each of fastllm's methods met its goal on each task."""
     lines = []
     for row in rows:
+        if row["method"] == "llama.cpp ngram":  # the peer's row: for comparison, no goal
+            continue
         goal = 1.0 if row["task"] == "free_writing" else 1.5
         verdict = "met" if row["speedup"] >= goal else "NOT met"
         lines.append(f"- {row['file']} {row['method']} {row['task']}: {row['speedup']:.2f}x "
@@ -241,7 +293,7 @@ def tables(rows: list[dict[str, object]]) -> dict[str, str]:
     columns = {"file": "file", "method": "method", "draft": "draft", "task": "task", "k": "k",
                "plain_decode_tok_s": "plain tok/s", "spec_decode_tok_s": "spec tok/s",
                "speedup": "speedup", "acceptance_rate": "acceptance",
-               "mean_accepted_length": "tokens/step"}
+               "mean_accepted_length": "tokens/step", "vs_llama_cpp_ngram": "vs llama.cpp ngram"}
     return {"Batch-1 greedy decode, SmolLM2-135M-Instruct": markdown_table(rows, columns),
             "Goals": goal_summary(rows)}
 
@@ -266,6 +318,9 @@ def parse_args(argv: list[str] | None) -> tuple[SpecBenchConfig, Path]:
                         help="the file the draft method speculates on (default %(default)s)")
     parser.add_argument("--draft-file", choices=FILES, default=defaults.draft_file,
                         help="the draft method's draft model (default %(default)s)")
+    parser.add_argument("--peer", choices=PEERS, default=defaults.peer,
+                        help="llama.cpp's prompt lookup beside the n-gram method, plain and "
+                             "speculating on the same file (default %(default)s)")
     for name in ("decode_tokens", "k", "draft_k", "threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name), help="default %(default)s")
@@ -277,7 +332,7 @@ def parse_args(argv: list[str] | None) -> tuple[SpecBenchConfig, Path]:
     args = parser.parse_args(argv)
     config = dataclasses.replace(
         defaults, files=tuple(args.files), methods=tuple(args.methods), tasks=tuple(args.tasks),
-        draft_target=args.draft_target, draft_file=args.draft_file,
+        draft_target=args.draft_target, draft_file=args.draft_file, peer=args.peer,
         cache_dir=str(args.cache_dir), timer=TimerConfig.from_arguments(args),
         **{name: getattr(args, name) for name in ("decode_tokens", "k", "draft_k", "threads")})
     return config, args.out

@@ -23,6 +23,7 @@ def test_defaults_are_make_benchs() -> None:
     assert (config.draft_target, config.draft_file, config.k, config.draft_k,
             config.decode_tokens, config.threads) == ("F16", "Q4_0", 4, 3, 128, 2)
     assert config.timer == TimerConfig(warmup=1, repeats=3, budget_s=20.0)
+    assert config.peer == "llama_cpp" and bench_spec.SpecBenchConfig.quick().peer == "none"
 
 
 def test_bad_configs_are_refused() -> None:
@@ -32,6 +33,8 @@ def test_bad_configs_are_refused() -> None:
         bench_spec.SpecBenchConfig(draft_file="Q3")
     with pytest.raises(ValueError, match="decode_tokens"):
         bench_spec.SpecBenchConfig(decode_tokens=0)
+    with pytest.raises(ValueError, match="peer must be one of"):
+        bench_spec.SpecBenchConfig(peer="ollama")
 
 
 def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
@@ -50,3 +53,19 @@ def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
     assert json.loads((tmp_path / "spec.json").read_text())["rows"] == rows
     assert "| speedup |" in (tmp_path / "spec.md").read_text().replace("speedup | acceptance",
                                                                        "speedup |")
+
+
+def test_quick_run_beside_llama_cpps_prompt_lookup(tmp_path: Path, smollm2_path: Path) -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is a benchmark peer: `make bench` "
+                                            "builds it, `make test` does not")
+    document = bench_spec.main(["--out", str(tmp_path), "--quick", "--methods", "ngram",
+                                "--tasks", "code_edit", "--decode-tokens", "8",
+                                "--peer", "llama_cpp"])
+    ngram, peer = document["rows"]
+    assert (ngram["method"], peer["method"]) == ("ngram", "llama.cpp ngram")
+    assert peer["speedup"] == pytest.approx(peer["spec_decode_tok_s"]
+                                            / peer["plain_decode_tok_s"])
+    assert ngram["vs_llama_cpp_ngram"] == pytest.approx(ngram["spec_decode_tok_s"]
+                                                        / peer["spec_decode_tok_s"])
+    goals = (tmp_path / "spec.md").read_text().split("## Goals")[1]
+    assert "ngram code_edit" in goals and "llama.cpp" not in goals  # the peer has no goal
