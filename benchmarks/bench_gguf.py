@@ -216,18 +216,19 @@ def model_file(name: str, config: GGUFBenchConfig) -> Path:
     return path
 
 
-def _llama_cpp():
-    """The llama_cpp module, or an error saying how to install it."""
+def import_llama_cpp():
+    """The llama_cpp module (the peer of bench_gguf and bench_spec), or an error saying how to
+    install it."""
     try:
         import llama_cpp
     except ImportError as error:
-        raise ImportError("bench_gguf needs llama-cpp-python: `make bench` builds it into .venv "
-                          "(requirements-bench.txt)") from error
+        raise ImportError("the llama.cpp peer needs llama-cpp-python: `make bench` builds it "
+                          "into .venv (requirements-bench.txt)") from error
     return llama_cpp
 
 
 def _llama_cpp_version() -> str:
-    return _llama_cpp().__version__
+    return import_llama_cpp().__version__
 
 
 def _llama_cpp_key(source: Path, kind: str) -> str:
@@ -341,7 +342,7 @@ def fastllm_kv_cache_dtype(config: GGUFBenchConfig) -> str:
 
 def file_row(name: str, config: GGUFBenchConfig, text: str) -> dict[str, object]:
     """Loads both engines on the file ``name``, times them interleaved; returns the row."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = import_llama_cpp()
     path = model_file(name, config)
     summary = summarize_gguf(path)
     row: dict[str, object] = {"file": name, "path": path.name,

@@ -55,7 +55,7 @@ import torch
 
 import fastllm
 from bench_generate import GenerateSample, fastllm_call
-from bench_gguf import (DEFAULT_CACHE_DIR, GGUFBenchConfig, _llama_cpp, llama_cpp_call,
+from bench_gguf import (DEFAULT_CACHE_DIR, GGUFBenchConfig, import_llama_cpp, llama_cpp_call,
                         model_file, torch_threads)
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare, summarize
@@ -256,7 +256,7 @@ def llama_cpp_engines(path, config: SpecBenchConfig) -> dict[str, object]:
     tokens (``LlamaPromptLookupDecoding``), or none (``peer="none"``)."""
     if config.peer == "none":
         return {}
-    llama_cpp = _llama_cpp()
+    llama_cpp = import_llama_cpp()
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     def load(draft: object = None) -> object:
