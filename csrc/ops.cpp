@@ -47,6 +47,15 @@ constexpr const char* kSchemas[] = {
     // Rotary position embedding applied in place to q and, if given, k.
     "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
     "bool is_neox=True, int? rotary_dim=None) -> ()",
+    // An attention block's steps between the QKV projection and attention, in one op: q and
+    // key (views of the projection) RMS-normalized per head with q_norm / k_norm if given, then
+    // rotated by the cos|sin table if given (key only with rotate_keys: False caches keys
+    // before RoPE), both in place; then key and value written to their cache slots as
+    // reshape_and_cache writes them.
+    "rotary_and_cache(Tensor positions, Tensor(a!) q, Tensor(b!) key, Tensor value, "
+    "Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, Tensor? cos_sin_cache, "
+    "Tensor? q_norm=None, Tensor? k_norm=None, float eps=1e-06, *, bool is_neox=True, "
+    "bool rotate_keys=True) -> ()",
     // One token per row after temperature / top-k / top-p / min-p, without sorting the
     // vocabulary; the row's random number comes from Philox keyed by (seeds[row], offsets[row])
     // alone.

@@ -44,20 +44,17 @@ void add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
   handle.call(x, residual, weight, eps);
 }
 
-void rotary_embedding(const at::Tensor& positions, at::Tensor& q, const OptionalTensor& k,
-                      const at::Tensor& cos_sin_cache) {
+void rotary_and_cache(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const at::Tensor& slot_mapping, const OptionalTensor& cos_sin_cache,
+                      const OptionalTensor& q_norm, const OptionalTensor& k_norm, double eps,
+                      bool rotate_keys) {
   static const auto handle =
-      op<void(const at::Tensor&, at::Tensor&, const OptionalTensor&, const at::Tensor&, bool,
-              std::optional<int64_t>)>("fastllm::rotary_embedding");
-  handle.call(positions, q, k, cos_sin_cache, /*is_neox=*/true, std::nullopt);
-}
-
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  static const auto handle =
-      op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-              const at::Tensor&)>("fastllm::reshape_and_cache");
-  handle.call(key, value, k_cache, v_cache, slot_mapping);
+      op<void(const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, at::Tensor&,
+              at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+              const OptionalTensor&, double, bool, bool)>("fastllm::rotary_and_cache");
+  handle.call(positions, q, k, v, k_cache, v_cache, slot_mapping, cos_sin_cache, q_norm, k_norm,
+              eps, /*is_neox=*/true, rotate_keys);
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -99,19 +96,14 @@ at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_c
       {layer.n_heads, layer.n_kv_heads, layer.n_kv_heads}, 1);
   at::Tensor q = qkv[0], k = qkv[1];
   const at::Tensor& v = qkv[2];
-  if (layer.q_norm.has_value()) {
-    q = ops::rms_norm(q, *layer.q_norm, layer.eps);
-    k = ops::rms_norm(k, *layer.k_norm, layer.eps);
-  }
-  // RoPE in place on q, and on k unless the cache holds keys before RoPE: then attention
-  // rotates the cached keys with the table as it reads them. NoPE layers rotate nothing.
-  OptionalTensor key_rotation;
-  if (layer.use_rope) {
-    const OptionalTensor rotated_keys = step.pre_rope ? OptionalTensor() : OptionalTensor(k);
-    ops::rotary_embedding(step.positions, q, rotated_keys, step.cos_sin_cache);
-    if (step.pre_rope) key_rotation = step.cos_sin_cache;
-  }
-  ops::reshape_and_cache(k, v, k_cache, v_cache, step.slot_mapping);
+  // q/k norms and RoPE in place (on k unless the cache holds keys before RoPE: then attention
+  // rotates the cached keys with the table as it reads them; NoPE layers rotate nothing), then
+  // k and v into the cache.
+  const OptionalTensor table =
+      layer.use_rope ? OptionalTensor(step.cos_sin_cache) : OptionalTensor();
+  ops::rotary_and_cache(step.positions, q, k, v, k_cache, v_cache, step.slot_mapping, table,
+                        layer.q_norm, layer.k_norm, layer.eps, !step.pre_rope);
+  const OptionalTensor key_rotation = step.pre_rope ? table : OptionalTensor();
   // A cache narrower than the activations (kv_cache_dtype) is always read back: attention must
   // see K/V as stored, or a sequence's result would depend on whether its keys came from this
   // step or from the cache (chunked prefill, prefix hits, preemption).

@@ -1,6 +1,8 @@
 #include "rotary/rotary.h"
 
 #include "common/checks.h"
+#include "kv_cache/cache_write.h"
+#include "norm/norm.h"
 
 namespace fastllm {
 
@@ -39,6 +41,44 @@ int64_t check_rotary_inputs(const at::Tensor& positions, const at::Tensor& q,
                       q.size(2), " and ", k->size(2));
   }
   return rot;
+}
+
+int64_t check_rotary_and_cache_inputs(
+    const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& value,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const std::optional<at::Tensor>& cos_sin_cache, const std::optional<at::Tensor>& q_norm,
+    const std::optional<at::Tensor>& k_norm, double eps) {
+  check_cache_write_inputs(k, value, k_cache, v_cache, slot_mapping);
+  check_rank(q, 3, "q", "[tokens, n_heads, head_dim]");
+  check_same_dtype(q, "q", k, "key");
+  check_same_device(q, "q", k, "key");
+  TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(2) == k.size(2), "q ", q.sizes(),
+                    " and key ", k.sizes(), " must have the same tokens and head_dim");
+  check_rank(positions, 1, "positions", "[tokens]");
+  check_same_device(positions, "positions", q, "q");
+  TORCH_CHECK_VALUE(positions.size(0) == q.size(0), "positions has ", positions.size(0),
+                    " tokens but q has ", q.size(0));
+  TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(),
+                    "q_norm and k_norm must be given together");
+  if (q_norm.has_value()) {
+    check_rms_norm_inputs(q, *q_norm, eps);
+    check_rms_norm_inputs(k, *k_norm, eps);
+  }
+  // q and k are written in place and value is read beside them (slices of one projection).
+  check_no_internal_overlap(q, "q");
+  check_no_internal_overlap(k, "key");
+  check_no_shared_memory(q, "q", k, "key");
+  check_no_shared_memory(q, "q", value, "value");
+  check_no_shared_memory(k, "key", value, "value");
+  for (const auto& [cache, name] : {std::pair(&k_cache, "k_cache"), std::pair(&v_cache, "v_cache")})
+    check_no_shared_memory(*cache, name, q, "q");
+  if (!cos_sin_cache.has_value()) {
+    TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+                     "positions must be torch.int64 or torch.int32, got ",
+                     dtype_name(positions.scalar_type()));
+    return 0;
+  }
+  return check_rotary_inputs(positions, q, k, *cos_sin_cache, std::nullopt);
 }
 
 }  // namespace fastllm

@@ -1,8 +1,10 @@
 // Rotary embedding written with ATen ops: what a device without a native kernel runs (MPS).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "common/composite.h"
+#include <string>
+
 #include "rotary/rotary.h"
 
 namespace fastllm {
@@ -44,6 +46,55 @@ void rotary_embedding_composite(const at::Tensor& positions, at::Tensor& q,
   }
 }
 
-FASTLLM_COMPOSITE_IMPL(m) { m.impl("rotary_embedding", &rotary_embedding_composite); }
+// rotary_and_cache as the three ops it fuses, each of the namespace the composition is
+// registered in: fastllm's run each device's kernels (the CPU's, or MPS's compositions), and
+// fastllm_composite's the ATen compositions everywhere.
+template <const char* kNamespace>
+void rotary_and_cache_composition(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                  const at::Tensor& value, at::Tensor& k_cache,
+                                  at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                  const std::optional<at::Tensor>& cos_sin_cache,
+                                  const std::optional<at::Tensor>& q_norm,
+                                  const std::optional<at::Tensor>& k_norm, double eps,
+                                  bool is_neox, bool rotate_keys) {
+  check_rotary_and_cache_inputs(positions, q, k, value, k_cache, v_cache, slot_mapping,
+                                cos_sin_cache, q_norm, k_norm, eps);
+  auto op = [](const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(
+        (std::string(kNamespace) + "::" + name).c_str(), "");
+  };
+  if (q_norm.has_value()) {
+    static const auto rms_norm =
+        op("rms_norm").template typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+    q.copy_(rms_norm.call(q, *q_norm, eps));
+    k.copy_(rms_norm.call(k, *k_norm, eps));
+  }
+  if (cos_sin_cache.has_value()) {
+    static const auto rotary =
+        op("rotary_embedding")
+            .template typed<void(const at::Tensor&, at::Tensor&, const std::optional<at::Tensor>&,
+                        const at::Tensor&, bool, std::optional<int64_t>)>();
+    rotary.call(positions, q, rotate_keys ? std::optional<at::Tensor>(k) : std::nullopt,
+                *cos_sin_cache, is_neox, std::nullopt);
+  }
+  static const auto cache_write =
+      op("reshape_and_cache")
+          .template typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                      const at::Tensor&)>();
+  cache_write.call(k, value, k_cache, v_cache, slot_mapping);
+}
+
+constexpr char kFastllm[] = "fastllm";
+constexpr char kFastllmComposite[] = "fastllm_composite";
+
+TORCH_LIBRARY_IMPL(fastllm, CompositeExplicitAutograd, m) {
+  m.impl("rotary_embedding", &rotary_embedding_composite);
+  m.impl("rotary_and_cache", &rotary_and_cache_composition<kFastllm>);
+}
+
+TORCH_LIBRARY_IMPL(fastllm_composite, CompositeExplicitAutograd, m) {
+  m.impl("rotary_embedding", &rotary_embedding_composite);
+  m.impl("rotary_and_cache", &rotary_and_cache_composition<kFastllmComposite>);
+}
 
 }  // namespace fastllm

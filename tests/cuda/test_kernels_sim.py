@@ -71,6 +71,21 @@ def judge(got: torch.Tensor, plain, expected: torch.Tensor, dtype: torch.dtype) 
         assert_within_twice_plain_error(got.double(), plain().double(), expected)
 
 
+def test_every_op_has_a_cuda_kernel(sim):
+    """Every fastllm op is registered by a CUDA host file (the simulator links them all), so no
+    op falls back to its ATen composition on a GPU; in a CUDA build, for the CUDA key itself."""
+    names = sorted({schema.name.split("::")[1] for schema in torch._C._jit_get_all_schemas()
+                    if schema.name.startswith("fastllm::")})
+    assert {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "linear"} <= set(names)
+    missing = [name for name in names
+               if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fastllm_sim::{name}", "CPU")]
+    assert not missing, f"no CUDA host file registers {missing}"
+    if torch.cuda.is_available():
+        missing = [name for name in names
+                   if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fastllm::{name}", "CUDA")]
+        assert not missing, f"no CUDA kernel for {missing}"
+
+
 # --- attention ------------------------------------------------------------------------------
 
 # dtype, head_dim, group, lens_q, lens_k, causal, window_left

@@ -93,6 +93,14 @@ CASES = {
     "rotary_embedding": lambda dtype: ((torch.tensor([3, 0, 9]), torch.randn(3, 4, 16, dtype=dtype),
                                         torch.randn(3, 2, 16, dtype=dtype),
                                         ops.rope_cos_sin_cache(16, 8)), dict(is_neox=True)),
+    "rotary_and_cache": lambda dtype: ((torch.tensor([3, 0, 9]), torch.randn(3, 4, 16, dtype=dtype),
+                                        torch.randn(3, 2, 16, dtype=dtype),
+                                        torch.randn(3, 2, 16, dtype=dtype),
+                                        torch.zeros(4, 4, 2, 16, dtype=dtype),
+                                        torch.zeros(4, 4, 2, 16, dtype=dtype),
+                                        torch.tensor([5, -1, 12]), ops.rope_cos_sin_cache(16, 8),
+                                        torch.randn(16, dtype=dtype),
+                                        torch.randn(16, dtype=dtype)), {}),
     # Random block bytes: the dtypes matter here, not the values. Q6_K has int8 scales, Q5_K
     # both fp16 fields, the packed 6-bit scales and the bits of qh.
     "quantized_linear": lambda dtype: ((torch.randn(3, 256, dtype=dtype),

@@ -5,8 +5,11 @@ projections, q/k norms, a NoPE layer, a sliding window and pre-RoPE caches."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastllm import ops
 from fastllm.models.quantized import quantize_weight
@@ -108,6 +111,41 @@ def test_decoder_layers_match_their_float64_twin(dtype, quantized, variant):
         assert torch.equal(written, ~torch.isnan(k_cache))
         torch.testing.assert_close(k_cache[written].double(), ref_k[written].double(),
                                    rtol=tolerance, atol=tolerance)
+
+
+class OpLog(TorchDispatchMode):
+    """The compute ops a block of code calls through the dispatcher (views left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(f"{func.namespace}::{func.__name__.split('.')[0]}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_layer_is_nine_fastllm_ops():
+    """A Qwen3 layer (q/k norms, RoPE) at decode: each step one fastllm op and no other compute
+    op (views aside), so on CUDA one kernel each (attention adds its merge of key splits, and
+    cuBLAS a split-K reduction, where they split)."""
+    layers = [layer_weights(False, True, True, -1) for _ in range(2)]
+    layers = [dataclasses.replace(layer, qkv=[dataclasses.replace(layer.qkv[0], bias=None)])
+              for layer in layers]
+    shape = (len(layers), NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
+    caches = dict(k_cache=torch.zeros(shape), v_cache=torch.zeros(shape))
+    bound = ops.DecoderLayers(layers)
+    prefill, decode = steps()
+    table = ops.rope_cos_sin_cache(16, HEAD_DIM)
+    bound(torch.randn(10, HIDDEN), None, **prefill, **caches, cos_sin_cache=table, pre_rope=False)
+    x = torch.randn(2, HIDDEN)
+    with OpLog() as log:
+        bound(x, None, **decode, **caches, cos_sin_cache=table, pre_rope=False)
+    layer = ["fastllm::add_rms_norm", "fastllm::linear", "fastllm::rotary_and_cache",
+             "fastllm::paged_attention", "fastllm::linear", "fastllm::add_rms_norm",
+             "fastllm::linear", "fastllm::silu_and_mul", "fastllm::linear"]
+    assert log.names == ["fastllm::rms_norm", *layer[1:], *layer], log.names
 
 
 def test_the_residual_stream_continues_from_the_caller():

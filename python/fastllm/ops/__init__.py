@@ -26,7 +26,7 @@ from fastllm.ops.decoder_layers import DecoderLayers, DecoderLayerWeights, Proje
 __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ProjectionPart",
            "add_rms_norm", "apply_penalties", "attention", "batch_invariant", "dequantize",
            "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
-           "rope_cos_sin_cache", "rotary_embedding", "sample", "sample_with_logprobs",
+           "rope_cos_sin_cache", "rotary_and_cache", "rotary_embedding", "sample", "sample_with_logprobs",
            "silu_and_mul", "trusted_inputs"]
 
 # The ggml block formats the quantized ops take (csrc/quantized/block_formats.h): type id ->
@@ -274,6 +274,46 @@ def rotary_embedding(
     )
 
 
+def rotary_and_cache(
+    positions: Tensor,
+    q: Tensor,
+    key: Tensor,
+    value: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    cos_sin_cache: Tensor | None,
+    q_norm: Tensor | None = None,
+    k_norm: Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    is_neox: bool = True,
+    rotate_keys: bool = True,
+) -> None:
+    """An attention block's steps between its QKV projection and attention, in one op.
+
+    ``q`` and ``key`` are RMS-normalized per head by ``q_norm`` / ``k_norm`` if given (Qwen3's
+    q/k norms, :func:`rms_norm`'s arithmetic), then rotated in place as
+    :func:`rotary_embedding` rotates them if ``cos_sin_cache`` is given (``key`` only with
+    ``rotate_keys``; False leaves the cached keys before RoPE, for
+    :func:`paged_attention`'s ``rotary_cos_sin_cache``); then ``key`` and ``value`` are written
+    to their cache slots as :func:`reshape_and_cache` writes them. The same result as those
+    three ops in that order; on CUDA one kernel instead of four.
+
+    Args:
+        positions: int64 or int32 ``[tokens]``.
+        q: ``[tokens, n_heads, head_dim]``; key, value: ``[tokens, n_kv_heads, head_dim]``, one
+            dtype (strided views of one projection are fine; q and key are updated in place).
+        k_cache, v_cache, slot_mapping: as :func:`reshape_and_cache` takes them.
+        cos_sin_cache: as :func:`rotary_embedding` takes it, or None (no RoPE: a NoPE layer).
+        q_norm, k_norm: ``[head_dim]`` weights in q's dtype, both or neither.
+        eps: the norms' epsilon.
+    """
+    torch.ops.fastllm.rotary_and_cache.default(
+        positions, q, key, value, k_cache, v_cache, slot_mapping, cos_sin_cache, q_norm, k_norm,
+        float(eps), is_neox=bool(is_neox), rotate_keys=bool(rotate_keys))
+
+
 def rope_cos_sin_cache(
     max_position: int,
     rotary_dim: int,
@@ -496,6 +536,14 @@ def _dequantize_fake(weight, weight_type, dtype):
 @_register_fake("rotary_embedding")
 def _rotary_embedding_fake(positions, q, k, cos_sin_cache, *, is_neox=True, rotary_dim=None):
     _check_one_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+
+
+@_register_fake("rotary_and_cache")
+def _rotary_and_cache_fake(positions, q, key, value, k_cache, v_cache, slot_mapping,
+                           cos_sin_cache, q_norm=None, k_norm=None, eps=1e-6, *, is_neox=True,
+                           rotate_keys=True):
+    _check_one_device(positions=positions, q=q, key=key, value=value, k_cache=k_cache,
+                      v_cache=v_cache, slot_mapping=slot_mapping, cos_sin_cache=cos_sin_cache)
 
 
 @_register_fake("sample")

@@ -133,6 +133,22 @@ def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cac
     return rotate(q), None if k is None else rotate(k)
 
 
+def rotary_and_cache(positions: Tensor, q: Tensor, key: Tensor, value: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, slot_mapping: Tensor, cos_sin_cache: Tensor | None,
+                     q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                     eps: float = 1e-6, *, is_neox: bool = True, rotate_keys: bool = True
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Twin of :func:`fastllm.ops.rotary_and_cache`; returns ``(q, key, k_cache, v_cache)``
+    as updated copies."""
+    if q_norm is not None:
+        q, key = rms_norm(q, q_norm, eps), rms_norm(key, k_norm, eps)
+    if cos_sin_cache is not None:
+        q, rotated = rotary_embedding(positions, q, key if rotate_keys else None, cos_sin_cache,
+                                      is_neox=is_neox)
+        key = rotated if rotate_keys else key
+    return (q, key, *reshape_and_cache(key, value, k_cache, v_cache, slot_mapping))
+
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -353,13 +369,11 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
         tokens = x.shape[0]
         q, k, v = project(layer.qkv, x).view(tokens, -1, layer.head_dim).split(
             [layer.n_heads, layer.n_kv_heads, layer.n_kv_heads], dim=1)
-        if layer.q_norm is not None:
-            q, k = rms_norm(q, layer.q_norm, layer.eps), rms_norm(k, layer.k_norm, layer.eps)
-        rotation = None
-        if layer.use_rope:
-            q, rotated = rotary_embedding(positions, q, None if pre_rope else k, cos_sin_cache)
-            k, rotation = (k, cos_sin_cache) if pre_rope else (rotated, None)
-        k_cache[i], v_cache[i] = reshape_and_cache(k, v, k_cache[i], v_cache[i], slot_mapping)
+        table = cos_sin_cache if layer.use_rope else None
+        q, k, k_cache[i], v_cache[i] = rotary_and_cache(
+            positions, q, k, v, k_cache[i], v_cache[i], slot_mapping, table, layer.q_norm,
+            layer.k_norm, layer.eps, rotate_keys=not pre_rope)
+        rotation = table if pre_rope else None
         out = paged_attention(q, k_cache[i], v_cache[i], block_tables, seq_lens, cu_seqlens_q,
                               max_seqlen_q, window_left=layer.window_left,
                               rotary_cos_sin_cache=rotation)
