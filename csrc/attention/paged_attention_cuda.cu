@@ -76,7 +76,7 @@ void launch_paged_attention(cuda::PagedAttentionParams<T> params, int64_t max_qu
   // No sequence has more keys than its block table row holds (checked on the host outside
   // graph capture), so no sequence needs more splits than this.
   const int64_t grid_splits =
-      std::min<int64_t>(split_target, ceil_div(max_keys, cuda::kPagedMinKeysPerSplit));
+      std::min<int64_t>(split_target, ceil_div(max_keys, Shape::kMinKeysPerSplit));
   params.row_tiles = int(row_tiles);
 
   at::Tensor partial_out, partial_stats;

@@ -64,9 +64,6 @@ namespace cuda {
 constexpr int kPagedThreads = 128;  // 4 warps, in the attention kernel
 constexpr int kPagedDecodeRows = 8;  // rows per block of the decode shape: GQA groups up to 8
 constexpr int kPagedMaxHeadDim = 256;
-// A split covers at least this many keys (a multiple of every kKeys): fewer would spend more on
-// partials and the merge than they save.
-constexpr int kPagedMinKeysPerSplit = 256;
 constexpr int kPagedMaxSplits = 128;
 constexpr int kPagedCombineWarps = 4;  // one (token, head) per warp
 
@@ -122,6 +119,11 @@ struct PagedShape {
   static constexpr int kVec = 16 / kBytes;  // elements per 16-byte copy
   // Keys per tile: about 8 KB of K (and of V) per stage.
   static constexpr int kKeys = paged_clamp(8192 / (kHeadDim * kBytes), 16, kDecode ? 64 : 32);
+  // A split covers at least this many keys (whole tiles). Decode splits only where sequences
+  // are too few to fill the GPU, so they may be short: two tiles keep a block's copies
+  // pipelined, and more blocks stream one sequence's keys at once. Prefill tiles are
+  // arithmetic-bound: fewer keys would spend more on partials and the merge than they save.
+  static constexpr int kMinKeysPerSplit = kDecode ? 2 * kKeys : 256;
   static constexpr int kKeyStride = kHeadDim + kVec;  // elements: 16 bytes of padding per row
   static constexpr int kStageElems = 2 * kKeys * kKeyStride;  // K tile, then V tile
   // Decode streams memory: as many stages as ~54 KB allow (2 or 3 blocks per SM on A100 and
@@ -422,7 +424,7 @@ __global__ void __launch_bounds__(kPagedThreads)
   const int64_t span = key_hi - key_lo;
   int64_t per_split = (span + p.split_target - 1) / p.split_target;
   per_split = (per_split + kKeys - 1) / kKeys * kKeys;
-  per_split = per_split < kPagedMinKeysPerSplit ? kPagedMinKeysPerSplit : per_split;
+  per_split = per_split < Shape::kMinKeysPerSplit ? Shape::kMinKeysPerSplit : per_split;
   const int64_t first_key = key_lo + split * per_split;
   const int split_begin = first_key < key_hi ? int(first_key) : key_hi;
   const int split_end = first_key + per_split < key_hi ? int(first_key + per_split) : key_hi;
@@ -707,13 +709,28 @@ __global__ void __launch_bounds__(kPagedCombineWarps * 32)
   sum_all = paged_detail::group_sum<32>(sum_all);
   __syncwarp();
   const float inv_sum = sum_all > 0.f ? 1.f / sum_all : 0.f;
-  for (int d = lane; d < head_dim; d += 32) {
-    float value = 0.f;
+  // A lane's dims a few at a time, every split's partial of them loaded before any is summed:
+  // the loads are independent, so they are in flight together rather than one L2 round trip
+  // each. An empty split's partial was never written: its weight 0 selects nothing from it.
+  constexpr int kDims = 4;
+  for (int d0 = lane; d0 < head_dim; d0 += 32 * kDims) {
+    float value[kDims] = {};
+#pragma unroll 4
     for (int s = 0; s < splits; ++s) {
       const float w = weights[warp][s];
-      if (w != 0.f) value += w * partial_out[(s * rows + row) * head_dim + d];
+      const float* partial = partial_out + (s * rows + row) * head_dim;
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) {
+        const int d = d0 + 32 * i;
+        const float o = d < head_dim ? partial[d] : 0.f;
+        value[i] += w != 0.f ? w * o : 0.f;
+      }
     }
-    out[row * head_dim + d] = from_float<scalar_t>(value * inv_sum);
+#pragma unroll
+    for (int i = 0; i < kDims; ++i) {
+      const int d = d0 + 32 * i;
+      if (d < head_dim) out[row * head_dim + d] = from_float<scalar_t>(value[i] * inv_sum);
+    }
   }
 }
 
