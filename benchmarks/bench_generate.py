@@ -96,6 +96,7 @@ class GenerateBenchConfig:
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=3,
                                                                    budget_s=30.0))
     copy_mib: int = 1024
+    profile_tokens: int = 0  # decode steps under torch.profiler after the timed calls (0: none)
     copy_timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=2, repeats=10,
                                                                         budget_s=2.0))
 
@@ -103,10 +104,10 @@ class GenerateBenchConfig:
     def for_device(cls, device: str) -> GenerateBenchConfig:
         """The defaults on ``device``: the class defaults (sized for two CPU cores) except on
         CUDA, where bfloat16 decodes 128 tokens per call (steps of milliseconds) and five
-        calls are timed."""
+        calls are timed, then 32 decode steps are profiled."""
         if torch.device(device).type != "cuda":
             return cls(device=device)
-        return cls(dtypes=("bfloat16",), decode_tokens=128, device=device,
+        return cls(dtypes=("bfloat16",), decode_tokens=128, device=device, profile_tokens=32,
                    timer=TimerConfig(warmup=1, repeats=5, budget_s=30.0))
 
     @property
@@ -255,6 +256,55 @@ def copy_bandwidth(config: GenerateBenchConfig) -> tuple[Timing, float]:
     return timing, copy.gbps(timing)
 
 
+def profile_decode(llm: fastllm.LLM, prompt: list[int], tokens: int,
+                   layers: int) -> dict[str, object]:
+    """Where a decode step's time goes, by torch.profiler: a ``generate`` of ``1 + tokens``
+    tokens less one of the first token alone (prefill and its sampling), divided over the
+    ``tokens`` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    host_names = ("cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch")
+
+    def tally(max_tokens: int) -> tuple[dict[str, list[float]], dict[str, float]]:
+        params = fastllm.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate([prompt], params, use_tqdm=False)
+        kernels: dict[str, list[float]] = {}
+        counts = dict.fromkeys(("device_copies", *host_names, "graph_launch_us"), 0.0)
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                if event.name.startswith(("Memcpy", "Memset")):
+                    counts["device_copies"] += 1
+                else:
+                    kernels.setdefault(event.name, []).append(event.device_time)
+            elif event.name in host_names:
+                counts[event.name] += 1
+                if event.name == "cudaGraphLaunch":
+                    counts["graph_launch_us"] += event.cpu_time_total
+        return kernels, counts
+
+    first_kernels, first_counts = tally(1)
+    all_kernels, all_counts = tally(1 + tokens)
+    steps = {name: (len(times) - len(first_kernels.get(name, [])),
+                    sum(times) - sum(first_kernels.get(name, [])))
+             for name, times in all_kernels.items()}
+    steps = {name: step for name, step in steps.items() if step[0] > 0}
+    count = sum(n for n, _ in steps.values())
+    per_step = {name: (all_counts[name] - first_counts[name]) / tokens for name in all_counts}
+    top = sorted(steps.items(), key=lambda item: -item[1][1])[:12]
+    return {
+        "profile_tokens": tokens,
+        "kernels_per_step": count / tokens,
+        "kernels_per_layer": count / tokens / layers,
+        "kernel_ms_per_step": sum(us for _, us in steps.values()) / tokens / 1e3,
+        **{f"{name}_per_step": per_step[name] for name in ("device_copies", *host_names)},
+        "graph_launch_ms": (per_step["graph_launch_us"] / per_step["cudaGraphLaunch"] / 1e3
+                            if per_step["cudaGraphLaunch"] else 0.0),
+        "top_kernels": [{"name": name[:120], "per_step": n / tokens, "us_per_step": us / tokens}
+                        for name, (n, us) in top],
+    }
+
+
 def leading_agreement(a: list[int], b: list[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -277,6 +327,8 @@ def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
         calls = {"fastllm": fastllm_call(llm, prompt, new_tokens, samples["fastllm"]),
                  "hf": hf_call(hf, prompt, new_tokens, config.device, samples["hf"])}
         timings = compare(calls, config.timer, device=config.device)
+        profile = (profile_decode(llm, prompt, config.profile_tokens, config.layers)
+                   if config.profile_tokens else {})
     del hf, llm, calls
     model_pool.clear()  # fastllm.LLM shares loaded models through the pool: let this one go
     gc.collect()
@@ -306,6 +358,7 @@ def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
     row["decode_speedup_vs_hf"] = row["fastllm_decode_tok_s"] / row["hf_decode_tok_s"]
     row["ttft_vs_hf"] = row["fastllm_ttft_median_ms"] / row["hf_ttft_median_ms"]
     row["tokens_agree"] = leading_agreement(row["fastllm_tokens"], row["hf_tokens"])
+    row.update({f"fastllm_{key}": value for key, value in profile.items()})
     return row
 
 
@@ -355,16 +408,34 @@ def tables(config: GenerateBenchConfig, rows: list[dict[str, object]]) -> dict[s
              "(tied embedding once) x decode tokens/s; copy GB/s: bytes read + written by "
              f"a {config.copy_mib} MiB copy; tokens agree: leading tokens fastllm and HF "
              f"share, of {1 + config.decode_tokens}.")
-    return {f"Greedy generation at batch 1, random-weight {MODEL} (TTFT vs HF < 1 and "
-            "decode speedup > 1: fastllm faster)":
-            goal_summary(config, rows) + "\n\n" + about + "\n\n"
-            + markdown_table(labelled, columns)}
+    reports = {f"Greedy generation at batch 1, random-weight {MODEL} (TTFT vs HF < 1 and "
+               "decode speedup > 1: fastllm faster)":
+               goal_summary(config, rows) + "\n\n" + about + "\n\n"
+               + markdown_table(labelled, columns)}
+    profiled = [row for row in rows if "fastllm_kernels_per_step" in row]
+    if profiled:
+        columns = {"dtype": "dtype", "fastllm_kernels_per_step": "kernels/step",
+                   "fastllm_kernels_per_layer": "kernels/layer",
+                   "fastllm_kernel_ms_per_step": "kernel ms/step",
+                   "fastllm_decode_ms_per_token": "wall ms/step",
+                   "fastllm_device_copies_per_step": "device copies/step",
+                   "fastllm_cudaMemcpyAsync_per_step": "cudaMemcpyAsync/step",
+                   "fastllm_cudaLaunchKernel_per_step": "cudaLaunchKernel/step",
+                   "fastllm_graph_launch_ms": "cudaGraphLaunch ms"}
+        kernel_rows = [{"dtype": row["dtype"], **kernel} for row in profiled
+                       for kernel in row["fastllm_top_kernels"]]
+        reports["Where a fastllm decode step goes (torch.profiler, "
+                f"{profiled[0]['fastllm_profile_tokens']} steps)"] = (
+            markdown_table(profiled, columns) + "\n\n" + markdown_table(
+                kernel_rows, {"dtype": "dtype", "name": "kernel", "per_step": "launches/step",
+                              "us_per_step": "us/step"}))
+    return reports
 
 
 def parse_args(argv: list[str] | None) -> tuple[GenerateBenchConfig, Path]:
     """The config and output folder from the command line."""
     sizes = ("layers", "hidden_size", "intermediate_size", "prompt_len", "decode_tokens",
-             "copy_mib", "seed")
+             "copy_mib", "profile_tokens", "seed")
     return parse_model_bench_args(argv, GenerateBenchConfig.for_device(parse_device(argv)),
                                   benchmark="generate", description=__doc__.split("\n\n")[0],
                                   sizes=sizes,

@@ -32,6 +32,8 @@ def test_cuda_defaults_are_the_gpu_sizes() -> None:
     config, _ = bench_generate.parse_args(["--device", "cuda"])
     assert config == bench_generate.GenerateBenchConfig.for_device("cuda")
     assert (config.dtypes, config.device) == (("bfloat16",), "cuda")
+    assert config.profile_tokens == 32  # where a decode step's time goes, on a GPU only
+    assert bench_generate.GenerateBenchConfig.for_device("cpu").profile_tokens == 0
     assert config.at_goal_size  # the whole Qwen3-0.6B shape and its 512-token prompt
     assert config.decode_tokens >= 64
     config, _ = bench_generate.parse_args(["--device", "cuda", "--layers", "2"])

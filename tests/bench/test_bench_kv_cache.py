@@ -31,7 +31,7 @@ def test_cuda_defaults_are_the_gpu_sizes() -> None:
     config, _ = bench_kv_cache.parse_args(["--device", "cuda"])
     assert config == bench_kv_cache.KVCacheBenchConfig.for_device("cuda")
     assert (config.models, config.dtypes, config.decode_batches, config.decode_lens_k) == (
-        ("qwen3-0.6b", "llama-3-8b"), ("bfloat16",), (1, 4, 16, 64), (1024, 4096, 16384, 32768))
+        ("qwen3-0.6b", "llama-3-8b"), ("bfloat16",), (1, 4, 16, 64), (600, 1024, 4096, 16384, 32768))
     assert config.copy_mib >= 1024  # a copy far larger than any cache
     # The largest case holds its K/V twice (back to back and in the pool): 8 GiB each.
     largest_kv = max(config.decode_batches) * max(config.decode_lens_k) * 8 * 128 * 2 * 2
