@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import metadata_for
 
 from fastllm import LLM, SamplingParams
 from fastllm.engine.decode_graphs import DecodeGraphs, padded_batch_sizes
 from fastllm.kv_cache import PagedKVCache
-from fastllm.engine.scheduler import run_step
+from fastllm.engine.scheduler import batch_of_sequences, run_step
 from fastllm.models import load_model
 
 BLOCK_SIZE = 8
@@ -86,9 +85,10 @@ def test_steps_that_are_not_plain_decode_run_eagerly(stories_path):
     for seq_id in range(3):
         cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [5]))
     assert run_step(model, cache, [0, 1, 2], [[5]] * 3, decode_graphs=graphs).shape[0] == 3
-    meta = metadata_for(cache, [0, 1], [2, 1], [0, 3])
+    batch = batch_of_sequences(cache.block_manager, [0, 1], [[5, 5], [5]], starts=[0, 3])
     with pytest.raises(ValueError, match="one new token per sequence, got 3 tokens for 2"):
-        graphs.run(torch.tensor([5, 5]), meta)
+        graphs.pack([5, 5, 5], batch.positions, batch.slot_mapping, batch.seq_lens,
+                    batch.block_tables)
 
 
 def test_cuda_graphs_need_a_cuda_device(stories_path):

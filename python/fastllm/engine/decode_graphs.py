@@ -3,13 +3,13 @@
 A decode step (one new token per sequence, logits for each) launches about ten kernels per
 layer; at small batches on a GPU the launches, not the kernels, set the pace. ``DecodeGraphs``
 captures the model's forward and LM head once per padded batch size and replays it, after
-copying the step's inputs into the static buffers the graph reads (device-to-device copies
+copying the step's inputs into the static buffer the graph reads (one device-to-device copy
 queued on the stream: the host never waits).
 
 A batch of ``B`` sequences runs in the smallest captured size ``>= B``. The padding rows are
 sequences with no keys (``seq_lens`` 0) whose one token has no cache slot (``slot_mapping``
--1): they write nothing, read nothing and their rows are dropped. The block-table buffer is as
-wide as ``max_model_len`` needs, so one graph serves every sequence length.
+-1): they write nothing, read nothing and their rows are dropped. The block tables are as wide as
+``max_model_len`` needs, so one graph serves every sequence length.
 
 Without ``use_cuda_graphs`` (any device but CUDA) the same padded step runs eagerly: that is
 how the padding is tested on machines without a GPU.
@@ -18,6 +18,7 @@ how the padding is tested on machines without a GPU.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -41,7 +42,11 @@ def padded_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Decode steps of ``model`` over ``kv_cache`` through CUDA graphs, up to ``max_batch``
     sequences of up to ``max_model_len`` tokens. Graphs are captured on first use of a size
-    and live as long as this object (they hold the model's activations for that size)."""
+    and live as long as this object (they hold the model's activations for that size).
+
+    A step's inputs arrive as one packed tensor (:meth:`pack`, on the host, padding rows
+    included), which travels with the rest of the step's host data and lands in the graphs'
+    static inputs in one device-to-device copy (:meth:`run`)."""
 
     def __init__(self, model: DecoderLM, kv_cache: PagedKVCache, *, max_batch: int,
                  max_model_len: int, use_cuda_graphs: bool | None = None) -> None:
@@ -51,46 +56,62 @@ class DecodeGraphs:
         self.use_cuda_graphs = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         if self.use_cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
-        rows = self.sizes[-1]
-        width = math.ceil(max_model_len / kv_cache.spec.block_size)
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.width = math.ceil(max_model_len / kv_cache.spec.block_size)  # block-table columns
+        # Every size's inputs, packed (_layout), share this buffer: graphs never run at once.
+        self.inputs = torch.zeros(self._words(self.sizes[-1]), dtype=torch.long, device=device)
         # One query per sequence, padding rows included: never changes.
-        self.cu_seqlens_q = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None  # the memory pool every graph shares (they never run at once)
 
     def supports(self, batch: int, max_blocks: int) -> bool:
         """Whether a decode step of ``batch`` sequences, whose block tables are ``max_blocks``
         wide, fits the buffers."""
-        return 0 < batch <= self.sizes[-1] and max_blocks <= self.block_tables.shape[1]
+        return 0 < batch <= self.sizes[-1] and max_blocks <= self.width
 
-    def run(self, input_ids: Tensor, meta: AttentionMetadata) -> Tensor:
-        """Logits ``[B, vocab]`` of a decode step: ``input_ids`` ``[B]`` and the step's
-        metadata (one new token per sequence). Valid until the next call."""
-        batch = input_ids.shape[0]
-        if meta.max_seqlen_q != 1 or meta.slot_mapping.shape[0] != batch:
+    def _words(self, size: int) -> int:
+        """int64 words of a step's packed inputs at padded batch ``size``: input ids, positions
+        and slots (int64), then seq_lens and block tables (int32)."""
+        return 3 * size + -(-size * (1 + self.width) // 2)
+
+    def _layout(self, packed: Tensor, size: int) -> tuple[Tensor, ...]:
+        """Views of ``packed``: input_ids, positions, slot_mapping, seq_lens, block_tables."""
+        input_ids, positions, slot_mapping = packed[:3 * size].view(3, size)
+        small = packed[3 * size:].view(torch.int32)
+        block_tables = small[size:size * (1 + self.width)].view(size, self.width)
+        return input_ids, positions, slot_mapping, small[:size], block_tables
+
+    def pack(self, input_ids: Sequence[int], positions: Tensor, slot_mapping: Tensor,
+             seq_lens: Tensor, block_tables: Tensor) -> Tensor:
+        """A decode step's inputs (on the host: one new token per sequence) packed as :meth:`run`
+        reads them, with the padding rows of its captured size: no keys, no slot, position 0."""
+        batch = seq_lens.shape[0]
+        if len(input_ids) != batch or slot_mapping.shape[0] != batch:
             raise ValueError(f"a decode step has one new token per sequence, got "
-                             f"{meta.slot_mapping.shape[0]} tokens for {batch} sequences")
-        if not self.supports(batch, meta.block_tables.shape[1]):
+                             f"{slot_mapping.shape[0]} tokens for {batch} sequences")
+        if not self.supports(batch, block_tables.shape[1]):
             raise ValueError(f"a decode step of {batch} sequences with block tables "
-                             f"{meta.block_tables.shape[1]} wide exceeds the captured "
-                             f"{self.sizes[-1]} x {self.block_tables.shape[1]}")
+                             f"{block_tables.shape[1]} wide exceeds the captured "
+                             f"{self.sizes[-1]} x {self.width}")
         size = next(s for s in self.sizes if s >= batch)
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(meta.positions, non_blocking=True)
-        self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
-        self.block_tables[:batch, :meta.block_tables.shape[1]].copy_(meta.block_tables,
-                                                                    non_blocking=True)
-        # Padding rows: no keys, no slot, position 0 (columns past a row's length are never
-        # read, so stale block ids there are harmless).
-        self.positions[batch:size].zero_()
-        self.seq_lens[batch:size].zero_()
-        self.slot_mapping[batch:size].fill_(-1)
+        packed = torch.zeros(self._words(size), dtype=torch.long)
+        ids, pos, slots, lens, tables = self._layout(packed, size)
+        ids[:batch] = torch.tensor(input_ids, dtype=torch.long)
+        pos[:batch] = positions
+        slots[:batch] = slot_mapping
+        slots[batch:] = -1
+        lens[:batch] = seq_lens
+        tables[:batch, :block_tables.shape[1]] = block_tables
+        return packed
+
+    def run(self, packed: Tensor, batch: int) -> Tensor:
+        """Logits ``[batch, vocab]`` of a decode step: ``packed`` is :meth:`pack`'s result on
+        the device. Valid until the next call."""
+        size = next(s for s in self.sizes if s >= batch)
+        if packed.shape != (self._words(size),):
+            raise ValueError(f"packed inputs for {batch} sequences must be "
+                             f"[{self._words(size)}], got {list(packed.shape)}")
+        self.inputs[:packed.shape[0]].copy_(packed, non_blocking=True)
         if not self.use_cuda_graphs:
             return self._forward(size)[:batch]
         if size not in self._graphs:
@@ -100,12 +121,12 @@ class DecodeGraphs:
         return logits[:batch]
 
     def _forward(self, size: int) -> Tensor:
+        input_ids, positions, slot_mapping, seq_lens, block_tables = self._layout(self.inputs,
+                                                                                  size)
         meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:size + 1], max_seqlen_q=1,
-                                 seq_lens=self.seq_lens[:size],
-                                 block_tables=self.block_tables[:size],
-                                 slot_mapping=self.slot_mapping[:size],
-                                 positions=self.positions[:size])
-        hidden = self.model(self.input_ids[:size], meta.positions, meta, self.kv_cache)
+                                 seq_lens=seq_lens, block_tables=block_tables,
+                                 slot_mapping=slot_mapping, positions=positions)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache)
         return self.model.compute_logits(hidden)
 
     def _capture(self, size: int) -> None:

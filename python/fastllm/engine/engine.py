@@ -10,7 +10,9 @@ With ``speculative`` set (:mod:`fastllm.engine.speculative`), a decoding request
 verifies the tokens drafted for it: they are sampled row by row as plain decode steps would
 sample them, the leading ones that match are kept, and the scheduler drops the rest's KV.
 
-The host waits for the device once per step, for the sampled ids.
+The host waits for the device once per step, for the sampled ids. A step's host data (the model's
+inputs and the sampler's parameters) reach the device in one copy, and its samples come back in
+one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from fastllm.engine.speculative import (DraftLength, DraftModelProposer, NgramPr
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.models.pool import load, resolve_dtype
-from fastllm.ops.host_to_device import device_tensor, to_device
+from fastllm.ops.host_to_device import StagingBuffer, to_device
 from fastllm.sampling import SampleOutput, SamplingTensors, draw, mask_tokens, penalize
 from fastllm.tokenizer import Tokenizer
 
@@ -181,6 +183,9 @@ class Engine:
                          max_model_len=max_model_len)
             if self.device.type == "cuda" and not config.enforce_eager else None)
         self.runner = ModelRunner(model, kv_cache, decode_graphs)
+        # Constrained rows' bitmasks: filled once the model step is queued (the grammar work on
+        # the host overlaps it), so they take a copy of their own.
+        self._mask_staging = StagingBuffer(self.device)
         self._grammars: GrammarCompiler | None = None  # built for the first constrained request
         self.proposer = self._make_proposer(config.speculative)
         self._step_costs = (None if config.speculative is None
@@ -271,10 +276,12 @@ class Engine:
         batch, owners = scheduled
         scored, sampling, logits = [], [], []
         with torch.inference_mode(), ops.batch_invariant(self.config.batch_invariant):
-            for part, part_owners, output in self._execute(batch, owners):
+            # The sampler's inputs travel with the model's, in the step's one copy.
+            parts = self._execute(batch, owners,
+                                  self._sampling_inputs(_sampling_rows(owners, batch)))
+            for part, part_owners, output in parts:
                 scored += self.scheduler.update_from_output(part, part_owners, output)
-                sampling += [(owner, sequence) for owner, sequence in
-                             zip(part_owners, part.sequences) if sequence.logit_token_ids == "all"]
+                sampling += _sampling_rows(part_owners, part)
                 if output.logits is not None:
                     logits.append(output.logits)
             sampled = None
@@ -282,7 +289,8 @@ class Engine:
                 # SamplingParams checked every value on the host.
                 with ops.trusted_inputs():
                     sampling, sampled = self._sample(
-                        logits[0] if len(logits) == 1 else torch.cat(logits), sampling)
+                        logits[0] if len(logits) == 1 else torch.cat(logits), sampling,
+                        parts[0][2].extra if parts[0][0] is batch else None)
         self.stats.steps += 1
         self.stats.scheduled_tokens += batch.num_tokens
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.scheduler.usage)
@@ -308,13 +316,15 @@ class Engine:
         self.stats.step_s += time.perf_counter() - started
         return list(dict.fromkeys(scored + [request for request, _ in sampling] + self._failed))
 
-    def _execute(self, batch: ScheduledBatch, owners: list[Request]
+    def _execute(self, batch: ScheduledBatch, owners: list[Request],
+                 sampling_inputs: dict[str, torch.Tensor]
                  ) -> list[tuple[ScheduledBatch, list[Request], StepLogits]]:
-        """The model step, as (batch, owners, logits) parts: the whole batch or, when it raises,
-        each request's share run alone (nothing was marked computed yet, so a share runs again
-        as it was), the ones that raise again failed."""
+        """The model step, as (batch, owners, logits) parts: the whole batch (its logits'
+        ``extra``: ``sampling_inputs`` on the device) or, when it raises, each request's share
+        run alone (nothing was marked computed yet, so a share runs again as it was), the ones
+        that raise again failed."""
         try:
-            return [(batch, owners, self.runner.execute(batch))]
+            return [(batch, owners, self.runner.execute(batch, sampling_inputs))]
         except Exception as error:  # not KeyboardInterrupt: that ends the caller's requests
             if len(set(owners)) == 1:
                 self.fail_request(owners[0], _request_error(
@@ -417,8 +427,30 @@ class Engine:
                 self._step_costs.record_drafting(max(lengths), time.perf_counter() - drafting)
         self.stats.propose_s += time.perf_counter() - started
 
+    def _sampling_inputs(self, sampling: list[tuple[Request, ScheduledSequence]]
+                         ) -> dict[str, torch.Tensor]:
+        """The host tensors that sampling ``sampling``'s rows reads: the rows' parameters
+        (:meth:`SamplingTensors.host_columns`), "offsets" and, in a verification step,
+        "draft_ids" (every sequence's drafts, in order)."""
+        if not sampling:
+            return {}
+        counts = [1 + sequence.num_draft_tokens for _, sequence in sampling]
+        rows = [request for (request, _), n in zip(sampling, counts) for _ in range(n)]
+        inputs = SamplingTensors.host_columns([r.params for r in rows], self.vocab_size,
+                                              seeds=[r.seed for r in rows])
+        # Each request's random stream is keyed by (seed, its output position): the batch
+        # around it, and whether the position is verified or decoded, never change its draws.
+        inputs["offsets"] = torch.tensor(
+            [len(request.output_token_ids) + j
+             for (request, _), n in zip(sampling, counts) for j in range(n)], dtype=torch.int64)
+        drafts = [t for _, sequence in sampling for t in sequence.draft_token_ids]
+        if drafts:
+            inputs["draft_ids"] = torch.tensor(drafts, dtype=torch.int64)
+        return inputs
+
     def _sample(self, logits: torch.Tensor,
-                sampling: list[tuple[Request, ScheduledSequence]]
+                sampling: list[tuple[Request, ScheduledSequence]],
+                staged: dict[str, torch.Tensor] | None
                 ) -> tuple[list[tuple[Request, ScheduledSequence]], SampleOutput | None]:
         """A token for each logits row (``1 + num_draft_tokens`` rows per request, the rows of
         a verification step sampled as the plain decode steps at those positions would);
@@ -426,27 +458,33 @@ class Engine:
         (the CPU sampler raises on a row whose logits hold NaN or +inf, e.g. after its
         penalties overflowed), each request's rows are sampled alone and the requests whose
         rows still fail fail alone. A row's draw never depends on the other rows, so the
-        others get the tokens the batch would have given them."""
+        others get the tokens the batch would have given them. ``staged`` is
+        :meth:`_sampling_inputs` on the device, None when the step ran in parts (then the rows'
+        inputs take a copy of their own)."""
+        if staged is None:
+            staged = self.runner.staging.send(self._sampling_inputs(sampling))[0]
         counts = [1 + sequence.num_draft_tokens for _, sequence in sampling]
         rows = [request for (request, _), n in zip(sampling, counts) for _ in range(n)]
-        tensors = SamplingTensors.from_params([r.params for r in rows], self.vocab_size,
-                                              self.device, seeds=[r.seed for r in rows])
-        # Each request's random stream is keyed by (seed, its output position): the batch
-        # around it, and whether the position is verified or decoded, never change its draws.
-        offsets = device_tensor([len(request.output_token_ids) + j
-                                 for (request, _), n in zip(sampling, counts) for j in range(n)],
-                                torch.int64, self.device)
+        tensors = SamplingTensors.from_columns(staged, [r.params for r in rows], self.vocab_size)
+        offsets = staged["offsets"]
         prompt_mask = output_counts = None
         if tensors.needs_penalties:
             zeros_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             prompt_mask = torch.stack([zeros_mask if r.prompt_mask is None else r.prompt_mask
                                        for r in rows])
-            output_counts = torch.cat([self._output_counts(request, sequence)
-                                       for request, sequence in sampling])
+            row_counts, start = [], 0
+            for request, sequence in sampling:
+                end = start + sequence.num_draft_tokens
+                row_counts.append(self._output_counts(
+                    request, staged["draft_ids"][start:end] if end > start else None))
+                start = end
+            output_counts = torch.cat(row_counts)
         constrained = [row for row, request in enumerate(rows) if request.grammar is not None]
         if constrained:  # before the penalties: a disallowed token stays -inf whatever they add
-            mask_tokens(logits, constrained,
-                        grammar_bitmask([rows[row].grammar for row in constrained]))
+            masks = self._mask_staging.send({
+                "rows": torch.tensor(constrained, dtype=torch.int64),
+                "bitmask": grammar_bitmask([rows[row].grammar for row in constrained])})[0]
+            mask_tokens(logits, masks["rows"], masks["bitmask"])
         penalized = not tensors.needs_penalties
         try:
             if not penalized:
@@ -470,24 +508,24 @@ class Engine:
                 kept.append((request, sequence))
             return kept, SampleOutput.cat(parts) if parts else None
 
-    def _output_counts(self, request: Request, sequence: ScheduledSequence) -> torch.Tensor:
-        """int32 ``[1 + drafts, vocab]``: the request's output counts at each row of its step,
-        row j counting the first j drafts as generated."""
-        n = 1 + sequence.num_draft_tokens
+    def _output_counts(self, request: Request, drafts: torch.Tensor | None) -> torch.Tensor:
+        """int32 ``[1 + len(drafts), vocab]``: the request's output counts at each row of its
+        step, row j counting the first j ``drafts`` (int64, on the device) as generated."""
+        n = 1 if drafts is None else 1 + drafts.shape[0]
         if request.output_counts is None:
             return torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
         counts = request.output_counts.expand(n, -1)
         if n == 1:
             return counts
         drafted = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
-        drafted[torch.arange(1, n, device=self.device),
-                device_tensor(sequence.draft_token_ids, torch.long, self.device)] = 1
+        drafted[torch.arange(1, n, device=self.device), drafts] = 1
         return counts + drafted.cumsum(0, dtype=torch.int32)
 
     def _append_tokens(self, sampling: list[tuple[Request, ScheduledSequence]],
                        sampled: SampleOutput) -> None:
         """Gives each request its sampled token or, after a verification step, the drafts that
         match the samples at their rows and the sample that follows them."""
+        on_device = sampled.tokens
         sampled = sampled.to_host()  # the step's one wait for the device
         tokens = sampled.tokens.tolist()
         started = time.perf_counter()  # after the sync: device time is not detokenization
@@ -508,9 +546,9 @@ class Engine:
                     break
             if request.finished:
                 continue
-            if request.output_counts is not None:  # counted on the device: no sync
+            if request.output_counts is not None:  # counted from the device's copy: no copy
                 request.output_counts.index_put_(
-                    (device_tensor(appended, torch.long, self.device),),
+                    (on_device[first:first + len(appended)],),
                     torch.ones(len(appended), dtype=torch.int32, device=self.device),
                     accumulate=True)
             if drafts:
@@ -556,6 +594,13 @@ class Engine:
                 entry[token_id] = Logprob(logprob, ranks[token_id],
                                           decode([token_id], skip_special_tokens=False))
         return entry
+
+
+def _sampling_rows(owners: list[Request], batch: ScheduledBatch
+                   ) -> list[tuple[Request, ScheduledSequence]]:
+    """The batch's sequences that sample, with their requests."""
+    return [(owner, sequence) for owner, sequence in zip(owners, batch.sequences)
+            if sequence.logit_token_ids == "all"]
 
 
 def _request_error(what: str, error: Exception) -> Exception:

@@ -44,11 +44,12 @@ from typing import Any
 
 import torch
 
+from fastllm.engine.model_runner import ModelRunner, StepLogits
 from fastllm.engine.request import Request
-from fastllm.engine.scheduler import run_step
+from fastllm.engine.scheduler import batch_of_sequences
 from fastllm.kv_cache import KVCacheFullError, PagedKVCache
 from fastllm.models import DecoderLM
-from fastllm.ops.host_to_device import device_tensor
+from fastllm.ops.host_to_device import to_host
 from fastllm.sampling import SamplingTensors, draw
 
 __all__ = ["DraftLength", "DraftModelProposer", "NgramIndex", "NgramProposer",
@@ -366,6 +367,7 @@ class DraftModelProposer:
         self.kv_cache = PagedKVCache(spec, num_blocks, device=device,
                                      enable_prefix_caching=False)
         model.reserve_positions(max_model_len)
+        self.runner = ModelRunner(model, self.kv_cache)
         self.vocab_size = model.config.vocab_size
         self._seq_ids: dict[Request, int] = {}
         self._held: dict[Request, list[int]] = {}  # the tokens each draft sequence holds
@@ -402,8 +404,7 @@ class DraftModelProposer:
             new.append(seq_id)
             prompts.append(tokens[:-1])
         if new:
-            run_step(self.model, self.kv_cache, new, prompts, starts=[0] * len(new),
-                     logits=False)
+            self._step(new, prompts, starts=[0] * len(new), logits=False)
 
     def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
         """Up to ``lengths[i]`` drafts for each request (none where the draft KV pool is
@@ -427,15 +428,18 @@ class DraftModelProposer:
         while active:
             picked = [requests[i] for i in active]
             seq_ids = [self._seq_ids[r] for r in picked]
-            logits = run_step(self.model, self.kv_cache, seq_ids, new_tokens)  # [n, vocab]
-            tensors = dataclasses.replace(
-                SamplingTensors.from_params([r.params for r in picked], self.vocab_size,
-                                            logits.device, seeds=[r.seed for r in picked]),
-                wants_logprobs=False)
+            params = [r.params for r in picked]
+            inputs = SamplingTensors.host_columns(params, self.vocab_size,
+                                                  seeds=[r.seed for r in picked])
             # The seeded stream at the positions the target samples them: a coupled draw.
-            offsets = device_tensor([len(r.output_token_ids) + step for r in picked],
-                                    torch.int64, logits.device)
-            tokens = draw(logits, tensors, offsets).tokens.tolist()
+            inputs["offsets"] = torch.tensor([len(r.output_token_ids) + step for r in picked],
+                                             dtype=torch.int64)
+            output = self._step(seq_ids, new_tokens, inputs)  # the sampler's inputs ride along
+            tensors = dataclasses.replace(
+                SamplingTensors.from_columns(output.extra, params, self.vocab_size),
+                wants_logprobs=False)
+            tokens, = to_host(draw(output.logits, tensors, output.extra["offsets"]).tokens)
+            tokens = tokens.tolist()
             still, new_tokens = [], []
             for i, request, seq_id, token in zip(active, picked, seq_ids, tokens):
                 drafts[i].append(token)
@@ -451,6 +455,17 @@ class DraftModelProposer:
             active = still
             step += 1
         return drafts
+
+    def _step(self, seq_ids: list[int], new_tokens: list[list[int]],
+              extra: dict[str, torch.Tensor] | None = None, **layout: Any) -> StepLogits:
+        """One step of the draft model over its sequences (``layout``: as
+        :func:`~fastllm.engine.scheduler.batch_of_sequences` takes it), marked computed."""
+        manager = self.kv_cache.block_manager
+        batch = batch_of_sequences(manager, seq_ids, new_tokens, **layout)
+        output = self.runner.execute(batch, extra)
+        for sequence in batch.sequences:
+            manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
+        return output
 
     def _place(self, request: Request, tokens: list[int]) -> int:
         """Makes the request's draft sequence hold ``tokens``, keeping the KV of the leading

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from fastllm import _C
-from fastllm.ops.host_to_device import device_tensor
+from fastllm.ops.host_to_device import to_device
 
 __all__ = ["BlockManager", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan", "PagedKVCache",
            "StaticKVCache", "cache_dtype_serves", "default_kv_cache_memory", "plan_pool",
@@ -307,7 +307,8 @@ class PagedKVCache:
         for src, dst in copies:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise ValueError(f"block copy {(src, dst)} is outside [0, {self.num_blocks})")
-        src, dst = (device_tensor(ids, torch.long, self.k_cache.device) for ids in zip(*copies))
+        src, dst = to_device(torch.tensor(list(zip(*copies)), dtype=torch.long),
+                             self.k_cache.device)  # [2, copies]: one copy
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
 

@@ -1,8 +1,9 @@
 """Sampling parameters (vLLM's names and meanings) and the batched sampling step.
 
 A batch mixes requests with different parameters: :class:`SamplingTensors` turns their
-:class:`SamplingParams` into per-row tensors once, and :func:`sample_next_tokens` runs the
-penalties op (when any row needs it) and the sampling op on a step's logits.
+:class:`SamplingParams` into per-row tensors (a few host tensors moved in one copy, which an
+engine folds into its step's one copy), and :func:`sample_next_tokens` runs the penalties op
+(when any row needs it) and the sampling op on a step's logits.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from fastllm import ops
-from fastllm.ops.host_to_device import device_tensor, to_device
+from fastllm.ops.host_to_device import StagingBuffer, to_host
 
 __all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "StructuredOutputsParams",
            "draw", "mask_tokens", "penalize", "resolve_seed", "sample_next_tokens"]
@@ -227,9 +228,14 @@ def resolve_seed(params: SamplingParams) -> int:
     return secrets.randbelow(_MAX_SEED) if params.seed is None else params.seed
 
 
+# SamplingTensors' float32 columns, in the order of host_columns' "floats" rows.
+_FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                  "presence_penalty")
+
+
 @dataclass
 class SamplingTensors:
-    """The per-row tensors of a batch of requests, built once per batch composition."""
+    """The per-row tensors of a batch of requests."""
 
     temperature: Tensor  # float32 [batch]
     top_k: Tensor  # int32 [batch]
@@ -248,40 +254,55 @@ class SamplingTensors:
     def from_params(cls, params: Sequence[SamplingParams], vocab_size: int,
                     device: torch.device | str = "cpu",
                     seeds: Sequence[int] | None = None) -> SamplingTensors:
-        """Rows in the order of ``params``. ``seeds`` are the rows' seeds (an engine draws one
-        per request once, so it survives preemption); by default a request without a seed
-        gets a fresh random one."""
+        """Rows in the order of ``params``, on ``device`` in one copy. ``seeds`` are the rows'
+        seeds (an engine draws one per request once, so it survives preemption); by default a
+        request without a seed gets a fresh random one."""
+        columns = cls.host_columns(params, vocab_size, seeds)
+        return cls.from_columns(StagingBuffer(device).send(columns)[0], params, vocab_size)
+
+    @staticmethod
+    def host_columns(params: Sequence[SamplingParams], vocab_size: int,
+                     seeds: Sequence[int] | None = None) -> dict[str, Tensor]:
+        """The host tensors :meth:`from_columns` reads once they are on the device (a caller
+        moves them with the rest of its step's inputs): float32 ``[6, batch]`` "floats",
+        int32 "top_k", int64 "seeds", and the logit biases as flat int64 "bias_index" into
+        ``[batch, vocab]`` and float32 "bias_value" when a row has one."""
         for p in params:
             p.check_vocab(vocab_size)
-
-        def column(values: list, dtype: torch.dtype) -> Tensor:
-            return device_tensor(values, dtype, device)
-
-        logit_bias = None
-        if any(p.logit_bias for p in params):
-            logit_bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
-            for row, p in enumerate(params):
-                for token, bias in p.logit_bias.items():
-                    logit_bias[row, token] = bias
-            logit_bias = to_device(logit_bias, device)
-        return cls(
-            temperature=column([0.0 if p.is_greedy else p.temperature for p in params],
-                               torch.float32),
+        columns = {
+            "floats": torch.tensor(
+                [[0.0 if p.is_greedy else p.temperature for p in params],
+                 *([getattr(p, name) for p in params] for name in _FLOAT_COLUMNS[1:])],
+                dtype=torch.float32),
             # top_k >= vocab is off, as <= 0 is: clamped, it fits int32 whatever its value.
-            top_k=column([min(max(p.top_k, 0), vocab_size) for p in params], torch.int32),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            repetition_penalty=column([p.repetition_penalty for p in params], torch.float32),
-            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32),
-            presence_penalty=column([p.presence_penalty for p in params], torch.float32),
-            logit_bias=logit_bias,
-            seeds=column(list(seeds) if seeds is not None else
-                         [resolve_seed(p) for p in params], torch.int64),
-            wants_logprobs=any(p.logprobs is not None for p in params),
-            num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            needs_penalties=any(p.needs_penalties() for p in params),
-        )
+            "top_k": torch.tensor([min(max(p.top_k, 0), vocab_size) for p in params],
+                                  dtype=torch.int32),
+            "seeds": torch.tensor(list(seeds) if seeds is not None else
+                                  [resolve_seed(p) for p in params], dtype=torch.int64),
+        }
+        if any(p.logit_bias for p in params):
+            entries = [(row * vocab_size + token, bias) for row, p in enumerate(params)
+                       for token, bias in p.logit_bias.items()]
+            columns["bias_index"] = torch.tensor([i for i, _ in entries], dtype=torch.int64)
+            columns["bias_value"] = torch.tensor([b for _, b in entries], dtype=torch.float32)
+        return columns
 
+    @classmethod
+    def from_columns(cls, columns: Mapping[str, Tensor], params: Sequence[SamplingParams],
+                     vocab_size: int) -> SamplingTensors:
+        """The tensors of :meth:`host_columns`' columns (views of them, on their device)."""
+        floats = dict(zip(_FLOAT_COLUMNS, columns["floats"].unbind()))
+        logit_bias = None
+        if "bias_index" in columns:
+            index = columns["bias_index"]
+            logit_bias = torch.zeros(len(params), vocab_size, dtype=torch.float32,
+                                     device=index.device)
+            logit_bias.view(-1)[index] = columns["bias_value"]
+        return cls(**floats, top_k=columns["top_k"], logit_bias=logit_bias,
+                   seeds=columns["seeds"],
+                   wants_logprobs=any(p.logprobs is not None for p in params),
+                   num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+                   needs_penalties=any(p.needs_penalties() for p in params))
 
     def rows(self, index: slice) -> SamplingTensors:
         """The parameters of a slice of the rows (views), with the batch's logprobs width."""
@@ -311,11 +332,10 @@ class SampleOutput:
                      for name in ("tokens", "token_logprobs", "top_ids", "top_logprobs")))
 
     def to_host(self) -> SampleOutput:
-        """Every tensor on the CPU, each copied once (not one element at a time)."""
-        def host(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.cpu()
-        return SampleOutput(host(self.tokens), host(self.token_logprobs), host(self.top_ids),
-                            host(self.top_logprobs))
+        """Every tensor on the CPU, all in one copy."""
+        names = [name for name in ("tokens", "token_logprobs", "top_ids", "top_logprobs")
+                 if getattr(self, name) is not None]
+        return SampleOutput(**dict(zip(names, to_host(*(getattr(self, n) for n in names)))))
 
 
 def penalize(logits: Tensor, tensors: SamplingTensors, prompt_mask: Tensor,
@@ -326,19 +346,18 @@ def penalize(logits: Tensor, tensors: SamplingTensors, prompt_mask: Tensor,
                         tensors.frequency_penalty, tensors.presence_penalty, tensors.logit_bias)
 
 
-def mask_tokens(logits: Tensor, rows: Sequence[int], bitmask: Tensor) -> None:
+def mask_tokens(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
     """Sets to -inf, in place, the logits of the tokens a row may not take: ``bitmask`` is
-    int32 ``[len(rows), ceil(vocab / 32)]`` (on the host), bit ``t % 32`` of word ``t // 32``
-    set where token ``t`` is allowed in the row ``rows[i]`` of ``logits``; tokens past the
-    mask's width are not allowed."""
-    bits = torch.arange(32, dtype=torch.int32)
+    int32 ``[len(rows), ceil(vocab / 32)]``, bit ``t % 32`` of word ``t // 32`` set where
+    token ``t`` is allowed in the row ``rows[i]`` (int64) of ``logits``; tokens past the mask's
+    width are not allowed. Both on ``logits``' device: the bits are unpacked there (the mask
+    travels 32 times smaller than the rows it masks)."""
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1).bool()  # [rows, words * 32]
     vocab = logits.shape[-1]
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
-    disallowed = ~to_device(allowed[:, :vocab].contiguous(), logits.device)
-    logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def draw(logits: Tensor, tensors: SamplingTensors, offsets: Tensor) -> SampleOutput:
