@@ -1,16 +1,17 @@
 """Fixtures shared by every test: a reproducible seed per test, the devices to run on and the op
 backends to test; and helpers that test modules import (``from conftest import num_threads``):
-a thread-count context, the attention oracles' row and tolerance checks, and a model's prefill
-logits."""
+a thread-count context, the attention oracles' row and tolerance checks, a cache of one object per
+device for fixtures, a model's prefill logits and their tolerance against HF's."""
 
 import contextlib
 import importlib.util
 import os
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -43,6 +44,24 @@ def _seed(request):
 def device(request) -> torch.device:
     """Each device present; tests taking it run once per device."""
     return torch.device(request.param)
+
+
+T = TypeVar("T")
+
+
+def per_device(make: Callable[[torch.device], T]) -> Callable[[torch.device | str], T]:
+    """``get(device)`` -> ``make(device)``, made at the first call for that device and kept. A
+    module- or session-scoped fixture returns it, so that the CPU cases share one model (or LLM,
+    or server) and one on the GPU is loaded only where a CUDA case runs."""
+    made: dict[torch.device, T] = {}
+
+    def get(device: torch.device | str) -> T:
+        device = torch.device(device)
+        if device not in made:
+            made[device] = make(device)
+        return made[device]
+
+    return get
 
 
 @dataclass(frozen=True)
@@ -200,13 +219,21 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_llm(smollm2_path: Path):
-    """One :class:`fastllm.LLM` of the real SmolLM2 for the session (reading the GGUF file's
-    49k-token vocabulary costs seconds each time), with a KV pool of 64 MiB: 1024-token
-    sequences of 45 KiB a token."""
-    from fastllm import LLM
+def smollm2_llms(smollm2_path: Path):
+    """``smollm2_llms(device)``: one :class:`fastllm.LLM` of the real SmolLM2 per device for the
+    session, all sharing one tokenizer (reading the GGUF file's 49k-token vocabulary costs
+    seconds each time), each with a KV pool of 64 MiB: 1024-token sequences of 45 KiB a token."""
+    from fastllm import LLM, Tokenizer
 
-    return LLM(smollm2_path, max_model_len=1024, kv_cache_memory=64 << 20)
+    tokenizer = Tokenizer.from_pretrained(smollm2_path)
+    return per_device(lambda device: LLM(smollm2_path, device=device, tokenizer=tokenizer,
+                                         max_model_len=1024, kv_cache_memory=64 << 20))
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_llms):
+    """The session's :class:`fastllm.LLM` of the real SmolLM2 on the CPU."""
+    return smollm2_llms("cpu")
 
 
 @pytest.fixture(scope="session")
@@ -228,23 +255,44 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory):
     return run
 
 
+def model_device(model) -> torch.device:
+    """Where a :class:`fastllm.models.DecoderLM`'s weights (and so its caches and inputs) are."""
+    return model.embed_tokens.weight.device
+
+
 def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     """``[len(tokens), vocab]`` logits of one sequence's prefill through ``model`` (a
-    :class:`fastllm.models.DecoderLM`), in a paged cache of its own."""
+    :class:`fastllm.models.DecoderLM`), in a paged cache of its own on the model's device."""
     from fastllm.kv_cache import PagedKVCache
 
-    cache = PagedKVCache(model.kv_cache_spec(4), -(-len(tokens) // 4))
+    device = model_device(model)
+    cache = PagedKVCache(model.kv_cache_spec(4), -(-len(tokens) // 4), device=device)
     cache.block_manager.allocate(0, tokens)
     meta = metadata_for(cache, [0], [len(tokens)])
-    return model.compute_logits(model(torch.tensor(tokens), meta.positions, meta, cache))
+    return model.compute_logits(model(torch.tensor(tokens, device=device), meta.positions, meta,
+                                      cache))
 
 
 def metadata_for(cache, seq_ids, counts, starts=None):
-    """The attention metadata (on the CPU) of ``counts[b]`` new tokens of each sequence placed
-    in ``cache``'s block manager by hand, laid out as the scheduler lays out a step."""
+    """The attention metadata (on the cache's device) of ``counts[b]`` new tokens of each
+    sequence placed in ``cache``'s block manager by hand, laid out as the scheduler lays out a
+    step."""
     from fastllm.engine.model_runner import attention_metadata
     from fastllm.engine.scheduler import batch_of_sequences
 
     batch = batch_of_sequences(cache.block_manager, seq_ids, [[0] * n for n in counts],
                                starts=starts, logits=False)
-    return attention_metadata(batch, "cpu")
+    return attention_metadata(batch, cache.k_cache.device)
+
+
+# Float32 logits off the CPU, against a reference computed on the CPU: cuBLAS and the GPU
+# kernels sum in other orders than the CPU's kernels (TF32 stays off, torch's default for
+# float32 matmuls), which a relative bound of this size covers.
+GPU_FLOAT32_RTOL = 1e-4
+
+
+def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+    """float32 logits ``got`` (on any device) against ``expected`` (on the CPU): within ``atol``
+    on the CPU, and within ``atol`` plus :data:`GPU_FLOAT32_RTOL` relative elsewhere."""
+    rtol = 0.0 if got.device.type == "cpu" else GPU_FLOAT32_RTOL
+    torch.testing.assert_close(got.cpu(), expected.cpu(), atol=atol, rtol=rtol)

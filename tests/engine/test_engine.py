@@ -1,7 +1,7 @@
 """The engine through fastllm.LLM / fastllm.AsyncLLM on stories260K: batched outputs equal each
 prompt run alone, seeded sampling ignores batch composition and arrival order, chunked prefill
 equals one-shot prefill, preemption loses nothing, cancellation frees blocks at once, and one bad
-request fails alone."""
+request fails alone. The tests of what the model computes run on each device present."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import random
 import threading
 
 import pytest
+from conftest import per_device
 
 from fastllm import LLM, AsyncLLM, SamplingParams
 from fastllm.entrypoints.client import EngineClient
@@ -23,9 +24,20 @@ def folder(model_path):
 
 
 @pytest.fixture(scope="module")
-def llm(folder) -> LLM:
-    """Room for every test's requests at once: no preemption unless a test asks for it."""
-    return LLM(folder, kv_cache_memory=32 << 20)
+def llms(folder):
+    """``llms(device)``: an LLM on ``device`` (one per device) with room for every test's
+    requests at once: no preemption unless a test asks for it."""
+    return per_device(lambda device: LLM(folder, device=device, kv_cache_memory=32 << 20))
+
+
+@pytest.fixture(scope="module")
+def llm(llms) -> LLM:
+    return llms("cpu")
+
+
+@pytest.fixture
+def device_llm(llms, device) -> LLM:
+    return llms(device)
 
 
 def mixed_prompts(n: int, seed: int) -> list[list[int]]:
@@ -44,7 +56,8 @@ def token_ids(outputs) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in outputs]
 
 
-def test_a_batch_of_32_greedy_prompts_equals_each_alone(llm):
+def test_a_batch_of_32_greedy_prompts_equals_each_alone(device_llm):
+    llm = device_llm
     prompts = mixed_prompts(NUM_PROMPTS, seed=0)
     params = mixed_params(NUM_PROMPTS, seed=1, temperature=0)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -56,7 +69,8 @@ def test_a_batch_of_32_greedy_prompts_equals_each_alone(llm):
         assert out.prompt_token_ids == prompt
 
 
-def test_seeded_sampling_ignores_batch_composition_and_order(llm):
+def test_seeded_sampling_ignores_batch_composition_and_order(device_llm):
+    llm = device_llm
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(12, seed=2)]
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=30,
                              ignore_eos=True) for i in range(12)]
@@ -73,11 +87,12 @@ def test_seeded_sampling_ignores_batch_composition_and_order(llm):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill_equals_one_shot(folder, llm, chunk):
+def test_chunked_prefill_equals_one_shot(folder, device_llm, chunk):
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(6, seed=4)]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    one_shot = llm.generate(prompts, params, use_tqdm=False)
-    chunked_llm = LLM(folder, kv_cache_memory=8 << 20, max_prefill_chunk=chunk,
+    one_shot = device_llm.generate(prompts, params, use_tqdm=False)
+    chunked_llm = LLM(folder, device=device_llm.device, kv_cache_memory=8 << 20,
+                      max_prefill_chunk=chunk,
                       max_num_batched_tokens=max(chunk, 16), enable_prefix_caching=False)
     chunked = chunked_llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(chunked) == token_ids(one_shot)
@@ -89,13 +104,15 @@ def test_chunked_prefill_equals_one_shot(folder, llm, chunk):
     assert chunked_llm.engine.stats.steps > len(prompts)
 
 
-def test_a_small_pool_preempts_and_every_request_completes_unchanged(folder, llm):
+def test_a_small_pool_preempts_and_every_request_completes_unchanged(folder, device_llm):
+    llm = device_llm
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(10, seed=5)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=60, ignore_eos=True)
               for i in range(10)]
     expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
     # 16 blocks of 16 tokens: room for about 2 requests
-    small = LLM(folder, max_model_len=256, kv_cache_memory=16 * llm.kv_cache.spec.bytes_per_block)
+    small = LLM(folder, device=llm.device, max_model_len=256,
+                kv_cache_memory=16 * llm.kv_cache.spec.bytes_per_block)
     outputs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.stats.preemptions > 0
     assert sum(out.metrics.num_preemptions for out in outputs) == small.engine.stats.preemptions
@@ -164,16 +181,17 @@ def test_async_llm_builds_its_engine_on_the_engine_thread(folder, monkeypatch):
         AsyncLLM(folder, max_model_len=-1)
 
 
-def test_async_streams_run_together_and_equal_generate(folder, llm):
+def test_async_streams_run_together_and_equal_generate(folder, device_llm):
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(6, seed=7)]
     params = SamplingParams(temperature=0, max_tokens=25)
-    expected = [out.outputs[0].text for out in llm.generate(prompts, params, use_tqdm=False)]
+    expected = [out.outputs[0].text
+                for out in device_llm.generate(prompts, params, use_tqdm=False)]
 
     async def collect(engine, prompt):
         return "".join([delta async for delta in engine.stream(prompt, params)])
 
     async def main():
-        async with AsyncLLM(folder, kv_cache_memory=8 << 20) as engine:
+        async with AsyncLLM(folder, device=device_llm.device, kv_cache_memory=8 << 20) as engine:
             texts = await asyncio.gather(*(collect(engine, p) for p in prompts))
             return texts, engine.client.engine.stats.steps
 
@@ -217,7 +235,8 @@ def test_stream_runs_while_another_thread_generates(llm):
     assert token_ids(results["batch"]) == token_ids(expected[1:])
 
 
-def test_metrics_and_prefix_cache_hits(llm):
+def test_metrics_and_prefix_cache_hits(device_llm):
+    llm = device_llm
     system = [1] + list(range(10, 74))  # a shared 65-token "system prompt": 4 full blocks
     prompts = [{"prompt_token_ids": system + [100 + i, 200 + i]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=5)

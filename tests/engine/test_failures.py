@@ -1,15 +1,19 @@
 """One request that fails inside an engine step fails alone, in LLM.generate, LLM.stream and
 AsyncLLM: its output (or its caller) gets the error, its KV blocks are freed, and every other
 request's tokens are the ones it gets without the bad request around (stories260K, seeded
-sampling, which no batch changes in float32)."""
+sampling, which no batch changes in float32). A request whose logits overflow fails alone on
+each device present."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import threading
 
 import pytest
+import torch
+from conftest import per_device
 
 from fastllm import LLM, AsyncLLM, SamplingParams
 
@@ -21,14 +25,33 @@ OVERFLOWING = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
 BAD_PROMPT = {"prompt_token_ids": [1, 40, 41, 42]}
 
 
+def overflow_error(device: torch.device) -> str:
+    """A regex of the error OVERFLOWING fails with: the CPU sampler raises on its row; a CUDA
+    sampler, under trusted_inputs, marks the row unusable and the engine says so."""
+    if device.type == "cpu":
+        return r"cannot be sampled.*contains \+inf"
+    return r"contain NaN or \+inf"
+
+
 @pytest.fixture(scope="module")
 def folder(model_path):
     return model_path("stories260K_hf")
 
 
 @pytest.fixture(scope="module")
-def llm(folder) -> LLM:
-    return LLM(folder, kv_cache_memory=16 << 20)
+def llms(folder):
+    """``llms(device)``: one LLM per device."""
+    return per_device(lambda device: LLM(folder, device=device, kv_cache_memory=16 << 20))
+
+
+@pytest.fixture(scope="module")
+def llm(llms) -> LLM:
+    return llms("cpu")
+
+
+@pytest.fixture
+def device_llm(llms, device) -> LLM:
+    return llms(device)
 
 
 def good_requests(n: int, seed: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -47,12 +70,14 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 def assert_failed_alone(out, match: str) -> None:
+    """``match``: a regex of the error."""
     completion = out.outputs[0]
     assert out.finished and completion.finish_reason == "error"
-    assert isinstance(out.error, ValueError) and match in str(out.error)
+    assert isinstance(out.error, ValueError) and re.search(match, str(out.error)), out.error
 
 
-def test_generate_fails_the_bad_request_alone(llm):
+def test_generate_fails_the_bad_request_alone(device_llm, device):
+    llm = device_llm
     prompts, params = good_requests(6, seed=1)
     alone = token_ids(llm.generate(prompts, params, use_tqdm=False))
     outputs = llm.generate(prompts[:3] + [BAD_PROMPT] + prompts[3:],
@@ -61,12 +86,13 @@ def test_generate_fails_the_bad_request_alone(llm):
     assert all(out.error is None and out.outputs[0].finish_reason == "length"
                for out in outputs[:3] + outputs[4:])
     bad = outputs[3]
-    assert_failed_alone(bad, "contains +inf")
+    assert_failed_alone(bad, overflow_error(device))
     assert bad.outputs[0].token_ids == [7]  # what it had before it failed
     assert llm.kv_cache.block_manager.usage == 0
 
 
-def test_a_stream_raises_its_error_while_the_batch_goes_on(llm):
+def test_a_stream_raises_its_error_while_the_batch_goes_on(device_llm, device):
+    llm = device_llm
     prompts, params = good_requests(5, seed=2)
     expected = llm.generate(prompts, params, use_tqdm=False)
     results = {}
@@ -77,14 +103,14 @@ def test_a_stream_raises_its_error_while_the_batch_goes_on(llm):
     worker.join()
     assert streamed == expected[0].outputs[0].text
     assert token_ids(results["batch"][:-1]) == token_ids(expected[1:])
-    assert_failed_alone(results["batch"][-1], "contains +inf")
+    assert_failed_alone(results["batch"][-1], overflow_error(device))
 
     # The bad request streamed: its first token's text, then its error.
     deltas = []
     worker = threading.Thread(target=lambda: results.update(batch=llm.generate(
         prompts, params, use_tqdm=False)))
     worker.start()
-    with pytest.raises(ValueError, match=r"cannot be sampled.*contains \+inf"):
+    with pytest.raises(ValueError, match=overflow_error(device)):
         for delta in llm.stream(BAD_PROMPT, OVERFLOWING):
             deltas.append(delta)
     worker.join()
@@ -188,6 +214,6 @@ def test_a_row_the_gpu_sampler_marks_unusable_fails_alone(llm, monkeypatch):
                            params[:1] + [marked] + params[1:], use_tqdm=False)
     monkeypatch.undo()
     assert token_ids(outputs[:1] + outputs[2:]) == alone
-    assert_failed_alone(outputs[1], "contain NaN or +inf")
+    assert_failed_alone(outputs[1], r"contain NaN or \+inf")
     assert outputs[1].outputs[0].token_ids == []
     assert llm.kv_cache.block_manager.usage == 0

@@ -1,7 +1,8 @@
 """Speculative decoding: the tokens are the ones generation gives without it (greedy and seeded
 sampling, mixed batches, both methods, stories260K in float32 and the real SmolLM2), sampled
 tokens follow the model's distribution (chi-square), rejected drafts' KV leaves the block
-manager and never reaches the prefix cache, and the metrics count what happened."""
+manager and never reaches the prefix cache, and the metrics count what happened. Exactness runs
+on each device present."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 import pytest
 import torch
 
-from conftest import prefill_logits
+from conftest import per_device, prefill_logits
 from fastllm import LLM, SamplingParams
 from fastllm.engine import Engine, EngineConfig
 from fastllm.engine.speculative import DraftLength, NgramIndex, SpeculativeConfig, StepCosts
@@ -54,11 +55,25 @@ def assert_no_block_held(llm: LLM) -> None:
 
 
 @pytest.fixture(scope="module")
-def stories_reference(model_path):
-    plain = stories(model_path)
-    prompts, params = mixed_batch(plain.model.config.vocab_size)
-    outputs = plain.generate(prompts, params, use_tqdm=False)
-    return prompts, params, outputs
+def stories_references(model_path):
+    """``stories_references(device)``: (prompts, params, outputs without speculation on
+    ``device``) of the mixed batch, once per device."""
+    def reference(device):
+        plain = stories(model_path, device=device)
+        prompts, params = mixed_batch(plain.model.config.vocab_size)
+        return prompts, params, plain.generate(prompts, params, use_tqdm=False)
+
+    return per_device(reference)
+
+
+@pytest.fixture(scope="module")
+def stories_reference(stories_references):
+    return stories_references("cpu")
+
+
+@pytest.fixture
+def device_reference(stories_references, device):
+    return stories_references(device)
 
 
 @pytest.mark.parametrize("speculative", [
@@ -69,11 +84,11 @@ def stories_reference(model_path):
     {"method": "draft", "num_speculative_tokens": 3, "draft_dtype": "bfloat16",
      "adaptive": False},
 ], ids=["ngram", "ngram-k7-fixed", "draft"])
-def test_same_tokens_as_without_speculation(model_path, stories_reference, speculative):
-    prompts, params, expected = stories_reference
+def test_same_tokens_as_without_speculation(model_path, device_reference, device, speculative):
+    prompts, params, expected = device_reference
     if speculative["method"] == "draft":
         speculative = {**speculative, "model": model_path("stories260K_hf")}
-    llm = stories(model_path, speculative=speculative)
+    llm = stories(model_path, device=device, speculative=speculative)
     got = llm.generate(prompts, params, use_tqdm=False)
     for want, out in zip(expected, got):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids, out.request_id
@@ -130,11 +145,11 @@ def test_a_failing_draft_model_costs_no_request(model_path, stories_reference, m
     assert proposer.kv_cache.block_manager.stats()["referenced_blocks"] == 0
 
 
-def test_streaming_and_preemption_under_speculation(model_path, stories_reference):
-    prompts, params, expected = stories_reference
+def test_streaming_and_preemption_under_speculation(model_path, device_reference, device):
+    prompts, params, expected = device_reference
     # Room for about two requests: the others are preempted and recomputed.
-    plain = stories(model_path)
-    small = LLM(model_path("stories260K_hf"), max_model_len=192,
+    plain = stories(model_path, device=device)
+    small = LLM(model_path("stories260K_hf"), device=device, max_model_len=192,
                 kv_cache_memory=12 * plain.kv_cache.spec.bytes_per_block,
                 speculative={"method": "ngram", "num_speculative_tokens": 5},
                 max_num_batched_tokens=40)
@@ -190,7 +205,7 @@ def test_speculative_sampling_keeps_the_distribution(model_path):
     assert p_value > 1e-3, (statistic, dof, observed, expected)
 
 
-def test_a_constrained_request_does_not_speculate_beside_one_that_does(model_path):
+def test_a_constrained_request_does_not_speculate_beside_one_that_does(model_path, device):
     """A request under structured output takes one token a step (its grammar would need a state
     per draft); the request beside it still speculates, and both get their plain tokens."""
     from fastllm import StructuredOutputsParams
@@ -199,8 +214,9 @@ def test_a_constrained_request_does_not_speculate_beside_one_that_does(model_pat
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=30, structured_outputs=(
                   StructuredOutputsParams(regex=r"(Lily|Tom) (ran|saw) [a-z]+( [a-z]+)*\\.")))]
-    expected = stories(model_path).generate(prompts, params, use_tqdm=False)
-    llm = stories(model_path, speculative={"method": "ngram", "num_speculative_tokens": 4})
+    expected = stories(model_path, device=device).generate(prompts, params, use_tqdm=False)
+    llm = stories(model_path, device=device,
+                  speculative={"method": "ngram", "num_speculative_tokens": 4})
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert got[1].outputs[0].text.split(" ")[0] in ("Lily", "Tom")
@@ -208,14 +224,15 @@ def test_a_constrained_request_does_not_speculate_beside_one_that_does(model_pat
     assert_no_block_held(llm)
 
 
-def test_seeded_sampling_reproduces(model_path, stories_reference):
-    prompts, params, expected = stories_reference
-    llm = stories(model_path, speculative={"method": "ngram", "num_speculative_tokens": 4})
+def test_seeded_sampling_reproduces(model_path, device_reference, device):
+    prompts, _, _ = device_reference
+    llm = stories(model_path, device=device,
+                  speculative={"method": "ngram", "num_speculative_tokens": 4})
     params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32, ignore_eos=True)
               for i in range(len(prompts))]
     first = token_ids(llm, prompts, params)
     alone = [token_ids(llm, [p], [q])[0] for p, q in zip(prompts, params)]
-    assert first == alone == token_ids(stories(model_path), prompts, params)
+    assert first == alone == token_ids(stories(model_path, device=device), prompts, params)
 
 
 def engine_tokens(llm: LLM, prompts, params, **config) -> tuple[list[list[int]], Engine]:

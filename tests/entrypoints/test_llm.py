@@ -1,6 +1,8 @@
 """fastllm.LLM end to end: generate / stream / chat against HF transformers on the same weights
 (stories260K, and tiny random models of every architecture with the real Qwen3 and Llama 2
-tokenizers), the stop rules, logprobs, prefix reuse across requests, and bad input."""
+tokenizers), the stop rules, logprobs, prefix reuse across requests, and bad input. Generation
+against HF (greedy tokens, logprobs, the repetition penalty) and seeded sampling run on each
+device present, HF on the CPU."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import per_device
 from tiny_hf import random_hf_model, save_hf_model
 
 import fastllm
@@ -37,14 +40,30 @@ ARCHITECTURES = {
 
 
 @pytest.fixture(scope="module")
-def stories(model_path) -> tuple[LLM, torch.nn.Module]:
+def stories_llms(model_path):
+    """(``llms(device)``: an LLM of stories260K on ``device``, one per device; HF's model)."""
     folder = model_path("stories260K_hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return LLM(folder), hf
+    return per_device(lambda device: LLM(folder, device=device)), hf
+
+
+@pytest.fixture(scope="module")
+def stories(stories_llms) -> tuple[LLM, torch.nn.Module]:
+    llms, hf = stories_llms
+    return llms("cpu"), hf
+
+
+@pytest.fixture
+def device_stories(stories_llms, device) -> tuple[LLM, torch.nn.Module]:
+    """(the LLM on the test's device, HF's model on the CPU)."""
+    llms, hf = stories_llms
+    return llms(device), hf
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
-def tiny(request, tmp_path_factory, model_path) -> tuple[LLM, torch.nn.Module]:
+def tiny_llms(request, tmp_path_factory, model_path):
+    """(``llms(device)``: an LLM of a tiny random model on ``device``, one per device; HF's
+    model with its weights)."""
     model_type, tokenizer, vocab, overrides = ARCHITECTURES[request.param]
     hf = random_hf_model(model_type, seed=len(request.param),
                          **{**TINY, "vocab_size": vocab, **overrides})
@@ -52,7 +71,20 @@ def tiny(request, tmp_path_factory, model_path) -> tuple[LLM, torch.nn.Module]:
     for file in model_path(tokenizer).iterdir():
         if file.name.startswith("tokenizer") and file.suffix != ".bin":
             shutil.copy(file, folder)
-    return LLM(folder), hf
+    return per_device(lambda device: LLM(folder, device=device)), hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llms) -> tuple[LLM, torch.nn.Module]:
+    llms, hf = tiny_llms
+    return llms("cpu"), hf
+
+
+@pytest.fixture
+def device_tiny(tiny_llms, device) -> tuple[LLM, torch.nn.Module]:
+    """(the LLM on the test's device, HF's model on the CPU)."""
+    llms, hf = tiny_llms
+    return llms(device), hf
 
 
 def hf_greedy(hf: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
@@ -62,8 +94,8 @@ def hf_greedy(hf: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def test_stories_greedy_128_tokens_equal_hf(stories):
-    llm, hf = stories
+def test_stories_greedy_128_tokens_equal_hf(device_stories):
+    llm, hf = device_stories
     out, = llm.generate(PROMPT, GREEDY, use_tqdm=False)
     assert out.prompt == PROMPT
     assert out.prompt_token_ids == llm.tokenizer.encode(PROMPT)
@@ -74,8 +106,8 @@ def test_stories_greedy_128_tokens_equal_hf(stories):
     assert completion.text == full[len(llm.tokenizer.decode(out.prompt_token_ids)):]
 
 
-def test_tiny_architectures_text_prompt_equal_hf(tiny):
-    llm, hf = tiny
+def test_tiny_architectures_text_prompt_equal_hf(device_tiny):
+    llm, hf = device_tiny
     out, = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                         use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 24)
@@ -199,8 +231,8 @@ def test_context_end_finishes_with_length(model_path):
 
 # ---- sampling and logprobs ---------------------------------------------------------------------
 
-def test_greedy_logprobs_are_log_softmax_of_hf_logits(stories):
-    llm, hf = stories
+def test_greedy_logprobs_are_log_softmax_of_hf_logits(device_stories):
+    llm, hf = device_stories
     out, = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=3),
                         use_tqdm=False)
     completion = out.outputs[0]
@@ -230,12 +262,13 @@ def test_sampled_token_outside_the_top_logprobs_is_reported_without_rank(stories
         assert list(entry) == [token] and entry[token].logprob <= 0
 
 
-def test_temperature_samples_and_the_seed_reproduces(stories, model_path):
-    llm, _ = stories
+def test_temperature_samples_and_the_seed_reproduces(device_stories, model_path):
+    llm, _ = device_stories
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40,
                             ignore_eos=True)
     first = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
-    again = LLM(model_path("stories260K_hf")).generate(PROMPT, params, use_tqdm=False)
+    again = LLM(model_path("stories260K_hf"), device=llm.device).generate(PROMPT, params,
+                                                                          use_tqdm=False)
     assert again[0].outputs[0].token_ids == first
     greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0].token_ids
@@ -245,8 +278,8 @@ def test_temperature_samples_and_the_seed_reproduces(stories, model_path):
     assert first != greedy and first != other_seed
 
 
-def test_repetition_penalty_matches_hf(stories):
-    llm, hf = stories
+def test_repetition_penalty_matches_hf(device_stories):
+    llm, hf = device_stories
     out, = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40,
                                                repetition_penalty=1.5, ignore_eos=True),
                         use_tqdm=False)

@@ -1,6 +1,7 @@
 """fastllm.Reranker against a plain HF transformers run of the Qwen3-Reranker model card's recipe
 (left padding, full logits) on the same random-weight Qwen3 with the real Qwen3 tokenizer, on
-TREC DL19 and NovelEval texts; the causal mask matters; bad input fails clearly."""
+TREC DL19 and NovelEval texts; the causal mask matters; bad input fails clearly. Scores (of the
+Reranker and of the server's endpoint) are checked on each device present, HF on the CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import torch
 import transformers
+from conftest import per_device
 from openai_server import running_server
 from tiny_hf import random_hf_model, save_hf_model
 
@@ -22,7 +24,7 @@ from fastllm.entrypoints.cli import main
 transformers.logging.set_verbosity_error()
 
 MAX_LENGTH = 256  # small, so DL19 passages get truncated
-TOLERANCE = 1e-5
+TOLERANCE = 1e-5  # scores in [0, 1], float32 on any device against HF's on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +47,20 @@ def hf(folder):
 
 
 @pytest.fixture(scope="module")
-def reranker(folder) -> Reranker:
-    return Reranker(folder, max_length=MAX_LENGTH, max_num_batched_tokens=512)
+def rerankers(folder):
+    """``rerankers(device)``: one Reranker per device."""
+    return per_device(lambda device: Reranker(folder, device=device, max_length=MAX_LENGTH,
+                                              max_num_batched_tokens=512))
+
+
+@pytest.fixture(scope="module")
+def reranker(rerankers) -> Reranker:
+    return rerankers("cpu")
+
+
+@pytest.fixture
+def device_reranker(rerankers, device) -> Reranker:
+    return rerankers(device)
 
 
 def dl19(model_path, queries: int, hits: int) -> list[tuple[str, list[str]]]:
@@ -84,9 +98,9 @@ def test_token_ids_are_the_recipes(reranker, hf):
         tokenizer, query, TRICKY, max_length=MAX_LENGTH)
 
 
-def test_scores_equal_the_recipe_on_dl19(reranker, hf, model_path):
+def test_scores_equal_the_recipe_on_dl19(device_reranker, hf, model_path):
     for query, documents in dl19(model_path, queries=3, hits=6):
-        assert_close(reranker.score(query, documents),
+        assert_close(device_reranker.score(query, documents),
                      recipe_scores(*hf, query, documents, max_length=MAX_LENGTH))
 
 
@@ -205,12 +219,15 @@ def test_kv_cache_dtype_float16(folder, reranker, tmp_path, capsys):
     assert sorted((r["index"], r["score"]) for r in lines) == sorted(enumerate(scores))
 
 
-def test_the_servers_rerank_endpoint_gives_the_rerankers_scores(folder, reranker, model_path):
+def test_the_servers_rerank_endpoint_gives_the_rerankers_scores(folder, device_reranker, device,
+                                                                 model_path):
     """POST /v1/rerank (the Jina/Cohere shape) on a real server: the same scores and order as
     ``Reranker.rerank``, the shared prefix reused, top_n and return_documents honoured."""
+    reranker = device_reranker
     query, documents = dl19(model_path, queries=1, hits=6)[0]
     expected = reranker.rerank(query, documents)
-    llm = fastllm.AsyncLLM(folder, max_model_len=MAX_LENGTH, max_num_batched_tokens=512)
+    llm = fastllm.AsyncLLM(folder, device=device, max_model_len=MAX_LENGTH,
+                           max_num_batched_tokens=512)
     try:
         with running_server(llm, "reranker") as server:
             url = server.v1 + "/rerank"

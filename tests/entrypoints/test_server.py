@@ -2,10 +2,12 @@
 ``openai`` client (completions and chat, streamed and not, stop strings, logprobs, seeds,
 structured output) and raw HTTP (malformed bodies and OpenAI's error shapes, the API key, the
 body and queue limits, disconnects). stories260K where the point is the mechanics, the real
-SmolLM2 where the point is real output."""
+SmolLM2 where the point is real output. Greedy completions and structured output also run on
+each device present."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -17,6 +19,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
+from conftest import per_device
 from openai_server import running_server
 
 from fastllm import LLM, AsyncLLM, SamplingParams
@@ -35,26 +39,63 @@ def folder(model_path):
     return model_path("stories260K_hf")
 
 
-@pytest.fixture(scope="module")
-def server(folder):
-    # Batch-invariant: a request's tokens do not depend on the batch it lands in, so texts
-    # can be compared across calls and with the reference exactly.
-    llm = AsyncLLM(folder, max_model_len=256, batch_invariant=True)
-    try:
-        with running_server(llm, "stories", api_key=API_KEY, max_body_bytes=64 << 10) as running:
-            yield running
-    finally:
-        llm.shutdown()
+# Batch-invariant on the CPU: a request's tokens do not depend on the batch it lands in, so
+# texts can be compared across calls and with the reference exactly. CUDA has no such mode: the
+# tests that run there compare float32 greedy texts, which a batch changes only by rounding, as
+# it does a plain float32 CPU engine's (tests/engine/test_engine.py).
+def batch_invariant(device: torch.device) -> bool:
+    return device.type == "cpu"
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
+def servers(folder):
+    """``servers(device)``: a server of stories260K on ``device``, one per device, stopped at
+    the end of the module."""
+    with contextlib.ExitStack() as stack:
+        def start(device):
+            llm = AsyncLLM(folder, device=device, max_model_len=256,
+                           batch_invariant=batch_invariant(device))
+            stack.callback(llm.shutdown)
+            return stack.enter_context(running_server(llm, "stories", api_key=API_KEY,
+                                                      max_body_bytes=64 << 10))
+
+        yield per_device(start)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers("cpu")
+
+
+@pytest.fixture
+def device_server(servers, device):
+    return servers(device)
+
+
+def openai_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
-def reference(folder) -> LLM:
-    return LLM(folder, max_model_len=256, batch_invariant=True)
+def client(server) -> openai.OpenAI:
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def references(folder):
+    """``references(device)``: an LLM like the server's on ``device``, one per device."""
+    return per_device(lambda device: LLM(folder, device=device, max_model_len=256,
+                                         batch_invariant=batch_invariant(device)))
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> LLM:
+    return references("cpu")
+
+
+@pytest.fixture
+def device_reference(references, device) -> LLM:
+    return references(device)
 
 
 def post(server, path: str, body: object, **kwargs) -> httpx.Response:
@@ -96,9 +137,10 @@ def wait_idle(llm: AsyncLLM, seconds: float = 5.0) -> None:
 
 # ---- completions -------------------------------------------------------------------------------
 
-def test_completion_is_the_engines_greedy_text(client, reference):
+def test_completion_is_the_engines_greedy_text(device_server, device_reference):
     params = SamplingParams(temperature=0, max_tokens=40, stop=["park"])
-    expected, = reference.generate(PROMPT, params, use_tqdm=False)
+    expected, = device_reference.generate(PROMPT, params, use_tqdm=False)
+    client = openai_client(device_server)
     got = client.completions.create(model="stories", prompt=PROMPT, max_tokens=40,
                                     temperature=0, stop="park")
     choice, = got.choices
@@ -186,11 +228,13 @@ def test_token_id_prompts_and_several_prompts(client, server):
 
 # ---- structured output -------------------------------------------------------------------------
 
-def test_json_schema_output_validates_batched_with_free_requests(client, reference):
+def test_json_schema_output_validates_batched_with_free_requests(device_server,
+                                                                  device_reference):
     """Constrained and unconstrained requests run in one batch: the constrained ones parse and
     validate, the free ones get exactly their text alone."""
-    free_expected, = reference.generate(PROMPT, SamplingParams(temperature=0, max_tokens=40),
-                                        use_tqdm=False)
+    client = openai_client(device_server)
+    free_expected, = device_reference.generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
 
     def constrained(seed: int) -> str:
         return client.completions.create(
@@ -211,9 +255,10 @@ def test_json_schema_output_validates_batched_with_free_requests(client, referen
     assert texts[3:] == [free_expected.outputs[0].text] * 3
 
 
-def test_structured_outputs_in_sampling_params(reference):
+def test_structured_outputs_in_sampling_params(device_reference):
     from fastllm import StructuredOutputsParams
 
+    reference = device_reference
     out, = reference.generate(PROMPT, SamplingParams(
         temperature=0.8, seed=3, max_tokens=40,
         structured_outputs=StructuredOutputsParams(choice=["yes", "no"])), use_tqdm=False)

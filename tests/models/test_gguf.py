@@ -1,6 +1,7 @@
 """GGUF loading: the llama.cpp fixture against transformers' own GGUF reader; round trips of tiny
-random HF models written as convert_hf_to_gguf.py writes them, in every supported tensor type;
-Llama 3.1 RoPE scaling given as ``rope_freqs.weight``; and every refusal."""
+random HF models written as convert_hf_to_gguf.py writes them, in every supported tensor type
+(loaded onto each device present); Llama 3.1 RoPE scaling given as ``rope_freqs.weight``; and
+every refusal."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import prefill_logits
+from conftest import assert_logits_close, model_device, prefill_logits
 import transformers
 from gguf import GGMLQuantizationType as QT
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -191,7 +192,7 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 def greedy(model: DecoderLM, prompt: list[int]) -> list[int]:
-    cache = PagedKVCache(model.kv_cache_spec(4), 64)
+    cache = PagedKVCache(model.kv_cache_spec(4), 64, device=model_device(model))
     cache.block_manager.allocate(0, prompt)
     step, out = prompt, []
     for _ in range(NEW_TOKENS):
@@ -275,8 +276,8 @@ def float32_gemm():
 
 
 @pytest.mark.parametrize("case, qtype", ROUND_TRIPS, ids=[f"{c}-{q}" for c, q in ROUND_TRIPS])
-def test_round_trip(hf_models, tmp_path, case, qtype):
-    """A tiny HF model written as llama.cpp's converter writes it, loaded back:
+def test_round_trip(hf_models, tmp_path, case, qtype, device):
+    """A tiny HF model written as llama.cpp's converter writes it, loaded back onto ``device``:
 
     - every parameter equals the file's dequantized tensors in HF's row order (for quantized
       types, gguf.quants.dequantize(gguf.quants.quantize(w)) of the HF weight, exactly);
@@ -285,7 +286,8 @@ def test_round_trip(hf_models, tmp_path, case, qtype):
     """
     hf, model_type = hf_models[case], CASES[case][0]
     tensors, encoded = gguf_tensors(hf, model_type, qtype)
-    model = load_model(write_gguf(tmp_path / "model.gguf", model_type, hf.config, tensors))
+    model = load_model(write_gguf(tmp_path / "model.gguf", model_type, hf.config, tensors),
+                       device=device)
     twin = copy.deepcopy(hf)
     twin.load_state_dict(encoded, strict=False)  # a tied lm_head follows embed_tokens
     twin_state, state = twin.state_dict(), model.state_dict()
@@ -301,20 +303,21 @@ def test_round_trip(hf_models, tmp_path, case, qtype):
             weight = state[name]
             if weight.dtype == torch.uint8:  # kept in its blocks
                 weight = ops.dequantize(weight, module.weight_type)
-        assert torch.equal(weight, torch.cat([twin_state[n] for n, _ in parts])), name
+        assert torch.equal(weight.cpu(), torch.cat([twin_state[n] for n, _ in parts])), name
     if qtype in MIXED:  # q and k in Q4_K, v in Q6_K: each part streams in its own format
         qkv = model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv, SegmentedQuantizedLinear)
         assert [ops.BLOCK_FORMATS[t][0] for t in qkv.weight_types] == ["Q4_K", "Q6_K"]
 
     # Past the 32 rows the CPU's quantized kernel streams with integer activations: prefill
-    # rows through the float32 GEMM, comparable at float32 precision.
+    # rows through the float32 GEMM, comparable at float32 precision (CUDA's dequantizes past 8
+    # rows and multiplies in float32 with cuBLAS).
     tokens = prompt(model.config.vocab_size, n=33)
     with float32_gemm():
         got = prefill_logits(model, tokens)
-    torch.testing.assert_close(got, hf_logits(twin, tokens), atol=ATOL, rtol=0)
+    assert_logits_close(got, hf_logits(twin, tokens), ATOL)
     if qtype in MIN_COSINE:
-        cosine = torch.cosine_similarity(got, hf_logits(hf, tokens), dim=-1).min().item()
+        cosine = torch.cosine_similarity(got.cpu(), hf_logits(hf, tokens), dim=-1).min().item()
         assert cosine >= MIN_COSINE[qtype], cosine
     if qtype == "F32":
         assert greedy(model, tokens) == hf_greedy(hf, tokens)

@@ -4,13 +4,16 @@ Each case is a tiny random HF model (Qwen2 and Mistral with a sliding window of 
 q/k norms, SmolLM3 with NoPE layers, Llama with llama3 and linear RoPE scaling) saved as
 safetensors and loaded with ``load_model``, plus the real stories260K. The fastllm side runs
 packed batches through a paged cache with small, shuffled blocks whose unwritten slots are NaN.
+Prefill logits and greedy decoding also run on each device present, against HF on the CPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from conftest import metadata_for
+from conftest import assert_logits_close, metadata_for, model_device, per_device
 import transformers
 from tiny_hf import randomize_
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -61,8 +64,10 @@ def hf_config(name: str) -> transformers.PreTrainedConfig:
 
 
 @pytest.fixture(scope="module", params=[*CASES, "stories260K"])
-def models(request, tmp_path_factory, model_path) -> tuple[torch.nn.Module, DecoderLM]:
-    """(HF model, fastllm model) with the same weights, loaded from one safetensors folder."""
+def checkpoint(request, tmp_path_factory, model_path
+               ) -> tuple[torch.nn.Module, Callable[[torch.device | str], DecoderLM]]:
+    """(HF model, ``load(device)``: the fastllm model on ``device``, loaded once per device),
+    with the same weights, from one safetensors folder."""
     if request.param == "stories260K":
         folder = model_path("stories260K_hf")
     else:
@@ -73,7 +78,21 @@ def models(request, tmp_path_factory, model_path) -> tuple[torch.nn.Module, Deco
         hf.save_pretrained(folder)  # writes config.json with "architectures"
     hf = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
                                               dtype=torch.float32).eval()
-    return hf, load_model(folder)
+    return hf, per_device(lambda device: load_model(folder, device=device))
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint) -> tuple[torch.nn.Module, DecoderLM]:
+    """(HF model, fastllm model on the CPU)."""
+    hf, load = checkpoint
+    return hf, load("cpu")
+
+
+@pytest.fixture
+def device_models(checkpoint, device) -> tuple[torch.nn.Module, DecoderLM]:
+    """(HF model on the CPU, fastllm model on the test's device)."""
+    hf, load = checkpoint
+    return hf, load(device)
 
 
 def prompts(model: DecoderLM, lengths: list[int], seed: int) -> list[list[int]]:
@@ -84,9 +103,9 @@ def prompts(model: DecoderLM, lengths: list[int], seed: int) -> list[list[int]]:
 
 def shuffled_cache(model: DecoderLM, *, prefix_caching: bool = False,
                    pre_rope: bool = False) -> PagedKVCache:
-    """A paged cache whose free blocks come out in a random order, every slot NaN until
-    written, so a wrong slot or block table shows up as NaN or a wrong logit."""
-    cache = PagedKVCache(model.kv_cache_spec(BLOCK_SIZE), NUM_BLOCKS,
+    """A paged cache on the model's device whose free blocks come out in a random order, every
+    slot NaN until written, so a wrong slot or block table shows up as NaN or a wrong logit."""
+    cache = PagedKVCache(model.kv_cache_spec(BLOCK_SIZE), NUM_BLOCKS, device=model_device(model),
                          enable_prefix_caching=prefix_caching, pre_rope=pre_rope)
     cache.k_cache.fill_(float("nan"))
     cache.v_cache.fill_(float("nan"))
@@ -109,7 +128,8 @@ def run_step(model: DecoderLM, cache: PagedKVCache, seq_ids: list[int],
     sequence; returns each sequence's logits ``[len(new_tokens[b]), vocab]``."""
     counts = [len(tokens) for tokens in new_tokens]
     meta = metadata_for(cache, seq_ids, counts)
-    input_ids = torch.tensor([t for tokens in new_tokens for t in tokens])
+    input_ids = torch.tensor([t for tokens in new_tokens for t in tokens],
+                             device=cache.k_cache.device)
     hidden = model(input_ids, meta.positions, meta, cache)  # [T, hidden]
     return list(model.compute_logits(hidden).split(counts))
 
@@ -121,11 +141,11 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    assert_logits_close(got, expected, ATOL)
 
 
-def test_prefill_logits_match_hf(models):
-    hf, model = models
+def test_prefill_logits_match_hf(device_models):
+    hf, model = device_models
     batch = prompts(model, [7, 1, 30, 13], seed=1)
     cache = shuffled_cache(model)
     seq_ids = [0, 1, 2, 3]
@@ -140,8 +160,8 @@ def test_prefill_logits_match_hf(models):
 
 # Pre-RoPE caches (keys rotated as attention reads them) must give what post-RoPE ones give.
 @pytest.mark.parametrize("pre_rope", [False, True], ids=["post_rope", "pre_rope"])
-def test_greedy_decode_matches_hf_generate(models, pre_rope):
-    hf, model = models
+def test_greedy_decode_matches_hf_generate(device_models, pre_rope):
+    hf, model = device_models
     batch = prompts(model, [5, 12, 1], seed=2)
     cache = shuffled_cache(model, pre_rope=pre_rope)
     seq_ids = [7, 8, 9]

