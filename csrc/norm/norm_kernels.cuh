@@ -26,7 +26,7 @@ struct RmsNormParams {
 };
 
 // Sum over the kRowThreads threads of a row (a warp's lanes, or a whole block): every thread of
-// the row gets it. `scratch` holds one float per warp.
+// the row gets it. `scratch` holds one float per warp (unused for a warp-wide row).
 template <int kRowThreads>
 __device__ __forceinline__ float row_sum(float v, float* scratch) {
 #pragma unroll
@@ -42,6 +42,19 @@ __device__ __forceinline__ float row_sum(float v, float* scratch) {
     __syncthreads();  // scratch is free again for the next row
   }
   return v;
+}
+
+// The inverse root mean square of a row of n values from their sum of squares.
+__device__ __forceinline__ float rms_inverse(float sum_of_squares, int n, float eps) {
+  return 1.f / sqrtf(sum_of_squares / float(n) + eps);
+}
+
+// One output of the norm: x normalized in float32, rounded to scalar_t, then scaled by the
+// weight in scalar_t.
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t rms_normalized(float x, float inverse, scalar_t weight) {
+  const float normed = to_float(from_float<scalar_t>(x * inverse));
+  return from_float<scalar_t>(to_float(weight) * normed);
 }
 
 // kNormThreads threads per block, kRowThreads (32 or kNormThreads) of them per row: short rows
@@ -78,11 +91,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(RmsNormParams<sc
     sum += v * v;
   }
   sum = row_sum<kRowThreads>(sum, scratch);
-  const float inverse = 1.f / sqrtf(sum / float(p.hidden) + p.eps);
-  for (int j = lane; j < p.hidden; j += kRowThreads) {
-    const float normed = to_float(from_float<scalar_t>(to_float(src[j]) * inverse));
-    out[j] = from_float<scalar_t>(to_float(p.weight[j]) * normed);
-  }
+  const float inverse = rms_inverse(sum, p.hidden, p.eps);
+  for (int j = lane; j < p.hidden; j += kRowThreads)
+    out[j] = rms_normalized(to_float(src[j]), inverse, p.weight[j]);
 }
 
 }  // namespace cuda

@@ -7,6 +7,7 @@
 
 #include "common/cuda_ptx.cuh"
 #include "common/cuda_types.cuh"
+#include "norm/norm_kernels.cuh"
 
 namespace fastllm {
 namespace cuda {
@@ -40,7 +41,6 @@ __global__ void rotary_embedding_kernel(
     x[second] = from_float<scalar_t>(x2 * cos + x1 * sin);
   }
 }
-
 
 constexpr int kRotaryCacheThreads = 256;  // a warp per head row
 
@@ -108,15 +108,10 @@ __global__ void __launch_bounds__(kRotaryCacheThreads) rotary_and_cache_kernel(
       row[j] = v;
       sum += v * v;
     }
-    if (weight != nullptr) {
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2)
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      const float inverse = 1.f / sqrtf(sum / float(p.head_dim) + p.eps);
-      for (int j = lane; j < p.head_dim; j += 32) {
-        const float normed = to_float(from_float<scalar_t>(row[j] * inverse));
-        row[j] = to_float(from_float<scalar_t>(to_float(weight[j]) * normed));
-      }
+    if (weight != nullptr) {  // rms_norm_kernel's warp-wide row, the same sums and roundings
+      const float inverse = rms_inverse(row_sum<32>(sum, nullptr), p.head_dim, p.eps);
+      for (int j = lane; j < p.head_dim; j += 32)
+        row[j] = to_float(rms_normalized(row[j], inverse, weight[j]));
     }
     __syncwarp();
     if (rotate) {
