@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizer_util import GGUF, LLAMA2, QWEN3, STORIES, load
 
-from fastllm.tokenizer.detokenizer import _MAX_HELD, IncrementalDetokenizer
+from fastllm.tokenizer.base import _MAX_HELD
+from fastllm.tokenizer.detokenizer import IncrementalDetokenizer
 from fastllm.tokenizer.utf8 import _byte_level_alphabet
 
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None)
@@ -209,7 +210,7 @@ def test_start_state_matches_decoding(name):
 def test_decode_stream_is_used_and_agrees_with_the_window():
     """On text, DecodeStream (tokenizer.json) and the Python window emit the same deltas, token
     for token; DecodeStream alone does the work."""
-    from fastllm.tokenizer.detokenizer import _WindowStream
+    from fastllm.tokenizer.base import _WindowStream
 
     tok = load(QWEN3)
     ids = tok.encode(SAMPLE * 2, add_special_tokens=False) + as_byte_tokens(tok, "😀é")

@@ -3,12 +3,14 @@ for incremental detokenization."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-from fastllm.tokenizer.detokenizer import _WindowStream
-from fastllm.tokenizer.utf8 import _incomplete_utf8_tail
+from fastllm.tokenizer.utf8 import _REPLACEMENT, _incomplete_utf8_tail
 
 _SPACE = "\u2581"  # sentencepiece's "▁"
+# Tokens a stream may hold back (where bytes cannot tell) before it emits what it has.
+_MAX_HELD = 8
 
 
 class _Backend:
@@ -59,3 +61,51 @@ class _Backend:
             if len(tail) >= 3:
                 break
         return _incomplete_utf8_tail(bytes(tail))
+
+
+class _WindowStream:
+    """The windowed incremental decode (vLLM's and ``DecodeStream``'s algorithm): decode the
+    tokens since the last emission together with the group emitted before them, and emit what
+    that adds to the group's text. Text ending in U+FFFD is held back while the bytes say a
+    later token can still complete the character, so held text is at most 3 bytes long and the
+    work per token is bounded. Where a backend cannot tell from bytes, up to ``_MAX_HELD``
+    tokens are held."""
+
+    def __init__(self, backend: _Backend, skip_special_tokens: bool, context: list[int],
+                 pending: list[int] | None = None, at_start: bool = True):
+        self.backend = backend
+        self.skip = skip_special_tokens
+        self.ids = list(context) + list(pending or [])
+        self.read = len(context)
+        self.at_start = at_start  # whether self.ids starts the text (see _Backend.decode)
+        self.prefix = backend.decode(context, skip_special_tokens, at_start)
+
+    def step(self, token_id: int | None = None) -> str:
+        if token_id is not None:
+            if self.skip and token_id in self.backend.special_ids:
+                return ""  # dropped before decoding anyway; keeps the window small
+            self.ids.append(token_id)
+        text = self.backend.decode(self.ids, self.skip, self.at_start)
+        if len(text) <= len(self.prefix):
+            return ""
+        if text.endswith(_REPLACEMENT):
+            incomplete = self.backend.incomplete_tail(self.ids, self.skip)
+            if incomplete or (incomplete is None and len(self.ids) - self.read < _MAX_HELD):
+                return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        if self.read == len(self.ids):
+            return ""
+        return self._emit(self.backend.decode(self.ids, self.skip, self.at_start))
+
+    def _emit(self, text: str) -> str:
+        # text extends prefix except after a prompt that ended inside a character.
+        common = len(self.prefix) if text.startswith(self.prefix) else len(
+            os.path.commonprefix([text, self.prefix]))
+        delta = text[common:]
+        self.at_start = self.backend.still_at_start(self.ids[:self.read], self.skip, self.at_start)
+        self.ids = self.ids[self.read:]
+        self.read = len(self.ids)
+        self.prefix = self.backend.decode(self.ids, self.skip, self.at_start)
+        return delta

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import tokenizers
 
-from fastllm.tokenizer.base import _SPACE, _Backend
-from fastllm.tokenizer.detokenizer import _TokenizersStream
-from fastllm.tokenizer.utf8 import _byte_level_alphabet
+from fastllm.tokenizer.base import _MAX_HELD, _SPACE, _Backend, _WindowStream
+from fastllm.tokenizer.utf8 import _REPLACEMENT, _byte_level_alphabet
 
 
 class _TokenizersBackend(_Backend):
@@ -57,3 +56,47 @@ class _TokenizersBackend(_Backend):
 
     def new_stream(self, skip_special_tokens, context, at_start):
         return _TokenizersStream(self, skip_special_tokens, context)
+
+
+class _TokenizersStream:
+    """``tokenizers.decoders.DecodeStream``, plus what it lacks: ``flush`` (text still held at
+    the end of a request) and a bound on what it holds. It mirrors which ids DecodeStream keeps
+    (the group it emitted last, then the held ones) and hands them to the Python window when
+    DecodeStream has held ``_MAX_HELD`` tokens (a stream of invalid bytes, which DecodeStream
+    would hold forever) or raises (a decoder whose output is not prefix-stable)."""
+
+    def __init__(self, backend: _TokenizersBackend, skip_special_tokens: bool, context: list[int]):
+        self.backend = backend
+        self.skip = skip_special_tokens
+        self.context, self.held = list(context), []
+        self.window: _WindowStream | None = None
+        self.ds = None
+        # DecodeStream takes a prefill only when its text does not end inside a character.
+        if not context or not backend.decode(context, skip_special_tokens).endswith(_REPLACEMENT):
+            self.ds = tokenizers.decoders.DecodeStream(ids=context or None,
+                                                       skip_special_tokens=skip_special_tokens)
+        else:
+            self.window = _WindowStream(backend, skip_special_tokens, context)
+
+    def step(self, token_id: int) -> str:
+        if self.window is not None:
+            return self.window.step(token_id)
+        try:
+            out = self.ds.step(self.backend.tk, token_id)
+        except Exception:  # DecodeStream's InvalidPrefix: fall back, from the same state
+            self.window = _WindowStream(self.backend, self.skip, self.context,
+                                        self.held + [token_id])
+            return self.window.step()
+        if out is None:
+            self.held.append(token_id)
+            if len(self.held) >= _MAX_HELD:
+                self.window = _WindowStream(self.backend, self.skip, self.context, self.held)
+                return self.window.step()
+            return ""
+        self.context, self.held = self.held + [token_id], []
+        return out
+
+    def flush(self) -> str:
+        if self.window is None:
+            self.window = _WindowStream(self.backend, self.skip, self.context, self.held)
+        return self.window.flush()
