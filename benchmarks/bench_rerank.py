@@ -182,7 +182,7 @@ class RungModel:
     @classmethod
     def install(cls, reranker: fastllm.Reranker) -> RungModel:
         """Wraps the model ``reranker``'s engine runs (the head is set per call)."""
-        runner = reranker.client.engine.runner
+        runner = reranker.client.engine.executor.worker.runner
         runner.model = cls(runner.model, "two")
         return runner.model
 
@@ -209,7 +209,7 @@ def fastllm_call(reranker: fastllm.Reranker, rung: Rung, work: list[tuple[str, l
                  samples: list[CallSample]) -> Callable[[], None]:
     """Scores every query's passages the rung's way with ``reranker`` (its model installed as
     a :class:`RungModel`) from an empty KV pool, appending the call's sample."""
-    counter = reranker.client.engine.runner.model
+    counter = reranker.client.engine.executor.worker.runner.model
     if not isinstance(counter, RungModel):
         raise TypeError("install a RungModel in the reranker first")
 

@@ -278,7 +278,7 @@ def metadata_for(cache, seq_ids, counts, starts=None):
     sequence placed in ``cache``'s block manager by hand, laid out as the scheduler lays out a
     step."""
     from fastllm.engine.model_runner import attention_metadata
-    from fastllm.engine.scheduler import batch_of_sequences
+    from fastllm.engine.scheduler_output import batch_of_sequences
 
     batch = batch_of_sequences(cache.block_manager, seq_ids, [[0] * n for n in counts],
                                starts=starts, logits=False)

@@ -39,10 +39,12 @@ def runtime_nodes(tree: ast.AST):
         yield from runtime_nodes(node)
 
 
-def imports(path: Path) -> set[str]:
-    """fastllm modules imported by the file when it runs (lazy imports count too)."""
+def imports(path: Path, annotations: bool = False) -> set[str]:
+    """fastllm modules imported by the file when it runs (lazy imports count too), and with
+    ``annotations`` those imported for type checking too."""
     found = set()
-    for node in runtime_nodes(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in (ast.walk(tree) if annotations else runtime_nodes(tree)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -63,7 +65,10 @@ def test_no_import_from_a_lower_layer_to_a_higher_one():
 
 
 def test_no_import_circle():
-    graph = {module: imports(path) - {module} for module, path in SOURCES.items()}
+    """Not even through imports for type checking: a circle there is two modules that each
+    need the other to be read."""
+    graph = {module: imports(path, annotations=True) - {module}
+             for module, path in SOURCES.items()}
     # A package's __init__ re-exporting its own modules is not a circle through them.
     graph = {module: {i for i in deps if not module.startswith(i + ".")}
              for module, deps in graph.items()}
@@ -95,7 +100,9 @@ def own_caches(cls: ast.ClassDef) -> set[str]:
 def test_only_the_scheduler_and_the_kv_cache_drive_the_block_manager():
     """The engine's cache is driven by its scheduler alone; a component may drive only the
     block manager of a cache it builds and owns (the draft model's, in speculative decoding)."""
-    owners = {"fastllm.engine.scheduler", "fastllm.kv_cache.paged_cache"}
+    # model_runner.run_step: one step over sequences its caller placed by hand.
+    owners = {"fastllm.engine.scheduler", "fastllm.kv_cache.paged_cache",
+              "fastllm.engine.model_runner"}
     strays = []
     for module, path in SOURCES.items():
         if module in owners:
@@ -121,3 +128,62 @@ def test_importing_the_ops_loads_no_higher_layer():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True).stdout.strip()
     assert loaded == "[]"
+
+
+def test_the_scheduler_sees_neither_runner_nor_executor():
+    """The step contract is the seam: the scheduler, and all it imports, know the step's plain
+    input and output, never what runs it."""
+    seen, todo = set(), ["fastllm.engine.scheduler"]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in SOURCES:
+            continue
+        seen.add(module)
+        todo += imports(SOURCES[module])
+    runs_steps = {"fastllm.engine.model_runner", "fastllm.engine.worker",
+                  "fastllm.engine.executor", "fastllm.engine.engine"}
+    assert not seen & runs_steps
+    assert "fastllm.engine.scheduler_output" in seen
+
+
+def request_attributes() -> set[str]:
+    """The attributes a Request sets on itself."""
+    tree = ast.parse(SOURCES["fastllm.engine.request"].read_text())
+    request = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Request")
+    return {target.attr for node in ast.walk(request)
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Attribute)
+            and getattr(target.value, "id", None) == "self"}
+
+
+def test_only_the_scheduler_writes_requests():
+    """Outside the scheduler (and the request's own methods) nothing assigns a request's
+    attributes or calls the methods that change its generation; readers may take its released
+    text (``take_deltas``)."""
+    attributes = request_attributes()
+    changing = {"append_token", "finish_prompt", "abort", "fail"}
+    writers = []
+    for module, path in SOURCES.items():
+        if module in ("fastllm.engine.scheduler", "fastllm.engine.request"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                chain = []
+                while isinstance(target, ast.Attribute):
+                    chain.append(target.attr)
+                    target = target.value
+                # A request, by its name (a worker's RunnerRequest is named so too, and
+                # shares a few attributes: its own).
+                if chain and getattr(target, "id", "").endswith("request") \
+                        and chain[-1] in attributes:
+                    writers.append(f"{module}:{node.lineno}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in changing:
+                writers.append(f"{module}:{node.lineno} .{node.func.attr}()")
+    assert not writers, writers

@@ -18,7 +18,7 @@ import transformers
 from transformers import DynamicCache
 
 from fastllm import LLM, ChunkedPrompt, SamplingParams
-from fastllm.engine.scheduler import run_step
+from fastllm.engine.model_runner import run_step
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM, load_model
 

@@ -13,7 +13,8 @@ import torch
 from fastllm import LLM, SamplingParams
 from fastllm.engine.decode_graphs import DecodeGraphs, padded_batch_sizes
 from fastllm.kv_cache import PagedKVCache
-from fastllm.engine.scheduler import batch_of_sequences, run_step
+from fastllm.engine.model_runner import run_step
+from fastllm.engine.scheduler_output import batch_of_sequences
 from fastllm.models import load_model
 
 BLOCK_SIZE = 8
@@ -103,7 +104,7 @@ def test_llm_generates_the_same_with_and_without_graphs(stories_path, device):
     outputs = []
     for enforce_eager in (True, False):
         llm = LLM(stories_path, device=device, max_num_seqs=4, enforce_eager=enforce_eager)
-        assert (llm.engine.runner.decode_graphs is not None) == (device.type == "cuda"
+        assert (llm.engine.executor.worker.runner.decode_graphs is not None) == (device.type == "cuda"
                                                          and not enforce_eager)
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts(), greedy)])
     assert outputs[0] == outputs[1]

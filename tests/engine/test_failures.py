@@ -197,18 +197,18 @@ def test_a_row_the_gpu_sampler_marks_unusable_fails_alone(llm, monkeypatch):
     # Under trusted_inputs a CUDA sampler does not raise: it marks a row whose logits hold NaN
     # or +inf with token -1. The engine fails that request alone (here the mark is forged on
     # the CPU for the request seeded 999).
-    import fastllm.engine.engine as engine_module
+    import fastllm.engine.worker as worker_module
 
     prompts, params = good_requests(4, seed=5)
     alone = token_ids(llm.generate(prompts, params, use_tqdm=False))
-    real_draw = engine_module.draw
+    real_draw = worker_module.draw
 
     def draw(logits, tensors, offsets):
         out = real_draw(logits, tensors, offsets)
         out.tokens[tensors.seeds == 999] = -1
         return out
 
-    monkeypatch.setattr(engine_module, "draw", draw)
+    monkeypatch.setattr(worker_module, "draw", draw)
     marked = SamplingParams(temperature=0.8, seed=999, max_tokens=15)
     outputs = llm.generate(prompts[:1] + [BAD_PROMPT] + prompts[1:],
                            params[:1] + [marked] + params[1:], use_tqdm=False)

@@ -44,7 +44,8 @@ def counted_steps(llm: LLM, monkeypatch, prompts: list, params: list[SamplingPar
     copies."""
     engine = llm.engine
     steps: list[dict] = []
-    execute, step = engine.runner.execute, engine.step
+    runner = engine.executor.worker.runner
+    execute, step = runner.execute, engine.step
 
     def recording_execute(batch, *args):
         steps[-1]["decode"] = batch.is_decode
@@ -59,7 +60,7 @@ def counted_steps(llm: LLM, monkeypatch, prompts: list, params: list[SamplingPar
                                transfers.device_to_host - before[1])
         return updated
 
-    monkeypatch.setattr(engine.runner, "execute", recording_execute)
+    monkeypatch.setattr(runner, "execute", recording_execute)
     monkeypatch.setattr(engine, "step", counting_step)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [out.outputs[0].token_ids for out in outputs], steps
@@ -69,7 +70,7 @@ def counted_steps(llm: LLM, monkeypatch, prompts: list, params: list[SamplingPar
 def test_a_decode_step_makes_one_copy_each_way(folder, device, monkeypatch, graphs):
     llm = LLM(folder, device=device, max_num_seqs=4, kv_cache_memory=4 << 20,
               enforce_eager=not graphs)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     if graphs and runner.decode_graphs is None:  # off CUDA: the same padded step, eagerly
         runner.decode_graphs = DecodeGraphs(llm.model, llm.kv_cache, max_batch=4,
                                             max_model_len=llm.max_model_len,
@@ -95,7 +96,7 @@ def test_the_graph_path_samples_the_same_tokens(folder):
     for graphs in (False, True):
         llm = LLM(folder, max_num_seqs=4, kv_cache_memory=4 << 20)
         if graphs:
-            llm.engine.runner.decode_graphs = DecodeGraphs(
+            llm.engine.executor.worker.runner.decode_graphs = DecodeGraphs(
                 llm.model, llm.kv_cache, max_batch=4, max_model_len=llm.max_model_len,
                 use_cuda_graphs=False)
         outputs.append(llm.generate(prompts(), mixed_params(), use_tqdm=False))

@@ -14,6 +14,7 @@ import torch
 from conftest import per_device, prefill_logits
 from fastllm import LLM, SamplingParams
 from fastllm.engine import Engine, EngineConfig
+from fastllm.engine.executor import UniProcExecutor, make_worker
 from fastllm.engine.speculative import DraftLength, NgramIndex, SpeculativeConfig, StepCosts
 from fastllm.kv_cache import BlockManager, PagedKVCache
 
@@ -50,8 +51,8 @@ def mixed_batch(vocab: int) -> tuple[list, list[SamplingParams]]:
 def assert_no_block_held(llm: LLM) -> None:
     stats = llm.kv_cache.block_manager.stats()
     assert stats["referenced_blocks"] == 0, stats
-    if llm.engine.proposer is not None:  # nor any request's draft state
-        assert llm.engine.proposer.num_held == 0
+    if llm.engine.executor.worker.proposer is not None:  # nor any request's draft state
+        assert llm.engine.executor.worker.proposer.num_held == 0
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +127,7 @@ def test_a_failing_draft_model_costs_no_request(model_path, stories_reference, m
     path = model_path("stories260K_hf")
     llm = stories(model_path, speculative={"method": "draft", "model": path,
                                            "num_speculative_tokens": 3, "adaptive": False})
-    proposer = llm.engine.proposer
+    proposer = llm.engine.executor.worker.proposer
     original, calls = getattr(proposer, failing), []
 
     def flaky(*args):
@@ -238,8 +239,11 @@ def test_seeded_sampling_reproduces(model_path, device_reference, device):
 def engine_tokens(llm: LLM, prompts, params, **config) -> tuple[list[list[int]], Engine]:
     """Runs an engine of its own over ``llm``'s model and tokenizer (loading SmolLM2's GGUF
     vocabulary again would cost seconds)."""
-    engine = Engine(llm.model, llm.tokenizer, PagedKVCache(llm.kv_cache.spec, 48),
-                    EngineConfig(**config), llm.max_model_len)
+    config = EngineConfig(**config)
+    worker = make_worker(llm.model, PagedKVCache(llm.kv_cache.spec, 48),
+                         max_model_len=llm.max_model_len, max_num_seqs=config.max_num_seqs,
+                         enforce_eager=config.enforce_eager, speculative=config.speculative)
+    engine = Engine(UniProcExecutor(worker), llm.tokenizer, config, llm.max_model_len)
     requests = llm.client.make_requests(prompts, params)
     for request in requests:
         engine.add_request(request)
@@ -264,7 +268,7 @@ def test_smollm2_greedy_same_tokens(smollm2_llm):
     assert got == expected
     assert engine.stats.num_accepted_tokens > 8
     assert engine.stats.steps < 24
-    assert engine.kv_cache.block_manager.stats()["referenced_blocks"] == 0
+    assert engine.scheduler.block_manager.stats()["referenced_blocks"] == 0
 
 
 def test_truncate_drops_blocks_and_keeps_them_out_of_the_prefix_cache():
@@ -424,12 +428,14 @@ def test_a_draft_model_that_does_not_pay_leaves_its_requests(model_path, monkeyp
     monkeypatch.setattr(DraftLength, "MARGIN", 100.0)  # no drafts ever pay
     llm = stories(model_path, speculative={"method": "draft", "num_speculative_tokens": 3,
                                            "model": model_path("stories260K_hf")})
-    proposer = llm.engine.proposer
+    worker = llm.engine.executor.worker
+    proposer = worker.proposer
     released_running = []
     release = proposer.release
 
     def recording_release(request):
-        if request in proposer._seq_ids and not request.finished:
+        # A request the worker still keeps has not finished.
+        if request in proposer._seq_ids and request.request_id in worker.requests:
             released_running.append(request.request_id)
         release(request)
 
@@ -473,7 +479,7 @@ def test_a_draft_models_first_probe_is_measured(model_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     [first] = llm.generate([STORY], params, use_tqdm=False)
     assert first.metrics.num_verify_steps == 1
-    assert llm.engine._step_costs.draft[3] is not None
+    assert llm.engine.executor.worker._step_costs.draft[3] is not None
 
 
 def test_step_costs_estimate_what_was_not_measured():

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from fastllm import _C, ops
-from fastllm.engine.scheduler import run_step
+from fastllm.engine.model_runner import run_step
 from fastllm.kv_cache import PagedKVCache
 from fastllm.models import DecoderLM, hf_weight_map, load_model
 from fastllm.models.gguf import gguf_tensor_name, load_gguf

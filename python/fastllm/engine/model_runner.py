@@ -1,6 +1,7 @@
 """The model runner: turns the scheduler's batch into the model's inputs and runs one step.
 
-It builds :class:`~fastllm.models.AttentionMetadata` from a :class:`ScheduledBatch` (host
+It builds :class:`~fastllm.models.AttentionMetadata` from a
+:class:`~fastllm.engine.scheduler_output.SchedulerOutput` (host
 tensors, moved to the device in one copy with whatever else the step reads, such as the
 sampler's parameters, without a wait), runs the model (or replays a CUDA graph of a decode step)
 and computes logits on the rows that need them. It never touches the block manager:
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,72 +20,12 @@ from torch import Tensor
 
 from fastllm import ops
 from fastllm.engine.decode_graphs import DecodeGraphs
+from fastllm.engine.scheduler_output import SchedulerOutput, batch_of_sequences
 from fastllm.kv_cache import PagedKVCache
 from fastllm.models import AttentionMetadata, DecoderLM
 from fastllm.ops.host_to_device import StagingBuffer
 
-__all__ = ["ModelRunner", "ScheduledBatch", "ScheduledSequence", "StepLogits",
-           "attention_metadata"]
-
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step.
-
-    Attributes:
-        seq_id: its id in the block manager.
-        start: position of its first new token.
-        token_ids: its new tokens (positions ``[start, start + len)``).
-        logit_token_ids: what the step gives back at its last new token: None for nothing,
-            ``"all"`` for the whole vocabulary's logits (it samples), or a tuple of token ids
-            whose logits alone are computed (a scorer reads two logits, not 151,936).
-        num_draft_tokens: its last new tokens that are speculative drafts being verified
-            (with ``"all"``): the step gives logits at each of its last
-            ``1 + num_draft_tokens`` rows.
-    """
-
-    seq_id: int
-    start: int
-    token_ids: list[int]
-    logit_token_ids: None | str | tuple[int, ...] = None
-    num_draft_tokens: int = 0
-
-    @property
-    def draft_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work as the scheduler laid it out, on the host.
-
-    Attributes:
-        sequences: each sequence's new tokens, in packed order.
-        block_tables: int32 ``[B, max_blocks]`` each sequence's cache blocks, in token order.
-        slot_mapping: int64 ``[T]`` the cache slot of each new token.
-        positions: int64 ``[T]`` each new token's position in its sequence.
-        seq_lens: int32 ``[B]`` keys per sequence once this step's tokens are written.
-    """
-
-    sequences: list[ScheduledSequence]
-    block_tables: Tensor
-    slot_mapping: Tensor
-    positions: Tensor
-    seq_lens: Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.sequences)
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token per sequence, each sampling from the whole vocabulary."""
-        return all(len(s.token_ids) == 1 and s.logit_token_ids == "all" for s in self.sequences)
-
-    @property
-    def num_logit_rows(self) -> int:
-        """Rows of the step's full-vocabulary logits."""
-        return sum(1 + s.num_draft_tokens for s in self.sequences if s.logit_token_ids == "all")
+__all__ = ["ModelRunner", "StepLogits", "attention_metadata", "run_step"]
 
 
 @dataclass
@@ -105,7 +46,7 @@ class StepLogits:
     extra: dict[str, Tensor] = field(default_factory=dict)
 
 
-def _metadata_inputs(batch: ScheduledBatch) -> dict[str, Tensor]:
+def _metadata_inputs(batch: SchedulerOutput) -> dict[str, Tensor]:
     """The host tensors of the batch's metadata."""
     counts = [len(s.token_ids) for s in batch.sequences]
     return {"cu_seqlens_q": torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32),
@@ -113,7 +54,7 @@ def _metadata_inputs(batch: ScheduledBatch) -> dict[str, Tensor]:
             "slot_mapping": batch.slot_mapping, "positions": batch.positions}
 
 
-def _metadata(batch: ScheduledBatch, staged: Mapping[str, Tensor]) -> AttentionMetadata:
+def _metadata(batch: SchedulerOutput, staged: Mapping[str, Tensor]) -> AttentionMetadata:
     """The batch's metadata from :func:`_metadata_inputs`' tensors on the device."""
     return AttentionMetadata(
         cu_seqlens_q=staged["cu_seqlens_q"],
@@ -123,7 +64,7 @@ def _metadata(batch: ScheduledBatch, staged: Mapping[str, Tensor]) -> AttentionM
         keys_are_new=all(s.start == 0 for s in batch.sequences))
 
 
-def attention_metadata(batch: ScheduledBatch, device: torch.device | str) -> AttentionMetadata:
+def attention_metadata(batch: SchedulerOutput, device: torch.device | str) -> AttentionMetadata:
     """The batch's metadata on ``device`` (one copy, without waiting for the device)."""
     return _metadata(batch, StagingBuffer(device).send(_metadata_inputs(batch))[0])
 
@@ -139,7 +80,7 @@ class ModelRunner:
         self.device = kv_cache.k_cache.device
         self.staging = StagingBuffer(self.device)
 
-    def execute(self, batch: ScheduledBatch,
+    def execute(self, batch: SchedulerOutput,
                 extra: Mapping[str, Tensor] | None = None) -> StepLogits:
         """Runs the step: writes every new token's K/V and returns the logits asked for.
         ``extra`` host tensors (what the caller reads next, such as the sampler's parameters)
@@ -164,7 +105,7 @@ class ModelRunner:
         for index, sequence in enumerate(batch.sequences):
             end += len(sequence.token_ids)
             wanted = sequence.logit_token_ids
-            if wanted == "all":
+            if sequence.samples:
                 sampling_rows.extend(range(end - 1 - sequence.num_draft_tokens, end))
             elif wanted is not None:
                 score_rows.setdefault(wanted, []).append((index, end - 1))
@@ -192,3 +133,28 @@ class ModelRunner:
             for (index, _), row_logits in zip(entries, group):
                 scores[index] = row_logits
         return StepLogits(logits, scores, staged_extra)
+
+
+def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
+             new_tokens: Sequence[Sequence[int]], *, starts: Sequence[int] | None = None,
+             logits: bool | Sequence[bool] = True,
+             logit_token_ids: Sequence[int] | None = None,
+             decode_graphs: DecodeGraphs | None = None) -> Tensor | None:
+    """One step over sequences a caller placed in ``kv_cache``'s block manager by hand (see
+    :func:`~fastllm.engine.scheduler_output.batch_of_sequences`): the model run, the computed
+    tokens marked.
+
+    Returns the logits asked for, ``[count, vocab]`` or ``[count, len(logit_token_ids)]``, or
+    None when no sequence asks. With ``decode_graphs``, a decode step replays a CUDA graph.
+    """
+    manager = kv_cache.block_manager
+    batch = batch_of_sequences(manager, seq_ids, new_tokens, starts=starts, logits=logits,
+                               logit_token_ids=logit_token_ids)
+    output = ModelRunner(model, kv_cache, decode_graphs).execute(batch)
+    for sequence in batch.sequences:
+        manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
+    if logit_token_ids is None:
+        return output.logits
+    if not output.scores:
+        return None
+    return torch.stack([output.scores[i] for i in sorted(output.scores)])

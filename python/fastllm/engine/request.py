@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from fastllm.engine.scheduler_output import NewRequest, SampledLogprobs
 from fastllm.engine.structured_output import GrammarMatcher
 from fastllm.sampling import SamplingParams, resolve_seed
 from fastllm.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from fastllm.engine.speculative import DraftLength
 
 __all__ = ["Request"]
 
@@ -44,10 +41,10 @@ class Request:
             its prompt is computed, with ``scores`` the logits of these tokens at the prompt's
             last position (an empty tuple: none; the prompt's KV is only computed and cached).
 
-    An engine keeps its scheduling state here too: the sequence id the request holds in the
-    block manager (None while waiting or preempted), its resolved seed (drawn once, so a
-    preempted request resumes the same random stream), its penalty counts and, under
-    speculative decoding, its drafts and draft length.
+    The scheduler keeps its state of the request here too, and is the one writer of it: the
+    sequence id the request holds in the block manager (None while waiting or preempted), its
+    grammar matcher, and the tokens drafted for its next step. Its seed is resolved once, so a
+    preempted request resumes the same random stream.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
@@ -78,18 +75,15 @@ class Request:
         self._end_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._end_ids.update(eos_token_ids)
+        self._tokenizer = tokenizer
         self._detokenizer = tokenizer.detokenizer(prompt_ids=self.prompt_token_ids)
         self._text = ""  # generated text (cut at a stop string once one is found)
         self._emitted = 0  # characters of _text already handed out
         self._deltas: list[str] = []  # released text not yet taken by a consumer
         self.seed = resolve_seed(params)
         self.seq_id: int | None = None
-        self.prompt_mask: Tensor | None = None  # bool [vocab], with penalties only
-        self.output_counts: Tensor | None = None  # int32 [vocab], with penalties only
         self.grammar: GrammarMatcher | None = None  # with structured outputs only
-        # Speculative decoding: the tokens drafted for its next step, and how many it drafts.
-        self.draft_token_ids: list[int] = []
-        self.draft_length: DraftLength | None = None
+        self.draft_token_ids: list[int] = []  # speculative decoding: drafts for its next step
 
     @property
     def finished(self) -> bool:
@@ -102,6 +96,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def runner_record(self) -> NewRequest:
+        """What a worker keeps of the request to sample it."""
+        return NewRequest(self.request_id, list(self.prompt_token_ids), self.params, self.seed,
+                          sorted(self._end_ids))
 
     def finish_prompt(self) -> None:
         """Ends a prompt-only request once its prompt is computed."""
@@ -123,23 +122,25 @@ class Request:
         deltas, self._deltas = self._deltas, []
         return deltas
 
-    def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> str:
+    def append_token(self, token_id: int, logprobs: SampledLogprobs | None = None) -> str:
         """Adds a sampled token; returns the text that may be shown now ("" while held back).
 
-        ``logprobs`` is the position's entry when the request asked for logprobs.
+        ``logprobs`` are the position's when the request asked for logprobs.
         """
         if self.finished:
             raise RuntimeError(f"request {self.request_id} already finished "
                                f"({self.finish_reason})")
+        entry = (self._logprob_entry(token_id, logprobs)
+                 if self.logprobs is not None and logprobs is not None else None)
         now = time.perf_counter()
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
         self.output_token_ids.append(token_id)
         self.metrics.num_generated_tokens += 1
-        if self.logprobs is not None and logprobs is not None:
-            self.logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs[token_id].logprob
+        if entry is not None:
+            self.logprobs.append(entry)
+            self.cumulative_logprob += entry[token_id].logprob
 
         # The constraint sees every token (an EOS it allowed completes it).
         constraint_done = self.grammar is not None and self.grammar.advance(token_id)
@@ -160,6 +161,19 @@ class Request:
         if released:
             self._deltas.append(released)
         return released
+
+    def _logprob_entry(self, token: int, logprobs: SampledLogprobs) -> dict[int, Logprob]:
+        """The sampled token's logprob, then the most likely tokens'."""
+        ranks = {token_id: rank for rank, token_id in enumerate(logprobs.top_ids, 1)
+                 if token_id >= 0}
+        decode = self._tokenizer.decode
+        entry = {token: Logprob(logprobs.token_logprob, ranks.get(token),
+                                decode([token], skip_special_tokens=False))}
+        for token_id, logprob in zip(logprobs.top_ids, logprobs.top_logprobs):
+            if token_id >= 0 and token_id != token:
+                entry[token_id] = Logprob(logprob, ranks[token_id],
+                                          decode([token_id], skip_special_tokens=False))
+        return entry
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason

@@ -2,10 +2,14 @@
 
 Each step it decides which requests run and which of their tokens, drives the block manager
 (allocations, appends, forks, frees, preemption) and lays the step out as a
-:class:`~fastllm.engine.model_runner.ScheduledBatch` (tokens, positions, block tables, slot
-mapping, which rows give logits). After the model ran, :meth:`Scheduler.update_from_output`
-learns what was computed: the block manager marks it (only then may full blocks serve other
-sequences), and independent-chunk prompts move on.
+:class:`~fastllm.engine.scheduler_output.SchedulerOutput` (tokens, positions, block tables, slot
+mapping, which rows give logits, what sampling needs). After an executor ran it,
+:meth:`Scheduler.update_from_output` takes the step's
+:class:`~fastllm.engine.scheduler_output.ModelRunnerOutput` once: the block manager marks what
+was computed (only then may full blocks serve other sequences), each request gets its tokens
+(accepted drafts kept, rejected ones dropped) and next drafts, finished requests leave, and
+independent-chunk prompts move on. The scheduler is the one writer of every
+:class:`~fastllm.engine.request.Request`.
 
 Policy: first the running requests (one decode token each, or the next chunk of a prompt still
 being prefilled), then waiting requests in arrival order while sequences, tokens and KV blocks
@@ -23,6 +27,7 @@ blocks and the rest (suffix, and output after a preemption) prefilled over them.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -32,13 +37,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fastllm.engine.decode_graphs import DecodeGraphs
-from fastllm.engine.model_runner import ModelRunner, ScheduledBatch, ScheduledSequence, StepLogits
 from fastllm.engine.request import Request
-from fastllm.kv_cache import BlockManager, ChunkKVStore, KVCacheFullError, PagedKVCache
-from fastllm.models import DecoderLM
+from fastllm.engine.scheduler_output import (ModelRunnerOutput, SampledLogprobs,
+                                             ScheduledSequence, SchedulerOutput, layout_batch,
+                                             request_error)
+from fastllm.engine.structured_output import GrammarMatcher, grammar_bitmask
+from fastllm.kv_cache import ChunkKVStore, KVCacheFullError, PagedKVCache
 
-__all__ = ["Scheduler", "SchedulerConfig", "batch_of_sequences", "layout_batch", "run_step"]
+__all__ = ["Scheduler", "SchedulerConfig"]
+
+logger = logging.getLogger("fastllm")
 
 
 @dataclass
@@ -78,12 +86,20 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self._encoder_ids = itertools.count(-1, -1)  # never meet a request's (>= 0) ids
         self._chunk_jobs: dict[Request, _ChunkJob] = {}
+        self._requests: dict[str, Request] = {}  # every request in, by id
+        self._shown: set[str] = set()  # requests a step has shown the workers
+        self._finished_ids: list[str] = []  # shown requests that left since the last step
+        # Speculative decoding: drafts verified, of which accepted, and request-steps verifying.
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_steps = 0
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queues a request; a prompt that cannot fit the context or the KV pool is a
-        ValueError for this request alone."""
+    def add_request(self, request: Request, grammar: GrammarMatcher | None = None) -> None:
+        """Queues a request (constrained by ``grammar`` when given); a prompt that cannot fit
+        the context or the KV pool, or an id already in, is a ValueError for this request
+        alone."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
         length = len(request.prompt_token_ids)
         room = 0 if request.score_token_ids is not None else 1  # tokens left to generate
         if length + room > self.max_model_len:
@@ -106,16 +122,47 @@ class Scheduler:
                              f"blocks but the pool has {self.kv_cache.num_blocks}")
         if chunked is not None:
             self._chunk_jobs[request] = _ChunkJob()
+        request.grammar = grammar
+        self._requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_request(self, request: Request) -> None:
-        """Takes a request out (finished, or aborted by its caller); frees its blocks at once."""
+    def abort_request(self, request: Request) -> None:
+        """Ends a request now ("abort"): its KV blocks are freed at once."""
+        self._remove(request)
+        request.abort()
+
+    def fail_request(self, request: Request, error: Exception) -> None:
+        """Ends a request that cannot go on (finish_reason "error", ``error`` kept on it): its
+        KV blocks are freed at once."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        self._remove(request)
+        request.fail(error)
+
+    def take_finished_ids(self) -> list[str]:
+        """The ids of requests that left since the last step and that a step showed the
+        workers (what they keep of them can go)."""
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    def _finish(self, request: Request) -> None:
+        """Takes out a request that finished in a step."""
+        request.metrics.kv_usage = self.usage
+        self._remove(request)
+
+    def _remove(self, request: Request) -> None:
+        """Takes a request out of the queues and frees its blocks."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
         self._chunk_jobs.pop(request, None)
+        request.draft_token_ids = []
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        if request.request_id in self._shown:
+            self._shown.discard(request.request_id)
+            self._finished_ids.append(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -207,8 +254,9 @@ class Scheduler:
                 return scheduled
         sequence = self._prefill(request.seq_id, request.all_token_ids, budget,
                                  self._logit_ids(request))
+        sequence.num_output_tokens = len(request.output_token_ids)
         drafts, request.draft_token_ids = request.draft_token_ids, []
-        if drafts and len(sequence.token_ids) == 1 and sequence.logit_token_ids == "all":
+        if drafts and len(sequence.token_ids) == 1 and sequence.samples:
             self._add_drafts(sequence, drafts[:budget - 1])
         return [sequence]
 
@@ -292,9 +340,8 @@ class Scheduler:
         new = request.all_token_ids[self.block_manager.num_tokens(request.seq_id):]
         return not new or self._with_blocks(request, lambda: self._append(request.seq_id, new))
 
-    def schedule(self) -> tuple[ScheduledBatch, list[Request]] | None:
-        """The next step's batch and the request owning each of its sequences; None when there
-        is nothing to run."""
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step; None when there is nothing to run."""
         manager = self.block_manager
         budget = self.config.max_num_batched_tokens
         sequences: list[ScheduledSequence] = []
@@ -303,8 +350,6 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if not self._hold_new_tokens(request):
-                continue  # it left the running list
             scheduled = self._schedule_request(request, budget)
             if request not in self.running:
                 continue  # preempted while setting up its chunks
@@ -337,138 +382,153 @@ class Scheduler:
             budget -= sum(len(s.token_ids) for s in scheduled)
         if not sequences:
             return None
-        return layout_batch(self.block_manager, sequences), owners
+        for sequence, request in zip(sequences, owners):
+            sequence.request_id = request.request_id
+        return self._layout(sequences, self.take_finished_ids())
 
-    def split_batch(self, batch: ScheduledBatch, owners: list[Request]
-                    ) -> list[tuple[ScheduledBatch, list[Request]]]:
-        """The batch's sequences grouped by request, each group laid out as a batch of its own:
+    def _layout(self, sequences: list[ScheduledSequence],
+                finished_ids: list[str]) -> SchedulerOutput:
+        """The step of ``sequences``, with what the workers need to sample them: the requests
+        they see for the first time and the grammar masks of constrained ones."""
+        step = layout_batch(self.block_manager, sequences)
+        step.finished_request_ids = finished_ids
+        sampling = [self._requests[s.request_id] for s in sequences if s.samples]
+        for request in sampling:
+            if request.request_id not in self._shown:
+                self._shown.add(request.request_id)
+                step.new_requests.append(request.runner_record())
+        constrained = [request for request in sampling if request.grammar is not None]
+        if constrained:
+            step.grammar_bitmask = grammar_bitmask([r.grammar for r in constrained])
+            step.constrained_request_ids = [r.request_id for r in constrained]
+        return step
+
+    def split(self, step: SchedulerOutput) -> list[tuple[Request, SchedulerOutput]]:
+        """The step's sequences grouped by request, each group laid out as a step of its own:
         a step that failed is run again request by request, so that only the culprit fails."""
-        groups: dict[Request, list[ScheduledSequence]] = {}
-        for sequence, request in zip(batch.sequences, owners):
-            groups.setdefault(request, []).append(sequence)
-        return [(layout_batch(self.block_manager, sequences), [request] * len(sequences))
-                for request, sequences in groups.items()]
+        groups: dict[str, list[ScheduledSequence]] = {}
+        for sequence in step.sequences:
+            groups.setdefault(sequence.request_id, []).append(sequence)
+        parts = []
+        for request_id, sequences in groups.items():
+            part = layout_batch(self.block_manager, sequences)
+            part.finished_request_ids = step.finished_request_ids
+            part.new_requests = [r for r in step.new_requests if r.request_id == request_id]
+            if request_id in step.constrained_request_ids:
+                row = step.constrained_request_ids.index(request_id)
+                part.grammar_bitmask = step.grammar_bitmask[row:row + 1]
+                part.constrained_request_ids = [request_id]
+            parts.append((self._requests[request_id], part))
+        return parts
 
     # ---- after the step ----------------------------------------------------------------------
 
-    def update_from_output(self, batch: ScheduledBatch, owners: list[Request],
-                           output: StepLogits) -> list[Request]:
-        """Learns what the step computed: marks it in the block manager, stores finished chunk
-        encodings (then frees their encoders) and records prompt-only requests' scores.
-        Returns the prompt-only requests whose prompt is now computed (they are done)."""
+    def update_from_output(self, step: SchedulerOutput,
+                           output: ModelRunnerOutput) -> list[Request]:
+        """Takes what an executor made of ``step``: marks what was computed in the block
+        manager, gives each sampling request its tokens (the accepted drafts kept, the rest
+        dropped with their KV) and next drafts, ends prompt-only requests whose prompt is
+        computed, stores finished chunk encodings (then frees their encoders), and has the
+        block manager hold the new tokens. Returns the requests that got a token or ended."""
         manager = self.block_manager
-        done = []
-        for index, (sequence, request) in enumerate(zip(batch.sequences, owners)):
+        updated: list[Request] = []
+        owners = [self._requests.get(s.request_id) for s in step.sequences]
+        for index, (sequence, request) in enumerate(zip(step.sequences, owners)):
+            if request is None or request.seq_id is None:
+                continue  # it left the engine, or was preempted, while the step ran
             # Drafts' KV counts once they are accepted (settle_drafts).
             end = sequence.start + len(sequence.token_ids) - sequence.num_draft_tokens
             manager.mark_computed(sequence.seq_id, end)
             if (request.score_token_ids is not None and sequence.seq_id == request.seq_id
                     and end == request.num_tokens):
                 request.scores = output.scores.get(index)
-                done.append(request)
-        for request in dict.fromkeys(owners):
-            job = self._chunk_jobs.get(request)
-            if job is None or not job.encoders:
-                continue
-            prefix = request.chunked_prompt.prefix
-            for chunk, encoder in list(job.encoders.items()):
-                end = len(prefix) + len(chunk)
-                if manager.num_computed_tokens(encoder) < end:
-                    continue
-                k, v = self.kv_cache.read_rows(self.kv_cache.slots(encoder, len(prefix), end))
-                job.found[chunk] = (k, v)
-                self.chunk_store.put(prefix, chunk, k, v)
-                manager.free(encoder)
-                del job.encoders[chunk]
-        return done
+                request.finish_prompt()
+                self._finish(request)
+                updated.append(request)
+        for request in dict.fromkeys(r for r in owners if r is not None):
+            self._store_chunks(request)
+        sampled = {}
+        for sequence, request in zip(step.sequences, owners):
+            if request is not None and sequence.samples and not request.finished:
+                self._take_tokens(request, sequence, output)
+                sampled[request] = None
+        # Once every request took its tokens: holding them may preempt a request of this step.
+        for request in list(self.running):
+            if request in sampled and request in self.running:
+                self._hold_new_tokens(request)
+        return updated + list(sampled)
 
-    def settle_drafts(self, request: Request, sequence: ScheduledSequence,
-                      num_accepted: int) -> None:
+    def _take_tokens(self, request: Request, sequence: ScheduledSequence,
+                     output: ModelRunnerOutput) -> None:
+        """Gives a request the tokens its rows gave (failing it on its error) and the drafts
+        for its next step; a verification step's rejected drafts leave the block manager."""
+        error = output.errors.get(request.request_id)
+        if error is not None:
+            self.fail_request(request, error)
+            return
+        tokens = output.sampled_token_ids[request.request_id]
+        logprobs = output.logprobs.get(request.request_id)
+        accepted = len(tokens) - 1
+        if sequence.num_draft_tokens:
+            self.num_draft_tokens += sequence.num_draft_tokens
+            self.num_accepted_tokens += accepted
+            self.num_verify_steps += 1
+            request.metrics.num_draft_tokens += sequence.num_draft_tokens
+            request.metrics.num_accepted_tokens += accepted
+            request.metrics.num_verify_steps += 1
+        for j, token in enumerate(tokens):
+            if not self._append_token(request, token, None if logprobs is None else logprobs[j]):
+                return
+            if request.finished:
+                self._finish(request)
+                return
+        if sequence.num_draft_tokens:
+            self._settle_drafts(request, sequence, accepted)
+        request.draft_token_ids = output.draft_token_ids.get(request.request_id, [])
+
+    def _append_token(self, request: Request, token: int,
+                      logprobs: SampledLogprobs | None) -> bool:
+        """Adds a token to the request; False when that failed the request."""
+        if token < 0:  # how a GPU sampler under trusted_inputs marks a bad logits row
+            self.fail_request(request, ValueError(
+                "this request's logits (after its penalties and logit_bias) contain NaN or "
+                "+inf, or no finite value"))
+            return False
+        try:
+            request.append_token(token, logprobs)
+        except Exception as error:  # e.g. its tokenizer cannot decode the token
+            self.fail_request(request, request_error(
+                f"this request's token {token} cannot be added", error))
+            return False
+        return True
+
+    def _store_chunks(self, request: Request) -> None:
+        """Stores the chunk encodings of the request that are now computed, then frees their
+        encoders."""
+        manager = self.block_manager
+        job = self._chunk_jobs.get(request)
+        if job is None or not job.encoders:
+            return
+        prefix = request.chunked_prompt.prefix
+        for chunk, encoder in list(job.encoders.items()):
+            end = len(prefix) + len(chunk)
+            if manager.num_computed_tokens(encoder) < end:
+                continue
+            k, v = self.kv_cache.read_rows(self.kv_cache.slots(encoder, len(prefix), end))
+            job.found[chunk] = (k, v)
+            self.chunk_store.put(prefix, chunk, k, v)
+            manager.free(encoder)
+            del job.encoders[chunk]
+
+    def _settle_drafts(self, request: Request, sequence: ScheduledSequence,
+                       num_accepted: int) -> None:
         """After a verification step of a request still running: its first ``num_accepted``
         drafts are kept (their KV computed), the rest dropped from the block manager with any
         block that held only them. Rejected drafts were never marked computed, so no block
         holding their KV entered the prefix cache."""
         if request.seq_id != sequence.seq_id:
-            return  # it left the engine, or was preempted and readmitted
+            return  # preempted and readmitted
         kept = sequence.start + len(sequence.token_ids) - sequence.num_draft_tokens + num_accepted
         self.block_manager.truncate(sequence.seq_id, kept)
         self.block_manager.mark_computed(sequence.seq_id, kept)
 
-
-def layout_batch(block_manager: BlockManager,
-                 sequences: list[ScheduledSequence]) -> ScheduledBatch:
-    """The batch of ``sequences`` (which hold their new tokens in the block manager): block
-    tables, slot mapping, positions and key counts."""
-    block_tables = block_manager.block_tables([s.seq_id for s in sequences])  # [B, W]
-    block_size = block_manager.block_size
-    # Plain Python over the host lists: a decode step's batch is a few values, where each tensor
-    # op would cost microseconds.
-    positions: list[int] = []
-    slots: list[int] = []
-    for table, sequence in zip(block_tables.tolist(), sequences):
-        span = range(sequence.start, sequence.start + len(sequence.token_ids))
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-    seq_lens = [s.start + len(s.token_ids) for s in sequences]
-    return ScheduledBatch(sequences=sequences, block_tables=block_tables,
-                          slot_mapping=torch.tensor(slots, dtype=torch.int64),
-                          positions=torch.tensor(positions, dtype=torch.int64),
-                          seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
-
-
-def batch_of_sequences(block_manager: BlockManager, seq_ids: Sequence[int],
-                       new_tokens: Sequence[Sequence[int]], *,
-                       starts: Sequence[int] | None = None,
-                       logits: bool | Sequence[bool] = True,
-                       logit_token_ids: Sequence[int] | None = None) -> ScheduledBatch:
-    """The batch the scheduler would give sequences a caller placed in the block manager by
-    hand (``allocate`` / ``append_tokens`` done, copy-on-write copies applied).
-
-    ``new_tokens[b]`` sit at positions ``[starts[b], starts[b] + len)`` of ``seq_ids[b]``, by
-    default its last tokens. Sequence ``b`` gives logits at its last new token when
-    ``logits[b]`` (all by default): the whole vocabulary's, or ``logit_token_ids``' only.
-    """
-    if len(seq_ids) != len(new_tokens):
-        raise ValueError(f"{len(seq_ids)} seq_ids but {len(new_tokens)} token lists")
-    wants = [logits] * len(seq_ids) if isinstance(logits, bool) else list(logits)
-    if starts is None:
-        starts = [block_manager.num_tokens(seq_id) - len(tokens)
-                  for seq_id, tokens in zip(seq_ids, new_tokens)]
-    if not len(wants) == len(starts) == len(seq_ids):
-        raise ValueError(f"{len(seq_ids)} seq_ids but {len(wants)} logits flags and "
-                         f"{len(starts)} starts")
-    ids = "all" if logit_token_ids is None else tuple(int(t) for t in logit_token_ids)
-    sequences = []
-    for seq_id, tokens, start, want in zip(seq_ids, new_tokens, starts, wants):
-        held = block_manager.num_tokens(seq_id)
-        if not (0 <= start and start + len(tokens) <= held):
-            raise ValueError(f"sequence {seq_id} holds {held} tokens, so it cannot have "
-                             f"{len(tokens)} new ones from position {start}")
-        if want and not tokens:
-            raise ValueError(f"sequence {seq_id} has no new token to give logits")
-        sequences.append(ScheduledSequence(seq_id, start, list(tokens), ids if want else None))
-    return layout_batch(block_manager, sequences)
-
-
-def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
-             new_tokens: Sequence[Sequence[int]], *, starts: Sequence[int] | None = None,
-             logits: bool | Sequence[bool] = True,
-             logit_token_ids: Sequence[int] | None = None,
-             decode_graphs: DecodeGraphs | None = None) -> Tensor | None:
-    """One step over sequences a caller placed in ``kv_cache``'s block manager by hand (see
-    :func:`batch_of_sequences`): the model run, the computed tokens marked.
-
-    Returns the logits asked for, ``[count, vocab]`` or ``[count, len(logit_token_ids)]``, or
-    None when no sequence asks. With ``decode_graphs``, a decode step replays a CUDA graph.
-    """
-    manager = kv_cache.block_manager
-    batch = batch_of_sequences(manager, seq_ids, new_tokens, starts=starts, logits=logits,
-                               logit_token_ids=logit_token_ids)
-    output = ModelRunner(model, kv_cache, decode_graphs).execute(batch)
-    for sequence in batch.sequences:
-        manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
-    if logit_token_ids is None:
-        return output.logits
-    if not output.scores:
-        return None
-    return torch.stack([output.scores[i] for i in sorted(output.scores)])

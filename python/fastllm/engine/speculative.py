@@ -40,20 +40,19 @@ import os
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from fastllm.engine.model_runner import ModelRunner, StepLogits
-from fastllm.engine.request import Request
-from fastllm.engine.scheduler import batch_of_sequences
+from fastllm.engine.scheduler_output import batch_of_sequences
 from fastllm.kv_cache import KVCacheFullError, PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.ops.host_to_device import to_host
-from fastllm.sampling import SamplingTensors, draw
+from fastllm.sampling import SamplingParams, SamplingTensors, draw
 
-__all__ = ["DraftLength", "DraftModelProposer", "NgramIndex", "NgramProposer",
-           "SpeculativeConfig", "StepCosts", "accepted_length"]
+__all__ = ["DraftLength", "DraftModelProposer", "DraftingRequest", "NgramIndex",
+           "NgramProposer", "SpeculativeConfig", "StepCosts", "accepted_length"]
 
 _METHODS = ("ngram", "draft")
 
@@ -277,6 +276,19 @@ class StepCosts:
                 for k, (v, d) in enumerate(zip(verify, draft))]
 
 
+class DraftingRequest(Protocol):
+    """What a proposer reads of a request (a worker's record of it; hashable by identity)."""
+
+    params: SamplingParams
+    seed: int
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
 def accepted_length(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     """How many leading drafts equal the tokens sampled at their positions: ``sampled[i]`` is
     the token drawn at the row before ``drafts[i]`` (``len(sampled) == len(drafts) + 1``)."""
@@ -298,9 +310,9 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
-        self._indexes: dict[Request, NgramIndex] = {}
+        self._indexes: dict[DraftingRequest, NgramIndex] = {}
 
-    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[DraftingRequest], lengths: Sequence[int]) -> list[list[int]]:
         """Up to ``lengths[i]`` drafts for each request (possibly none)."""
         drafts = []
         for request, k in zip(requests, lengths):
@@ -310,10 +322,10 @@ class NgramProposer:
             drafts.append(index.lookup(request.all_token_ids, k) if k > 0 else [])
         return drafts
 
-    def prepare(self, requests: Sequence[Request]) -> None:
+    def prepare(self, requests: Sequence[DraftingRequest]) -> None:
         """Nothing to prepare: a request's index is built at its first lookup."""
 
-    def release(self, request: Request) -> None:
+    def release(self, request: DraftingRequest) -> None:
         """Drops the request's n-gram index (it finished, failed or stopped drafting)."""
         self._indexes.pop(request, None)
 
@@ -369,11 +381,11 @@ class DraftModelProposer:
         model.reserve_positions(max_model_len)
         self.runner = ModelRunner(model, self.kv_cache)
         self.vocab_size = model.config.vocab_size
-        self._seq_ids: dict[Request, int] = {}
-        self._held: dict[Request, list[int]] = {}  # the tokens each draft sequence holds
+        self._seq_ids: dict[DraftingRequest, int] = {}
+        self._held: dict[DraftingRequest, list[int]] = {}  # the tokens each draft sequence holds
         self._next_id = itertools.count()
 
-    def release(self, request: Request) -> None:
+    def release(self, request: DraftingRequest) -> None:
         """Drops the request's draft KV (it finished or failed)."""
         seq_id = self._seq_ids.pop(request, None)
         self._held.pop(request, None)
@@ -385,7 +397,7 @@ class DraftModelProposer:
         """Requests whose draft KV it holds (none once every request left)."""
         return len(self._seq_ids)
 
-    def prepare(self, requests: Sequence[Request]) -> None:
+    def prepare(self, requests: Sequence[DraftingRequest]) -> None:
         """Prefills the draft model on the tokens of the requests it has not seen, but their
         last (left for :meth:`propose` to give logits): a one-time cost per request, kept out
         of the drafting cost the engine measures."""
@@ -406,7 +418,7 @@ class DraftModelProposer:
         if new:
             self._step(new, prompts, starts=[0] * len(new), logits=False)
 
-    def propose(self, requests: Sequence[Request], lengths: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[DraftingRequest], lengths: Sequence[int]) -> list[list[int]]:
         """Up to ``lengths[i]`` drafts for each request (none where the draft KV pool is
         full)."""
         manager = self.kv_cache.block_manager
@@ -467,7 +479,7 @@ class DraftModelProposer:
             manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
         return output
 
-    def _place(self, request: Request, tokens: list[int]) -> int:
+    def _place(self, request: DraftingRequest, tokens: list[int]) -> int:
         """Makes the request's draft sequence hold ``tokens``, keeping the KV of the leading
         tokens it already computed (its earlier drafts that were accepted); returns how many
         are computed."""

@@ -208,7 +208,7 @@ class AsyncLLM:
             try:
                 self.client.engine.add_request(request)
             except Exception as error:  # e.g. a prompt the KV pool cannot hold: it alone fails
-                request.fail(error)
+                self.client.engine.fail_request(request, error)
                 self._notify(request)
 
     def _run(self, model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> None:
@@ -260,7 +260,8 @@ class AsyncLLM:
         return failed
 
     def shutdown(self) -> None:
-        """Stops the engine thread; unfinished requests are aborted."""
+        """Stops the engine thread, and the tensor-parallel ranks if any; unfinished requests
+        are aborted."""
         self._closed = True
         self._wake.set()
         self._thread.join()
@@ -270,6 +271,7 @@ class AsyncLLM:
                 self.client.abort_unfinished([request])
                 loop.call_soon_threadsafe(queue.put_nowait, (
                     [], True, None, len(request.output_token_ids)))
+            self.client.shutdown()
 
     async def __aenter__(self) -> AsyncLLM:
         return self

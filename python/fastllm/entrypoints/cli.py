@@ -138,6 +138,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
     _add_batch_invariant(parser)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many ranks (one process per device)")
     parser.set_defaults(run=_serve)
 
 
@@ -155,7 +157,8 @@ def _serve(args: argparse.Namespace) -> None:
                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_memory=args.kv_cache_memory, batch_invariant=args.batch_invariant)
+                   kv_cache_memory=args.kv_cache_memory, batch_invariant=args.batch_invariant,
+                   tensor_parallel_size=args.tensor_parallel_size)
     name = args.served_model_name or Path(args.model).name
     print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)
     try:

@@ -19,10 +19,14 @@ import torch
 
 from fastllm.engine import Engine, EngineConfig
 from fastllm.engine.chunked_prompt import ChunkedPrompt
+from fastllm.engine.executor import (Executor, MultiprocExecutor, ParallelConfig,
+                                     UniProcExecutor, make_worker)
 from fastllm.engine.request import Request
-from fastllm.kv_cache import ChunkKVStore, PagedKVCache, default_kv_cache_memory, plan_pool
+from fastllm.kv_cache import (ChunkKVStore, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
+                              plan_pool)
+from fastllm.models import DecoderLM
 from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
-from fastllm.models.pool import load
+from fastllm.models.pool import load, resolve_dtype
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
 from fastllm.tokenizer.token_ids import as_token_ids
@@ -70,7 +74,8 @@ class EngineClient:
                  chunk_store_memory: int | None = None, quantization: str | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto",
                  batch_invariant: bool = False,
-                 speculative: Mapping[str, Any] | None = None) -> None:
+                 speculative: Mapping[str, Any] | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_prefill_chunk=max_prefill_chunk,
@@ -80,42 +85,86 @@ class EngineClient:
                                                or chunk_store_memory < 0):
             raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "
                              f"{chunk_store_memory!r}")
-        self.model = load(model, dtype, device, quantization)
         self.device = torch.device(device)
-        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else \
-            Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
-        config = self.model.config
+        self._max_model_len, self._kv_cache_memory = max_model_len, kv_cache_memory
+        self._max_num_seqs, self._block_size = max_num_seqs, block_size
+        self._cache_dtype = engine_config.cache_dtype
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got "
+                             f"{tensor_parallel_size!r}")
+        if tensor_parallel_size == 1:
+            loaded = load(model, dtype, device, quantization)
+            max_model_len, plan = self._plan_cache(loaded)
+            kv_cache = PagedKVCache(loaded.kv_cache_spec(block_size,
+                                                         self._cache_dtype(loaded.dtype)),
+                                    plan, device=self.device,
+                                    enable_prefix_caching=enable_prefix_caching,
+                                    pre_rope=chunk_store_memory is not None)
+            executor: Executor = UniProcExecutor(make_worker(
+                loaded, kv_cache, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                enforce_eager=enforce_eager, speculative=engine_config.speculative))
+        else:
+            if chunk_store_memory is not None:
+                raise ValueError("chunk_store_memory: independent-chunk prompts run on one "
+                                 "device; tensor_parallel_size must be 1")
+            torch_dtype = resolve_dtype(dtype)
+            executor = MultiprocExecutor(
+                ParallelConfig(model=str(model), dtype=torch_dtype, quantization=quantization,
+                               device_type=self.device.type,
+                               tensor_parallel_size=tensor_parallel_size,
+                               max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+                               batch_invariant=batch_invariant, block_size=block_size,
+                               cache_dtype=engine_config.cache_dtype(torch_dtype)),
+                self._plan_cache, enable_prefix_caching=enable_prefix_caching,
+                speculative=engine_config.speculative)
+        self.model, self.kv_cache = executor.model, executor.kv_cache
+        self.max_model_len = executor.worker.max_model_len
+        self.vocab_size = self.model.config.vocab_size
+        chunk_store = None if chunk_store_memory is None else ChunkKVStore(chunk_store_memory)
+        try:
+            self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else \
+                Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
+            self.engine = Engine(executor, self.tokenizer, engine_config, self.max_model_len,
+                                 chunk_store)
+        except BaseException:
+            executor.shutdown()
+            raise
+        self.lock = threading.RLock()  # one engine step at a time, whichever thread asks
+        self._request_counter = itertools.count()
+
+    def _plan_cache(self, model: DecoderLM) -> tuple[int, KVPoolPlan]:
+        """The context length and the KV pool for ``model`` (rank 0's shard under tensor
+        parallelism: each rank's pool is the same size) from the client's arguments."""
+        config, max_model_len = model.config, self._max_model_len
         if max_model_len is None:
             max_model_len = min(config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
         if not isinstance(max_model_len, int) or not \
                 2 <= max_model_len <= config.max_position_embeddings:
             raise ValueError(f"max_model_len must be an int in [2, {config.max_position_embeddings}"
                              f"] (the model's max_position_embeddings), got {max_model_len!r}")
-        self.max_model_len = max_model_len
-        self.model.reserve_positions(max_model_len)
-        spec = self.model.kv_cache_spec(block_size, engine_config.cache_dtype(self.model.dtype))
+        model.reserve_positions(max_model_len)
+        block_size = self._block_size
+        spec = model.kv_cache_spec(block_size, self._cache_dtype(model.dtype))
         one_sequence = -(-max_model_len // block_size) * spec.bytes_per_block
-        if kv_cache_memory is None:
+        if self._kv_cache_memory is None:
             # A share of the free memory, no more than max_num_seqs full-length sequences need,
             # and never less than one.
-            budget = min(default_kv_cache_memory(self.device), max_num_seqs * one_sequence)
+            budget = min(default_kv_cache_memory(self.device),
+                         self._max_num_seqs * one_sequence)
             plan = plan_pool(spec, memory_bytes=max(budget, one_sequence))
         else:
-            plan = plan_pool(spec, memory_bytes=kv_cache_memory)
+            plan = plan_pool(spec, memory_bytes=self._kv_cache_memory)
             if plan.max_tokens < max_model_len:
-                raise ValueError(f"kv_cache_memory={kv_cache_memory:,} bytes hold "
+                raise ValueError(f"kv_cache_memory={self._kv_cache_memory:,} bytes hold "
                                  f"{plan.max_tokens} tokens, fewer than max_model_len="
                                  f"{max_model_len}; give it at least {one_sequence:,}")
         logger.info("KV cache: %s", plan.describe())
-        self.kv_cache = PagedKVCache(spec, plan, device=self.device,
-                                     enable_prefix_caching=enable_prefix_caching,
-                                     pre_rope=chunk_store_memory is not None)
-        chunk_store = None if chunk_store_memory is None else ChunkKVStore(chunk_store_memory)
-        self.vocab_size = config.vocab_size
-        self.engine = Engine(self.model, self.tokenizer, self.kv_cache, engine_config,
-                             max_model_len, chunk_store)
-        self.lock = threading.RLock()  # one engine step at a time, whichever thread asks
-        self._request_counter = itertools.count()
+        return max_model_len, plan
+
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel ranks, if any (a later step raises)."""
+        self.engine.shutdown()
 
     # ---- requests ----------------------------------------------------------------------------
 

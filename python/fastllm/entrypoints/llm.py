@@ -80,6 +80,12 @@ class LLM:
             (a small model sharing the tokenizer drafts). Each decoding request's drafts are
             checked in one model step; the tokens are the ones generation gives without it,
             greedy or seeded sampling. None (default): no speculation.
+        tensor_parallel_size: shard the model over this many ranks, one process per device
+            (:mod:`fastllm.engine.executor`): Megatron-style tensor parallelism on
+            ``torch.distributed`` (gloo on the CPU, where the ranks share the cores; NCCL on
+            CUDA, ranks on ``cuda:0`` .. ``cuda:N-1``), the same tokens as one process. Under
+            ``torchrun`` every rank runs the script, and the ranks but 0 serve inside this
+            constructor, then exit. :meth:`shutdown` (or dropping the object) stops the ranks.
     """
 
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
@@ -92,7 +98,8 @@ class LLM:
                  chunk_store_memory: int | None = None, quantization: str | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto",
                  batch_invariant: bool = False,
-                 speculative: Mapping[str, Any] | None = None) -> None:
+                 speculative: Mapping[str, Any] | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         self.client = EngineClient(
             model, dtype=dtype, device=device, tokenizer=tokenizer, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, block_size=block_size,
@@ -100,7 +107,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
             enforce_eager=enforce_eager, chunk_store_memory=chunk_store_memory,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            batch_invariant=batch_invariant, speculative=speculative)
+            batch_invariant=batch_invariant, speculative=speculative,
+            tensor_parallel_size=tensor_parallel_size)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.kv_cache, self.engine = self.client.kv_cache, self.client.engine
         self.device, self.max_model_len = self.client.device, self.client.max_model_len
@@ -190,6 +198,10 @@ class LLM:
         :meth:`fastllm.Tokenizer.apply_chat_template`). To generate from a conversation use
         :meth:`chat` or :meth:`chat_prompt`, which tokenize it without adding a second BOS."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel ranks, if any; the object generates nothing after."""
+        self.client.shutdown()
 
     def __repr__(self) -> str:
         return (f"LLM({self.model.config.architecture}, dtype={self.model.dtype}"

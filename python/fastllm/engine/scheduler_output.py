@@ -1,0 +1,216 @@
+"""The step contract: what the scheduler hands an executor (:class:`SchedulerOutput`) and what
+comes back (:class:`ModelRunnerOutput`), as vLLM v1 shapes them.
+
+Both are plain data (host tensors, lists, sampling parameters), so an executor may send a
+step to worker processes as it is. The scheduler never sees the model runner, and the runner
+never sees a :class:`~fastllm.engine.request.Request`: it knows a request by its id, from the
+:class:`NewRequest` record of its first step until its id is among a step's
+``finished_request_ids``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fastllm.kv_cache import BlockManager
+from fastllm.sampling import SamplingParams
+
+__all__ = ["ModelRunnerOutput", "NewRequest", "SampledLogprobs", "ScheduledSequence",
+           "SchedulerOutput", "batch_of_sequences", "layout_batch", "request_error"]
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    Attributes:
+        seq_id: its id in the block manager.
+        start: position of its first new token.
+        token_ids: its new tokens (positions ``[start, start + len)``).
+        logit_token_ids: what the step gives back at its last new token: None for nothing,
+            ``"all"`` for the whole vocabulary's logits (it samples), or a tuple of token ids
+            whose logits alone are computed (a scorer reads two logits, not 151,936).
+        num_draft_tokens: its last new tokens that are speculative drafts being verified
+            (with ``"all"``): the step gives logits at each of its last
+            ``1 + num_draft_tokens`` rows.
+        request_id: the request it belongs to ("" for a sequence run by hand).
+        num_output_tokens: tokens the request had generated before this step (a sampling
+            sequence's position in its random stream).
+    """
+
+    seq_id: int
+    start: int
+    token_ids: list[int]
+    logit_token_ids: None | str | tuple[int, ...] = None
+    num_draft_tokens: int = 0
+    request_id: str = ""
+    num_output_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
+
+    @property
+    def samples(self) -> bool:
+        return self.logit_token_ids == "all"
+
+
+@dataclass
+class NewRequest:
+    """What the runner side keeps of a sampling request, from its first step to its end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    end_token_ids: list[int]  # the tokens that end it (stop token ids, and EOS unless ignored)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: the scheduler's batch, on the host.
+
+    Attributes:
+        sequences: each sequence's new tokens, in packed order.
+        block_tables: int32 ``[B, max_blocks]`` each sequence's cache blocks, in token order.
+        slot_mapping: int64 ``[T]`` the cache slot of each new token.
+        positions: int64 ``[T]`` each new token's position in its sequence.
+        seq_lens: int32 ``[B]`` keys per sequence once this step's tokens are written.
+        new_requests: the sampling requests this step shows the runner for the first time.
+        finished_request_ids: requests that left since the last step (the runner drops what
+            it kept of them).
+        grammar_bitmask: int32 ``[n, words]`` the allowed tokens of each constrained request
+            in ``constrained_request_ids`` (its row of this step), or None.
+        constrained_request_ids: the requests ``grammar_bitmask``'s rows belong to.
+    """
+
+    sequences: list[ScheduledSequence]
+    block_tables: Tensor
+    slot_mapping: Tensor
+    positions: Tensor
+    seq_lens: Tensor
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Tensor | None = None
+    constrained_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence, each sampling from the whole vocabulary."""
+        return all(len(s.token_ids) == 1 and s.samples for s in self.sequences)
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of the step's full-vocabulary logits."""
+        return sum(1 + s.num_draft_tokens for s in self.sequences if s.samples)
+
+    @classmethod
+    def empty(cls, finished_request_ids: Sequence[str]) -> SchedulerOutput:
+        """A step that runs nothing and only tells the runner which requests left."""
+        return cls([], torch.zeros(0, 0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
+                   torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
+                   finished_request_ids=list(finished_request_ids))
+
+
+@dataclass
+class SampledLogprobs:
+    """One sampled position's log-probabilities: the sampled token's, then the most likely
+    tokens' (``top_ids`` / ``top_logprobs``, most likely first; an id < 0 is no token)."""
+
+    token_logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step gives back, on the host.
+
+    Attributes:
+        sampled_token_ids: per sampling request, the tokens of its rows up to the first that
+            differs from its draft: the accepted drafts, then the step's own token (one token
+            without drafts). A token < 0 marks a row whose logits could not be sampled.
+        logprobs: per request that asked for logprobs, an entry per sampled token.
+        scores: per scoring sequence (its index in the step), the logits of its token ids.
+        draft_token_ids: per request that speculates, the drafts for its next step.
+        errors: requests whose logits could not be sampled, and why.
+        propose_s: seconds spent drafting.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
+    scores: dict[int, Tensor] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, Exception] = field(default_factory=dict)
+    propose_s: float = 0.0
+
+
+def layout_batch(block_manager: BlockManager,
+                 sequences: list[ScheduledSequence]) -> SchedulerOutput:
+    """The step of ``sequences`` (which hold their new tokens in the block manager): block
+    tables, slot mapping, positions and key counts."""
+    block_tables = block_manager.block_tables([s.seq_id for s in sequences])  # [B, W]
+    block_size = block_manager.block_size
+    # Plain Python over the host lists: a decode step's batch is a few values, where each tensor
+    # op would cost microseconds.
+    positions: list[int] = []
+    slots: list[int] = []
+    for table, sequence in zip(block_tables.tolist(), sequences):
+        span = range(sequence.start, sequence.start + len(sequence.token_ids))
+        positions.extend(span)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+    seq_lens = [s.start + len(s.token_ids) for s in sequences]
+    return SchedulerOutput(sequences=sequences, block_tables=block_tables,
+                           slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                           positions=torch.tensor(positions, dtype=torch.int64),
+                           seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+
+
+def batch_of_sequences(block_manager: BlockManager, seq_ids: Sequence[int],
+                       new_tokens: Sequence[Sequence[int]], *,
+                       starts: Sequence[int] | None = None,
+                       logits: bool | Sequence[bool] = True,
+                       logit_token_ids: Sequence[int] | None = None) -> SchedulerOutput:
+    """The step the scheduler would give sequences a caller placed in the block manager by
+    hand (``allocate`` / ``append_tokens`` done, copy-on-write copies applied).
+
+    ``new_tokens[b]`` sit at positions ``[starts[b], starts[b] + len)`` of ``seq_ids[b]``, by
+    default its last tokens. Sequence ``b`` gives logits at its last new token when
+    ``logits[b]`` (all by default): the whole vocabulary's, or ``logit_token_ids``' only.
+    """
+    if len(seq_ids) != len(new_tokens):
+        raise ValueError(f"{len(seq_ids)} seq_ids but {len(new_tokens)} token lists")
+    wants = [logits] * len(seq_ids) if isinstance(logits, bool) else list(logits)
+    if starts is None:
+        starts = [block_manager.num_tokens(seq_id) - len(tokens)
+                  for seq_id, tokens in zip(seq_ids, new_tokens)]
+    if not len(wants) == len(starts) == len(seq_ids):
+        raise ValueError(f"{len(seq_ids)} seq_ids but {len(wants)} logits flags and "
+                         f"{len(starts)} starts")
+    ids = "all" if logit_token_ids is None else tuple(int(t) for t in logit_token_ids)
+    sequences = []
+    for seq_id, tokens, start, want in zip(seq_ids, new_tokens, starts, wants):
+        held = block_manager.num_tokens(seq_id)
+        if not (0 <= start and start + len(tokens) <= held):
+            raise ValueError(f"sequence {seq_id} holds {held} tokens, so it cannot have "
+                             f"{len(tokens)} new ones from position {start}")
+        if want and not tokens:
+            raise ValueError(f"sequence {seq_id} has no new token to give logits")
+        sequences.append(ScheduledSequence(seq_id, start, list(tokens), ids if want else None))
+    return layout_batch(block_manager, sequences)
+
+
+def request_error(what: str, error: Exception) -> Exception:
+    """``error`` with what failed said first (a ValueError stays one), chained to it: how a
+    step reports the error that failed one request."""
+    said = (ValueError if isinstance(error, ValueError) else RuntimeError)(f"{what}: {error}")
+    said.__cause__ = error
+    return said
