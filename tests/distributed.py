@@ -3,8 +3,9 @@ tensor-parallel tests (``from distributed import run_on_ranks``).
 
 Each rank is a fresh process (``torch.multiprocessing``, spawn) with one intra-op thread, so N
 ranks fit N cores; the group's rendezvous is a free TCP port on 127.0.0.1. A rank that raises
-fails the call with its traceback; a rank that hangs (a collective some other rank never
-joins) fails it after ``timeout`` seconds, its processes killed, instead of hanging the tests.
+fails the call with its traceback, one that dies fails it at once, and one that hangs (a
+collective some other rank never joins) fails it after ``timeout`` seconds; the ranks left are
+killed, so nothing hangs the tests or outlives them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -47,25 +49,36 @@ def run_on_ranks(fn: Callable[..., T], *args: Any, size: int = 2,
     for process in processes:
         process.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        while len(outcomes) < size:
+        while len(outcomes) < size and time.monotonic() < deadline:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
-                missing = sorted(set(range(size)) - set(outcomes))
-                raise TimeoutError(f"ranks {missing} gave no result within {timeout} s") from None
+                if any(process.exitcode not in (None, 0) for rank, process in
+                       enumerate(processes) if rank not in outcomes):
+                    break  # a rank died without a word (a crash): no use waiting
+                continue
             outcomes[rank] = (ok, pickle.loads(value) if ok else value)
-            if not ok:  # the others may wait on it in a collective: no need to wait for them
-                break
+            if not ok:
+                # The others may wait on it in a collective, or fail for its sake (a closed
+                # connection): take what they report in a moment, not more.
+                deadline = min(deadline, time.monotonic() + 2.0)
+        missing = {rank: processes[rank].exitcode for rank in range(size) if rank not in outcomes}
     finally:
         for process in processes:
             process.join(timeout=0 if len(outcomes) < size else 10)
             if process.is_alive():
                 process.kill()
                 process.join()
-    for rank, (ok, value) in sorted(outcomes.items()):
-        if not ok:
-            raise RuntimeError(f"rank {rank} of {size} failed:\n{value}")
+    failures = [f"rank {rank} of {size} failed:\n{value}"
+                for rank, (ok, value) in sorted(outcomes.items()) if not ok]
+    failures += [f"rank {rank} of {size} died (exit code {code})"
+                 for rank, code in missing.items() if code not in (None, 0)]
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    if missing:
+        raise TimeoutError(f"ranks {sorted(missing)} gave no result within {timeout} s")
     return [outcomes[rank][1] for rank in range(size)]
 
 
