@@ -256,6 +256,14 @@ def test_tensor_parallel_is_checked(rank, size, group_name, error):
         TensorParallel(rank, size, group_name)
 
 
+def test_decoder_layers_take_a_group_name_or_none(model_path):
+    weights = [load_model(model_path("stories260K_hf")).layers[0].weights()]
+    for bad in ("", 0):
+        with pytest.raises(ValueError, match="group_name must be a process group's name or "
+                                             "None"):
+            ops.DecoderLayers(weights, bad)
+
+
 def decode_ops(tensor_parallel: TensorParallel, path: Path, token_ids: list[int]) -> dict:
     """One decode step of two sequences through the rank's shard: the ops the first decoder
     layer calls run alone (as :class:`fastllm.ops.DecoderLayers`) and its output, with its
