@@ -1,7 +1,8 @@
 """Fixtures shared by every test: a reproducible seed per test, the devices to run on and the op
 backends to test; and helpers that test modules import (``from conftest import num_threads``):
 a thread-count context, the attention oracles' row and tolerance checks, a cache of one object per
-device for fixtures, a model's prefill logits and their tolerance against HF's."""
+device for fixtures, a model's prefill logits and their tolerance against HF's, a log of the ops
+a block of code calls."""
 
 import contextlib
 import importlib.util
@@ -15,6 +16,7 @@ from typing import TypeVar
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # "cpu" always; "cuda" reported as skipped where there is no GPU, so a CPU-only run says what it
 # did not cover; "mps" only where it exists (there is no mps in a CPU-only torch to speak of).
@@ -296,3 +298,17 @@ def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, atol: float) 
     on the CPU, and within ``atol`` plus :data:`GPU_FLOAT32_RTOL` relative elsewhere."""
     rtol = 0.0 if got.device.type == "cpu" else GPU_FLOAT32_RTOL
     torch.testing.assert_close(got.cpu(), expected.cpu(), atol=atol, rtol=rtol)
+
+
+class OpLog(TorchDispatchMode):
+    """The compute ops a block of code calls through the dispatcher (views left out), as
+    ``namespace::name``: C++ callers' too (fastllm.ops.DecoderLayers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(f"{func.namespace}::{func.__name__.split('.')[0]}")
+        return func(*args, **(kwargs or {}))

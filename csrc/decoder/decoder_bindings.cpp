@@ -26,9 +26,11 @@ Projection to_projection(const std::vector<PartTuple>& parts, const char* name) 
   return projection;
 }
 
-// The layers a model runs back to back, bound once (a Python list would be converted per call).
+// The layers a model runs back to back, bound once (a Python list would be converted per call),
+// and the tensor-parallel process group their partial sums are all-reduced over, if any.
 struct DecoderLayers {
   std::vector<DecoderLayer> layers;
+  std::optional<std::string> group_name;
 };
 
 }  // namespace
@@ -64,11 +66,13 @@ void bind_decoder(py::module_& m) {
   py::class_<DecoderLayers>(m, "DecoderLayers",
                                          "Decoder layers run back to back (see "
                                          "fastllm.ops.DecoderLayers).")
-      .def(py::init([](std::vector<DecoderLayer> layers) {
+      .def(py::init([](std::vector<DecoderLayer> layers, std::optional<std::string> group_name) {
              TORCH_CHECK_VALUE(!layers.empty(), "a decoder needs at least one layer");
-             return DecoderLayers{std::move(layers)};
+             TORCH_CHECK_VALUE(!group_name.has_value() || !group_name->empty(),
+                               "group_name must be a process group's name or None");
+             return DecoderLayers{std::move(layers), std::move(group_name)};
            }),
-           py::arg("layers"))
+           py::arg("layers"), py::arg("group_name") = py::none())
       .def("__len__", [](const DecoderLayers& self) { return self.layers.size(); })
       .def(
           "forward",
@@ -84,7 +88,8 @@ void bind_decoder(py::module_& m) {
                                    std::move(cos_sin_cache), pre_rope};
             // Other Python threads (an asyncio server's loop) run while the layers do.
             py::gil_scoped_release release;
-            return run_decoder_layers(self.layers, std::move(x), std::move(residual), step);
+            return run_decoder_layers(self.layers, std::move(x), std::move(residual), step,
+                                      self.group_name);
           },
           py::arg("x"), py::arg("residual"), py::arg("positions"), py::arg("cu_seqlens_q"),
           py::arg("max_seqlen_q"), py::arg("seq_lens"), py::arg("block_tables"),

@@ -84,6 +84,21 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return handle.call(x);
 }
 
+// x summed over the process group `group_name`: torch's functional collectives, which are
+// dispatcher ops on every backend (gloo, NCCL) and which CUDA graphs capture. Called boxed:
+// their schemas take the group as `Any` (a name or a ProcessGroup), which has no fixed C++
+// signature to call typed, and a boxed call costs nothing beside a collective.
+at::Tensor all_reduce(const at::Tensor& x, const std::string& group_name) {
+  static const auto reduce =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce", "");
+  static const auto wait =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  std::vector<c10::IValue> stack{x, std::string("sum"), group_name};
+  reduce.callBoxed(stack);
+  wait.callBoxed(stack);  // the reduced tensor in, the same tensor out, ready
+  return stack[0].toTensor();
+}
+
 }  // namespace ops
 
 // Fused QKV projection, optional q/k RMSNorm, RoPE, paged cache write and attention, then the
@@ -133,7 +148,8 @@ at::Tensor Projection::operator()(const at::Tensor& x) const {
 std::pair<at::Tensor, at::Tensor> run_decoder_layers(const std::vector<DecoderLayer>& layers,
                                                      at::Tensor x,
                                                      std::optional<at::Tensor> residual,
-                                                     const DecoderStep& step) {
+                                                     const DecoderStep& step,
+                                                     const std::optional<std::string>& group_name) {
   TORCH_CHECK_VALUE(!layers.empty(), "a decoder needs at least one layer");
   TORCH_CHECK_VALUE(step.k_cache.dim() == 5 && step.v_cache.dim() == 5 &&
                         step.k_cache.size(0) == int64_t(layers.size()) &&
@@ -154,8 +170,10 @@ std::pair<at::Tensor, at::Tensor> run_decoder_layers(const std::vector<DecoderLa
     }
     x = attend(layer, x, step.k_cache.select(0, int64_t(i)), step.v_cache.select(0, int64_t(i)),
                step);
+    if (group_name.has_value()) x = ops::all_reduce(x, *group_name);  // o's partial sums
     ops::add_rms_norm(x, res, layer.post_attention_norm, layer.eps);
     x = layer.down(ops::silu_and_mul(layer.gate_up(x)));  // gate|up [T, 2 * intermediate]
+    if (group_name.has_value()) x = ops::all_reduce(x, *group_name);  // down's partial sums
   }
   return {x, res};
 }

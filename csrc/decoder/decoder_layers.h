@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -52,9 +53,15 @@ struct DecoderStep {
 // Runs `layers` in order on x [tokens, hidden] and the residual stream (none before the first
 // layer), layer i writing its K/V into k_cache[i] / v_cache[i]. Returns the last layer's output
 // and the residual stream; the model's final norm adds the one into the other.
+//
+// With a process group's name (tensor parallelism: the layers hold this rank's heads and MLP
+// features, the o and down projections its input columns), each of those two projections'
+// outputs is summed over the group (torch's functional all_reduce, then wait_tensor) before
+// its residual add.
 std::pair<at::Tensor, at::Tensor> run_decoder_layers(const std::vector<DecoderLayer>& layers,
                                                      at::Tensor x,
                                                      std::optional<at::Tensor> residual,
-                                                     const DecoderStep& step);
+                                                     const DecoderStep& step,
+                                                     const std::optional<std::string>& group_name);
 
 }  // namespace fastllm

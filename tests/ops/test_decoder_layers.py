@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import OpLog
 
 from fastllm import ops
 from fastllm.models.quantized import quantize_weight
@@ -111,19 +111,6 @@ def test_decoder_layers_match_their_float64_twin(dtype, quantized, variant):
         assert torch.equal(written, ~torch.isnan(k_cache))
         torch.testing.assert_close(k_cache[written].double(), ref_k[written].double(),
                                    rtol=tolerance, atol=tolerance)
-
-
-class OpLog(TorchDispatchMode):
-    """The compute ops a block of code calls through the dispatcher (views left out)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.names.append(f"{func.namespace}::{func.__name__.split('.')[0]}")
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_decode_layer_is_nine_fastllm_ops():

@@ -3,7 +3,8 @@ the model pool.
 
 ``load_model(folder)`` reads a HF safetensors checkpoint (or ``load_model(file.gguf)`` a llama.cpp
 GGUF file) into a :class:`DecoderLM`, which runs packed batches against a paged KV cache
-described by :class:`AttentionMetadata`.
+described by :class:`AttentionMetadata`. Given a :class:`TensorParallel`, either loader builds
+one rank's Megatron-style shard of the model (:mod:`fastllm.models.tensor_parallel`).
 """
 
 from fastllm.models.attention_metadata import AttentionMetadata
@@ -12,6 +13,8 @@ from fastllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScal
 from fastllm.models.gguf import load_gguf
 from fastllm.models.llama import DecoderLM
 from fastllm.models.loader import load_model
+from fastllm.models.tensor_parallel import TensorParallel
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "AttentionMetadata", "DecoderLM", "ModelConfig",
-           "RopeScaling", "build_model", "hf_weight_map", "load_gguf", "load_model"]
+           "RopeScaling", "TensorParallel", "build_model", "hf_weight_map", "load_gguf",
+           "load_model"]

@@ -1,7 +1,8 @@
 """One owner of how a checkpoint becomes a :class:`~fastllm.models.llama.DecoderLM`: the HF
 name -> fastllm name map (which also fuses q/k/v and gate/up) and :func:`build_model`, which
-builds the model on the meta device and materializes it once. Both loaders use it: safetensors
-(:mod:`fastllm.models.loader`) and GGUF (:mod:`fastllm.models.gguf`).
+builds the model (or one tensor-parallel rank's shard of it) on the meta device and
+materializes it once. Both loaders use it: safetensors (:mod:`fastllm.models.loader`) and GGUF
+(:mod:`fastllm.models.gguf`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ from fastllm.models.llama import DecoderLM
 from fastllm.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight,
                                       Quantization, SegmentedQuantizedLinear, check_quantization,
                                       quantize_weight)
+from fastllm.models.tensor_parallel import ShardLayout, TensorParallel, TensorSlice
 
-__all__ = ["HFTensor", "build_model", "hf_weight_map"]
+__all__ = ["HFTensor", "TensorReader", "build_model", "hf_weight_map"]
 
 # One HF tensor: its checkpoint name and the shape it must have.
 HFTensor = tuple[str, tuple[int, ...]]
+# read(hf_name, shape, part): the checkpoint's tensor hf_name (checked to have shape), or only
+# the part of it a tensor-parallel rank holds, as floats or blocks.
+TensorReader = Callable[[str, tuple[int, ...], TensorSlice | None], Tensor | QuantizedWeight]
 
 
 def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
@@ -65,16 +70,16 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
     return names
 
 
-def build_model(config: ModelConfig,
-                read: Callable[[str, tuple[int, ...]], Tensor | QuantizedWeight], *,
-                dtype: torch.dtype, device: torch.device | str,
-                quantization: str | None = None) -> DecoderLM:
+def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
+                device: torch.device | str, quantization: str | None = None,
+                tensor_parallel: TensorParallel | None = None) -> DecoderLM:
     """Builds a :class:`DecoderLM` on the meta device and materializes it once.
 
-    ``read(hf_name, shape)`` returns the checkpoint's tensor ``hf_name``, already checked to
-    have ``shape``, as floats or as a :class:`QuantizedWeight`; the parts of each fused parameter
-    are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all blocks
-    stays quantized: its layer becomes a :class:`QuantizedLinear` or
+    ``read(hf_name, shape, part)`` returns the checkpoint's tensor ``hf_name``, already checked
+    to have ``shape``, as floats or as a :class:`QuantizedWeight`: all of it for ``part`` None,
+    else its indices ``[part.start, part.stop)`` along ``part.dim``. The parts of each fused
+    parameter are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all
+    blocks stays quantized: its layer becomes a :class:`QuantizedLinear` or
     :class:`QuantizedEmbedding`, or, when its parts are in different formats (a Q4_K_M file's
     Q6_K ``attn_v`` beside Q4_K q and k), a :class:`SegmentedQuantizedLinear`. The others are
     cast to ``dtype``. Everything is placed on
@@ -88,13 +93,24 @@ def build_model(config: ModelConfig,
     for the LM head (the embedding when tied), as llama.cpp's 4-bit files keep it at higher
     precision. A weight whose rows are not a multiple of 32 values long stays float, as do the
     norms and biases.
+
+    With ``tensor_parallel`` the model is that rank's shard
+    (:class:`~fastllm.models.tensor_parallel.ShardLayout`): only its parts are read, and its
+    vocabulary rows past the end padded with zeros. A model whose heads or MLP features do not
+    divide among the ranks is a ValueError naming the numbers.
     """
     scheme = check_quantization(quantization)
+    shard = ShardLayout.of(config, tensor_parallel)
     state: dict[str, Tensor] = {}
     quantized: dict[str, int] = {}  # parameter name -> ggml type of its blocks
     segmented: dict[str, list[tuple[Tensor, int]]] = {}  # parameter name -> its format runs
     for name, parts in hf_weight_map(config).items():
-        tensors = [read(hf_name, shape) for hf_name, shape in parts]
+        slices = shard.slices(name, parts)
+        if slices is None:  # not held by this rank
+            continue
+        tensors = [read(hf_name, shape, part) for (hf_name, shape), part in zip(parts, slices)]
+        if _VOCABULARY.search(name):
+            tensors = [_pad_rows(t, shard.vocab_rows) for t in tensors]
         if all(isinstance(t, QuantizedWeight) for t in tensors) and _QUANTIZABLE.search(name):
             runs = _format_runs(tensors, device)
             if len(runs) == 1:
@@ -119,7 +135,7 @@ def build_model(config: ModelConfig,
                                                                   torch.device(device)))
 
     with torch.device("meta"):
-        model = DecoderLM(config)
+        model = DecoderLM(config, tensor_parallel)
         for name, weight_type in quantized.items():
             _quantize_module(model, name, state[name], weight_type, dtype)
         for name, runs in segmented.items():
@@ -131,6 +147,18 @@ def build_model(config: ModelConfig,
 
 # The weights that may be (or stay) quantized: every projection, the embedding and the LM head.
 _QUANTIZABLE = re.compile(r"(_proj|embed_tokens|lm_head)\.weight$")
+# The weights whose rows are the vocabulary, split among tensor-parallel ranks.
+_VOCABULARY = re.compile(r"^(embed_tokens|lm_head)\.weight$")
+
+
+def _pad_rows(weight: Tensor | QuantizedWeight, rows: int) -> Tensor | QuantizedWeight:
+    """``weight`` with zero rows appended up to ``rows`` (all-zero blocks decode to zeros in
+    every ggml format: their scales are 0)."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(_pad_rows(weight.data, rows), weight.weight_type)
+    if weight.shape[0] == rows:
+        return weight
+    return torch.cat([weight, weight.new_zeros(rows - weight.shape[0], *weight.shape[1:])])
 
 
 def _storage_dtype(name: str, stored: torch.dtype, dtype: torch.dtype,

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 from torch import Tensor
 
@@ -42,6 +42,7 @@ from fastllm.models.config import ModelConfig
 from fastllm.models.llama import DecoderLM
 from fastllm.models.quantized import QuantizedWeight, check_quantization
 from fastllm.models.rope import rope_inv_freq
+from fastllm.models.tensor_parallel import ShardLayout, TensorParallel, TensorSlice
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",
            "load_gguf"]
@@ -188,7 +189,8 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu", quantization: str | None = None) -> DecoderLM:
+              device: torch.device | str = "cpu", quantization: str | None = None,
+              tensor_parallel: TensorParallel | None = None) -> DecoderLM:
     """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
 
     Weights in a block format of :data:`fastllm.ops.BLOCK_FORMATS` (Q4_0 ... Q8_0, Q4_K, Q5_K,
@@ -201,6 +203,11 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     ``quantization`` ("int8", "int4") quantizes a float file (F32 / F16 / BF16 tensors only) at
     load, as for safetensors; a file already quantized is a ``ValueError``, since quantizing its
     weights again would only add error.
+
+    With ``tensor_parallel``, the model is that rank's shard (see
+    :mod:`fastllm.models.tensor_parallel`) and only its rows or columns of each tensor are read.
+    Blocks are split whole: a row-parallel weight (o_proj, down_proj) whose rows do not split
+    among the ranks at block boundaries is a ``ValueError`` naming the sizes.
     """
     path = Path(path)
     if not path.is_file():
@@ -221,25 +228,58 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     shapes = {gguf_tensor_name(hf_name): shape
               for parts in hf_weight_map(config).values() for hf_name, shape in parts}
     _check_tensors(path, config, tensors, shapes)
+    shard = ShardLayout.of(config, tensor_parallel)
+    if tensor_parallel is not None:
+        for name, parts in hf_weight_map(config).items():
+            for (hf_name, _), part in zip(parts, shard.slices(name, parts) or []):
+                _check_split(path, tensors[gguf_tensor_name(hf_name)], part,
+                             tensor_parallel.size)
     permuted = config.architecture == "LlamaForCausalLM"
 
-    def read(hf_name: str, shape: tuple[int, ...]) -> Tensor | QuantizedWeight:
+    def read(hf_name: str, shape: tuple[int, ...],
+             part: TensorSlice | None) -> Tensor | QuantizedWeight:
         tensor = tensors[gguf_tensor_name(hf_name)]
         kept = int(tensor.tensor_type) in ops.BLOCK_FORMATS and len(shape) == 2
+        encoded = tensor.data if part is None else _encoded_part(tensor, part)
         # np.array copies: the reader's arrays are read-only views of the memory-mapped file.
-        values = np.array(tensor.data) if kept else _dequantize(path, tensor)  # [rows, bytes]
+        values = np.array(encoded) if kept else _dequantize(path, tensor, encoded)
         module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
         if permuted and module in ("q_proj", "k_proj"):
-            values = _unpermute_rope_rows(
-                values, config.n_heads if module == "q_proj" else config.n_kv_heads)
-        if kept:
-            return QuantizedWeight(torch.from_numpy(values).reshape(shape[0], -1),
+            # Per head, so a rank's whole heads unpermute alone.
+            values = _unpermute_rope_rows(values, values.shape[0] // config.head_dim)
+        if kept:  # [rows, row bytes]
+            return QuantizedWeight(torch.from_numpy(values).reshape(values.shape[0], -1),
                                    int(tensor.tensor_type))
         if tensor.tensor_type in _SIXTEEN_BIT:  # kept in 16 bits where build_model can
             return torch.from_numpy(values).to(_SIXTEEN_BIT[tensor.tensor_type])
         return torch.from_numpy(values)
 
-    return build_model(config, read, dtype=dtype, device=device, quantization=quantization)
+    return build_model(config, read, dtype=dtype, device=device, quantization=quantization,
+                       tensor_parallel=tensor_parallel)
+
+
+def _check_split(path: Path, tensor: ReaderTensor, part: TensorSlice | None, size: int) -> None:
+    """Refuses a split of ``tensor``'s rows (``part`` along dim 1) that cuts its blocks."""
+    if part is None or part.dim != 1:
+        return
+    block_values = GGML_QUANT_SIZES[tensor.tensor_type][0]
+    if part.start % block_values or part.stop % block_values:
+        raise ValueError(f"{path}: tensor parallelism over {size} ranks splits the rows of "
+                         f"{tensor.name} ({int(tensor.shape[0])} values, in "
+                         f"{tensor.tensor_type.name} blocks of {block_values}) into parts of "
+                         f"{part.stop - part.start} values, not whole blocks")
+
+
+def _encoded_part(tensor: ReaderTensor, part: TensorSlice) -> np.ndarray:
+    """``part`` of ``tensor``, still encoded: a view of the memory-mapped file (rows, or a
+    column range of whole blocks; 16-bit and float32 values are their own blocks)."""
+    data = tensor.data
+    if part.dim == 0:
+        return data[part.start:part.stop]
+    if data.dtype != np.uint8:  # F32, F16: values
+        return data[:, part.start:part.stop]
+    block_values, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]  # BF16 and blocks: bytes
+    return data[:, part.start // block_values * block_bytes:part.stop // block_values * block_bytes]
 
 
 def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, ReaderTensor],
@@ -291,11 +331,14 @@ def _field(reader: GGUFReader, key: str) -> Any:
     return value
 
 
-def _dequantize(path: Path, tensor: ReaderTensor) -> np.ndarray:
-    """A fresh, writable float32 array of ``tensor`` (torch order), whatever its GGUF type."""
+def _dequantize(path: Path, tensor: ReaderTensor, encoded: np.ndarray | None = None
+                ) -> np.ndarray:
+    """A fresh, writable float32 array of ``tensor`` (torch order), or of its ``encoded`` part,
+    whatever its GGUF type."""
     _check_type(path, tensor)
     # np.array copies: F32 dequantizes to a read-only view of the memory-mapped file.
-    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    return np.array(dequantize(tensor.data if encoded is None else encoded, tensor.tensor_type),
+                    dtype=np.float32)
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -22,6 +22,7 @@ from fastllm.models.attention_metadata import AttentionMetadata
 from fastllm.models.config import ModelConfig
 from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear
 from fastllm.models.rope import build_cos_sin_cache
+from fastllm.models.tensor_parallel import ShardLayout, TensorParallel
 
 __all__ = ["DEFAULT_ROPE_POSITIONS", "DecoderLM"]
 
@@ -65,15 +66,15 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Fused QKV projection, optional q/k RMSNorm, RoPE, paged cache write and attention
-    (run by :class:`fastllm.ops.DecoderLayers`)."""
+    (run by :class:`fastllm.ops.DecoderLayers`), over the heads of ``shard``."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, shard: ShardLayout) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
+        self.n_heads, self.n_kv_heads = shard.n_heads, shard.n_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias and shard.row_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -84,27 +85,27 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matmul (run by
-    :class:`fastllm.ops.DecoderLayers`)."""
+    :class:`fastllm.ops.DecoderLayers`), over the intermediate features of ``shard``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardLayout) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
+        self.intermediate_size = shard.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * shard.intermediate_size,
                                    bias=config.mlp_bias)
+        self.down_proj = Linear(shard.intermediate_size, config.hidden_size,
+                                bias=config.mlp_bias and shard.row_bias)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each residual add
     fused into the norm after it (:class:`fastllm.ops.DecoderLayerWeights`)."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, shard: ShardLayout) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
 
     def weights(self) -> ops.DecoderLayerWeights:
         """This layer's current weights as :class:`fastllm.ops.DecoderLayers` runs them."""
@@ -134,18 +135,30 @@ class DecoderLM(nn.Module):
     30 layers: 1.7 ms of Python a token, about 35 us a layer). Forward hooks on the layers
     therefore do not run; after replacing a submodule or parameter by hand, call
     :meth:`unbind_layers`.
+
+    With ``tensor_parallel``, the model is that rank's shard (Megatron's:
+    :mod:`fastllm.models.tensor_parallel`, laid out by :attr:`shard`): its layers hold the
+    rank's heads and MLP features, its embedding and LM head a range of vocabulary rows.
+    ``config`` still describes the whole model; :meth:`kv_cache_spec` gives the rank's
+    key/value heads. :meth:`forward` and :meth:`compute_logits` are collective calls: every
+    rank of the group makes them, in the same order, with the same inputs, and each gets the
+    whole model's result (hidden states, full-vocabulary logits).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tensor_parallel = tensor_parallel
+        self.shard = shard = ShardLayout.of(config, tensor_parallel)
         self._bound_layers: ops.DecoderLayers | None = None
         self.register_load_state_dict_post_hook(lambda module, _: module.unbind_layers())
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings else
-                        Linear(config.hidden_size, config.vocab_size, bias=False))
+                        Linear(config.hidden_size, shard.vocab_rows, bias=False))
         # Derived from the config, never loaded: non-persistent, rebuilt by init_rope_cache.
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         # Tables reserve_positions replaced, kept alive: CUDA graphs captured before read them.
@@ -197,13 +210,14 @@ class DecoderLM(nn.Module):
                       dtype: torch.dtype | None = None) -> KVCacheSpec:
         """The KV cache this model needs, stored in ``dtype``: None for the activations' dtype,
         or bfloat16 / float16 under float32 activations (K/V rounded as they are cached, read
-        back as float32; a cache wider than the activations is a ValueError)."""
+        back as float32; a cache wider than the activations is a ValueError). A
+        tensor-parallel rank's cache holds its own key/value heads."""
         if dtype is None:
             dtype = self.dtype
         if not isinstance(dtype, torch.dtype) or not cache_dtype_serves(dtype, self.dtype):
             raise ValueError(f"a KV cache dtype must be the model's dtype ({self.dtype}) or, for "
                              f"a float32 model, torch.bfloat16 or torch.float16; got {dtype!r}")
-        return KVCacheSpec(num_layers=self.config.num_layers, n_kv_heads=self.config.n_kv_heads,
+        return KVCacheSpec(num_layers=self.config.num_layers, n_kv_heads=self.shard.n_kv_heads,
                            head_dim=self.config.head_dim, dtype=dtype, block_size=block_size)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
@@ -221,10 +235,19 @@ class DecoderLM(nn.Module):
             ``[T, hidden]`` final-norm hidden states; pass the rows that need logits (usually
             each sequence's last) to :meth:`compute_logits`.
         """
-        # [T, hidden]; an embedding stored in 16 bits (models/build.py) looks up in its dtype.
-        x = self.embed_tokens(input_ids).to(self.dtype)
+        tp = self.tensor_parallel
+        if tp is None:
+            # [T, hidden]; an embedding stored in 16 bits (models/build.py) looks up in its dtype.
+            x = self.embed_tokens(input_ids).to(self.dtype)
+        else:
+            # Each rank looks up the tokens in its rows, zeros for the others': the sum over
+            # ranks is each token's row, exactly.
+            local, here = self._local_vocab(input_ids)
+            x = self.embed_tokens(local).to(self.dtype).masked_fill(~here[:, None], 0)
+            x = ops.all_reduce(x, tp.group_name)
         if self._bound_layers is None:
-            self._bound_layers = ops.DecoderLayers([layer.weights() for layer in self.layers])
+            self._bound_layers = ops.DecoderLayers([layer.weights() for layer in self.layers],
+                                                   None if tp is None else tp.group_name)
         x, residual = self._bound_layers(
             x, None, positions=positions, cu_seqlens_q=meta.cu_seqlens_q,
             max_seqlen_q=meta.max_seqlen_q, seq_lens=meta.seq_lens,
@@ -236,11 +259,32 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or
         ``[n, len(token_ids)]``: only those tokens' rows of the head (a scorer that reads two
-        logits need not compute 151,936)."""
+        logits need not compute 151,936). A tensor-parallel rank computes its vocabulary
+        rows' logits and gathers the others' (or, for ``token_ids``, sums each rank's share,
+        zeros elsewhere): every rank returns them all."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight
+        tp = self.tensor_parallel
         if token_ids is not None:
+            if tp is not None:
+                token_ids, here = self._local_vocab(token_ids)
             weight = weight[token_ids]  # [len(token_ids), hidden], a small copy
         if isinstance(head, (QuantizedEmbedding, QuantizedLinear)):
-            return ops.quantized_linear(hidden, weight, head.weight_type)
-        return ops.linear(hidden, weight)
+            logits = ops.quantized_linear(hidden, weight, head.weight_type)
+        else:
+            logits = ops.linear(hidden, weight)
+        if tp is None:
+            return logits
+        if token_ids is not None:
+            return ops.all_reduce(logits.masked_fill(~here, 0), tp.group_name)
+        n, rows = logits.shape  # [n, vocab_rows]: this rank's rows, padding included
+        gathered = ops.all_gather(logits, tp.size, tp.group_name)  # [size * n, vocab_rows]
+        full = gathered.view(tp.size, n, rows).transpose(0, 1).reshape(n, tp.size * rows)
+        return full[:, :self.config.vocab_size].contiguous()  # the padding rows' cut off
+
+    def _local_vocab(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(rows, here)``: each token's row in this rank's vocabulary shard (0 where it is
+        not here) and whether it is here, without a host sync."""
+        local = token_ids - self.shard.vocab_start
+        here = (local >= 0) & (local < self.shard.vocab_rows)
+        return local.masked_fill(~here, 0), here

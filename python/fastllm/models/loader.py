@@ -27,6 +27,7 @@ from fastllm.models.config import ModelConfig
 from fastllm.models.gguf import load_gguf
 from fastllm.models.llama import DecoderLM
 from fastllm.models.quantized import check_quantization
+from fastllm.models.tensor_parallel import TensorParallel, TensorSlice
 
 __all__ = ["load_model"]
 
@@ -39,7 +40,8 @@ _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", quantization: str | None = None) -> DecoderLM:
+               device: torch.device | str = "cpu", quantization: str | None = None,
+               tensor_parallel: TensorParallel | None = None) -> DecoderLM:
     """Loads the HF model folder ``path`` (``config.json`` plus ``*.safetensors``), or the
     llama.cpp GGUF file ``path`` (``*.gguf``, see :func:`fastllm.models.gguf.load_gguf`).
 
@@ -51,11 +53,15 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     file), raised before any tensor is read; with tied embeddings an ``lm_head.weight`` in the
     checkpoint is ignored, as HF does. A bad ``config.json`` value is a ``ValueError`` or
     ``TypeError`` naming the key.
+
+    With ``tensor_parallel``, the model is that rank's shard (see
+    :mod:`fastllm.models.tensor_parallel`), and only its parts of the tensors are read.
     """
     check_quantization(quantization)
     folder = Path(path)
     if folder.suffix == ".gguf":
-        return load_gguf(folder, dtype=dtype, device=device, quantization=quantization)
+        return load_gguf(folder, dtype=dtype, device=device, quantization=quantization,
+                         tensor_parallel=tensor_parallel)
     if folder.suffix in _PICKLE_SUFFIXES:
         raise ValueError(_pickle_refusal(folder))
     if not folder.is_dir():
@@ -73,15 +79,19 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
             for hf_name, shape in parts:
                 _check_tensor(handles, files_by_name[hf_name], hf_name, shape)
 
-        def read(hf_name: str, shape: tuple[int, ...]) -> Tensor:
+        def read(hf_name: str, shape: tuple[int, ...], part: TensorSlice | None) -> Tensor:
             file = files_by_name[hf_name]
             try:
-                return handles[file].get_tensor(hf_name)
+                if part is None:
+                    return handles[file].get_tensor(hf_name)
+                # Only the slice's bytes are read from the memory-mapped file.
+                index = (slice(None),) * part.dim + (slice(part.start, part.stop),)
+                return handles[file].get_slice(hf_name)[index]
             except SafetensorError as error:
                 raise ValueError(f"{file}: cannot read tensor {hf_name}: {error}") from error
 
         return build_model(config, read, dtype=dtype, device=device,
-                           quantization=quantization)
+                           quantization=quantization, tensor_parallel=tensor_parallel)
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""The model pool: each model is loaded once per (path, dtype, device, quantization) and shared.
+"""The model pool: each model is loaded once per (path, dtype, device, quantization, tensor
+parallel rank) and shared.
 
 Loading a checkpoint costs seconds and gigabytes, so ``fastllm.load`` (and every
 :class:`fastllm.LLM`) goes through one process-wide pool. It is bounded: it keeps the
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fastllm.models import DecoderLM, load_model
+from fastllm.models import DecoderLM, TensorParallel, load_model
 from fastllm.models.quantized import check_quantization
 
 __all__ = ["ModelPool", "load", "model_pool", "resolve_dtype"]
@@ -48,8 +49,8 @@ def _fingerprint(path: Path) -> tuple:
 
 
 class ModelPool:
-    """A bounded LRU cache of loaded models keyed by (path, dtype, device, quantization).
-    Thread-safe: two threads asking for the same model wait for one load."""
+    """A bounded LRU cache of loaded models keyed by (path, dtype, device, quantization,
+    tensor_parallel). Thread-safe: two threads asking for the same model wait for one load."""
 
     def __init__(self, max_models: int) -> None:
         if max_models < 1:
@@ -59,11 +60,13 @@ class ModelPool:
         self._lock = threading.Lock()
 
     def load(self, model_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
-             device: str | torch.device = "cpu", quantization: str | None = None) -> DecoderLM:
+             device: str | torch.device = "cpu", quantization: str | None = None, *,
+             tensor_parallel: TensorParallel | None = None) -> DecoderLM:
         """The model at ``model_path`` (HF folder or ``.gguf`` file) in ``dtype`` on ``device``,
         its weights quantized at load when ``quantization`` is "int8" or "int4" (see
         :func:`fastllm.models.load_model`), loaded on first use and shared afterwards. Treat it
-        as read-only.
+        as read-only. With ``tensor_parallel``, it is that rank's shard, over that group
+        (:mod:`fastllm.models.tensor_parallel`).
 
         A model enters the pool only once fully loaded: a load that fails (a bad file is a
         ValueError naming it) leaves nothing behind, and the stale entry of a checkpoint whose
@@ -73,16 +76,20 @@ class ModelPool:
         if not path.exists():
             raise FileNotFoundError(f"no model at {model_path}")
         torch_dtype, torch_device = resolve_dtype(dtype), torch.device(device)
-        key = (str(path), torch_dtype, str(torch_device), quantization, _fingerprint(path))
+        if tensor_parallel is not None and not isinstance(tensor_parallel, TensorParallel):
+            raise TypeError(f"tensor_parallel must be a TensorParallel or None, got "
+                            f"{tensor_parallel!r}")
+        key = (str(path), torch_dtype, str(torch_device), quantization, tensor_parallel,
+               _fingerprint(path))
         with self._lock:
             model = self._models.get(key)
             if model is None:
                 # A changed checkpoint's old entries are stale, and their memory is better free
                 # while the new files load.
-                for stale in [k for k in self._models if k[:4] == key[:4]]:
+                for stale in [k for k in self._models if k[:-1] == key[:-1]]:
                     del self._models[stale]
                 model = load_model(path, dtype=torch_dtype, device=torch_device,
-                                   quantization=quantization)
+                                   quantization=quantization, tensor_parallel=tensor_parallel)
                 model.eval()
                 self._models[key] = model
             self._models.move_to_end(key)
@@ -99,12 +106,15 @@ class ModelPool:
         return len(self._models)
 
     def __contains__(self, key: tuple) -> bool:
-        """Whether ``(path, dtype, device)`` (unquantized) or ``(path, dtype, device,
-        quantization)`` is pooled (at its files' current state)."""
-        model_path, dtype, device, *quantization = key
+        """Whether ``(path, dtype, device)`` (unquantized, whole), ``(path, dtype, device,
+        quantization)`` or ``(path, dtype, device, quantization, tensor_parallel)`` is pooled
+        (at its files' current state)."""
+        model_path, dtype, device, *rest = key
+        quantization, tensor_parallel = (*rest, None, None)[:2]
         path = Path(model_path).expanduser().resolve()
         return path.exists() and (str(path), resolve_dtype(dtype), str(torch.device(device)),
-                                  *(quantization or [None]), _fingerprint(path)) in self._models
+                                  quantization, tensor_parallel,
+                                  _fingerprint(path)) in self._models
 
 
 model_pool = ModelPool(int(os.environ.get("FASTLLM_MODEL_POOL_SIZE", "2")))

@@ -8,7 +8,8 @@ the same ``ValueError``/``TypeError`` naming the offending value. Each op has a 
 for ``torch.compile(fullgraph=True)`` and a plain-PyTorch twin in :mod:`fastllm.ops.reference`.
 
 :class:`DecoderLayers` (:mod:`fastllm.ops.decoder_layers`) runs whole decoder layers of these
-ops from C++, one Python call a step.
+ops from C++, one Python call a step; :func:`all_reduce` and :func:`all_gather`
+(:mod:`fastllm.ops.collectives`) join a tensor-parallel model's shards.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import torch
 from torch import Tensor
 
 from fastllm import _C
+from fastllm.ops.collectives import all_gather, all_reduce
 from fastllm.ops.decoder_layers import DecoderLayers, DecoderLayerWeights, ProjectionPart
 
 __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ProjectionPart",
-           "add_rms_norm", "apply_penalties", "attention", "batch_invariant", "dequantize",
-           "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
+           "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
+           "batch_invariant", "dequantize", "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
            "rope_cos_sin_cache", "rotary_and_cache", "rotary_embedding", "sample", "sample_with_logprobs",
            "silu_and_mul", "trusted_inputs"]
 

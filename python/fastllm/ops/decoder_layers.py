@@ -72,11 +72,22 @@ class DecoderLayers:
     (:func:`fastllm.ops.paged_attention`, or :func:`fastllm.ops.attention` on the step's own
     K/V when every sequence's keys are its new tokens). The weights are bound when this is
     built: rebuild it after replacing or moving them.
+
+    With ``group_name`` (a ``torch.distributed`` process group's name, ``group.group_name``)
+    the layers are one tensor-parallel rank's shard: the outputs of the o and down projections
+    (partial sums over this rank's heads and MLP features) are all-reduced over the group
+    before each residual add, from C++ through ``torch.ops._c10d_functional`` (``all_reduce``
+    then ``wait_tensor``), so a step stays one call on every rank. Every rank of the group
+    must make the same calls in the same order.
     """
 
-    def __init__(self, layers: Sequence[DecoderLayerWeights]) -> None:
+    def __init__(self, layers: Sequence[DecoderLayerWeights],
+                 group_name: str | None = None) -> None:
         if not layers or not all(isinstance(layer, DecoderLayerWeights) for layer in layers):
             raise TypeError("layers must be a non-empty sequence of DecoderLayerWeights")
+        if group_name is not None and (not isinstance(group_name, str) or not group_name):
+            raise ValueError(f"group_name must be a process group's name or None, got "
+                             f"{group_name!r}")
         self._layers = _C.DecoderLayers([
             _C.DecoderLayer(
                 input_norm=layer.input_norm, post_attention_norm=layer.post_attention_norm,
@@ -86,7 +97,7 @@ class DecoderLayers:
                 n_kv_heads=int(layer.n_kv_heads), head_dim=int(layer.head_dim),
                 eps=float(layer.eps), use_rope=bool(layer.use_rope),
                 window_left=int(layer.window_left))
-            for layer in layers])
+            for layer in layers], group_name)
 
     def __len__(self) -> int:
         return len(self._layers)

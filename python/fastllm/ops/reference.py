@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastllm.ops import BLOCK_FORMATS
+from fastllm.ops import BLOCK_FORMATS, all_reduce
 from fastllm.ops.decoder_layers import DecoderLayerWeights, ProjectionPart
 
 
@@ -346,10 +346,16 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
                    positions: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens: Tensor,
                    block_tables: Tensor, slot_mapping: Tensor, keys_are_new: bool,
                    k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
-                   pre_rope: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   pre_rope: bool, group_name: str | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Twin of :class:`fastllm.ops.DecoderLayers`, in float64 (K/V rounded to the caches'
     dtype as they are cached); returns ``(out, residual, k_cache, v_cache)``, the caches as
-    updated copies. ``keys_are_new`` changes nothing here: attention always reads the cache."""
+    updated copies. ``keys_are_new`` changes nothing here: attention always reads the cache.
+    With ``group_name``, the o and down projections' outputs are summed over that process
+    group, as the layers of a tensor-parallel rank do."""
+
+    def reduce(x: Tensor) -> Tensor:
+        return x if group_name is None else all_reduce(x, group_name)
 
     def project(parts: Sequence[ProjectionPart], x: Tensor) -> Tensor:
         return torch.cat([
@@ -377,7 +383,7 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
         out = paged_attention(q, k_cache[i], v_cache[i], block_tables, seq_lens, cu_seqlens_q,
                               max_seqlen_q, window_left=layer.window_left,
                               rotary_cos_sin_cache=rotation)
-        x, residual = add_rms_norm(project(layer.o, out.reshape(tokens, -1)), residual,
+        x, residual = add_rms_norm(reduce(project(layer.o, out.reshape(tokens, -1))), residual,
                                    layer.post_attention_norm, layer.eps)
-        x = project(layer.down, silu_and_mul(project(layer.gate_up, x)))
+        x = reduce(project(layer.down, silu_and_mul(project(layer.gate_up, x))))
     return x, residual, k_cache, v_cache
