@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -450,13 +451,15 @@ def test_chat_json_schema_output_parses_and_validates(smollm2_server):
 
 # ---- the command ---------------------------------------------------------------------------------
 
-def test_fastllm_serve_command_binds_localhost(folder):
+@contextlib.contextmanager
+def serve_command(folder, *args: str):
+    """``fastllm serve folder *args`` on a free port of 127.0.0.1, stopped (SIGTERM) at the end;
+    yields (port, process) once it answers /health."""
     with socket.socket() as sock:  # a free port, given back for the server to take
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "fastllm", "serve", str(folder), "--port", str(port),
-         "--served-model-name", "tiny", "--max-model-len", "128"],
+        [sys.executable, "-m", "fastllm", "serve", str(folder), "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -468,12 +471,58 @@ def test_fastllm_serve_command_binds_localhost(folder):
                 assert process.poll() is None, process.stdout.read()
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                         json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5}).json()
-        assert got["model"] == "tiny" and got["usage"]["completion_tokens"] == 5
+        yield port, process
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_fastllm_serve_command_binds_localhost(folder):
+    with serve_command(folder, "--served-model-name", "tiny", "--max-model-len", "128") \
+            as (port, _):
+        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                         json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5}).json()
+        assert got["model"] == "tiny" and got["usage"]["completion_tokens"] == 5
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie no longer does)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_fastllm_serve_on_two_ranks_gives_the_same_completions(folder, client):
+    """``--tensor-parallel-size 2``: the module's completions, greedy (batch-invariant on both
+    servers), several prompts at once and streamed; the rank process ends with the server."""
+    prompts = [PROMPT, "The little dog", "Lily and Tom went to the park. They"]
+    with serve_command(folder, "--served-model-name", "stories", "--api-key", API_KEY,
+                       "--max-model-len", "256", "--batch-invariant",
+                       "--tensor-parallel-size", "2") as (port, process):
+        ranks = [int(pid) for task in Path(f"/proc/{process.pid}/task").iterdir()
+                 for pid in (task / "children").read_text().split()]  # any thread's
+        assert ranks
+        sharded = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY,
+                                max_retries=0)
+        for api in (client, sharded):
+            got = api.completions.create(model="stories", prompt=prompts, max_tokens=24,
+                                         temperature=0)
+            texts = [choice.text for choice in sorted(got.choices, key=lambda c: c.index)]
+            streamed = "".join(
+                chunk.choices[0].text for chunk in api.completions.create(
+                    model="stories", prompt=prompts[2], max_tokens=24, temperature=0,
+                    stream=True) if chunk.choices)
+            if api is client:
+                expected = (texts, streamed)
+        assert (texts, streamed) == expected
+        assert streamed == texts[2]
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived its server"
+        time.sleep(0.05)
 
 
 # ---- load ----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from tiny_hf import random_hf_model, save_hf_model
 
 from fastllm import ops
 from fastllm.ops import reference
-from fastllm.engine.scheduler import run_step
+from fastllm.engine.model_runner import run_step
 from fastllm.kv_cache import PagedKVCache
 from fastllm.models import TensorParallel, load_model
 from fastllm.models.pool import ModelPool

@@ -44,7 +44,7 @@ from fastllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fastllm.engine.speculative import SpeculativeConfig
 from fastllm.engine.worker import Worker
 from fastllm.kv_cache import KVPoolPlan, PagedKVCache
-from fastllm.models import DecoderLM
+from fastllm.models import DecoderLM, TensorParallel
 from fastllm.models.pool import load
 
 __all__ = ["Executor", "ExecutorError", "MultiprocExecutor", "ParallelConfig",
@@ -140,7 +140,11 @@ class ParallelConfig:
         if self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"tensor parallelism runs on CPU or CUDA devices, got "
                              f"{self.device_type!r}")
-        if self.device_type == "cuda" and _torchrun_rank() is None \
+        launched = _torchrun_rank() is not None
+        if launched and int(os.environ["WORLD_SIZE"]) != size:
+            raise ValueError(f"tensor_parallel_size={size}, but the launcher started "
+                             f"WORLD_SIZE={os.environ['WORLD_SIZE']} ranks")
+        if self.device_type == "cuda" and not launched \
                 and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, this "
                              f"machine has {torch.cuda.device_count()}")
@@ -194,7 +198,6 @@ def _rank_worker(config: ParallelConfig, rank: int, model: DecoderLM, max_model_
 
 
 def _load_shard(config: ParallelConfig, rank: int, groups: _Groups) -> DecoderLM:
-    from fastllm.models import TensorParallel  # MERGE: top-level once the models side lands
     return load(config.model, config.dtype, config.device(rank), config.quantization,
                 tensor_parallel=TensorParallel(rank, config.tensor_parallel_size,
                                                groups.model.group_name))

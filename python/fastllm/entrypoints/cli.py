@@ -40,7 +40,13 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     _add_kv_cache_dtype(parser)
     _add_batch_invariant(parser)
     parser.add_argument("--device", default="cpu")
+    _add_tensor_parallel_size(parser)
     parser.set_defaults(run=_generate)
+
+
+def _add_tensor_parallel_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many ranks (one process per device)")
 
 
 def _add_batch_invariant(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +68,8 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant)
+              kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant,
+              tensor_parallel_size=args.tensor_parallel_size)
     prompt = (llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat
               else args.prompt)
     for delta in llm.stream(prompt, params):
@@ -138,8 +145,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
     _add_batch_invariant(parser)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="shard the model over this many ranks (one process per device)")
+    _add_tensor_parallel_size(parser)
     parser.set_defaults(run=_serve)
 
 
