@@ -144,7 +144,8 @@ void BlockManager::cache_full_block(Sequence& seq, BlockId id, const int64_t* to
   seq.prefix_id = block.prefix_id;
 }
 
-int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token_ids) {
+int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token_ids,
+                               bool reuse_cached) {
   TORCH_CHECK_VALUE(sequences_.count(seq_id) == 0, "BlockManager.allocate: sequence ", seq_id,
                     " already exists");
   check_token_ids(token_ids, "allocate", seq_id);
@@ -153,7 +154,8 @@ int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token
 
   // Look up without touching anything, so that a full pool leaves the state as it was. The
   // caller needs the logits of the last prompt token, so at least one token is left to compute.
-  const int64_t num_reusable = enable_prefix_caching_ && n > 0 ? (n - 1) / block_size_ : 0;
+  const int64_t num_reusable =
+      enable_prefix_caching_ && reuse_cached && n > 0 ? (n - 1) / block_size_ : 0;
   std::vector<BlockId> blocks;
   uint64_t prefix_id = kEmptyPrefix;
   int64_t num_hits_evictable = 0;  // hits that stop being available for new KV

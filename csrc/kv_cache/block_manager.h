@@ -52,7 +52,8 @@ class BlockManager {
 
   // Registers a sequence holding a prompt; returns how many of its tokens already have cached KV
   // (a multiple of block_size, at most len - 1 so that one token is left to compute).
-  int64_t allocate(int64_t seq_id, const std::vector<int64_t>& token_ids);
+  int64_t allocate(int64_t seq_id, const std::vector<int64_t>& token_ids,
+                   bool reuse_cached = true);
   // Extends a sequence; returns the copies copy-on-write needs before the new KV is written.
   // `cacheable` false: the new tokens' KV is not what a plain causal prefill of the sequence
   // computes (independent chunks), so neither their blocks nor any later ones of the sequence

@@ -247,8 +247,10 @@ def test_greedy_logprobs_are_log_softmax_of_hf_logits(device_stories):
         assert list(entry) == top.indices.tolist()
         for token_id, logprob in entry.items():
             assert logprob.logprob == pytest.approx(expected[step, token_id].item(), abs=1e-4)
-            assert logprob.decoded_token == llm.tokenizer.decode([token_id],
-                                                                 skip_special_tokens=False)
+            # The text the token stands for mid-text: a SentencePiece "▁" is a space.
+            assert logprob.decoded_token == llm.tokenizer.token_text(token_id)
+            if llm.tokenizer.convert_ids_to_tokens(token_id).startswith("\u2581"):
+                assert logprob.decoded_token.startswith(" ")
     assert completion.cumulative_logprob == pytest.approx(
         sum(entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)))
 

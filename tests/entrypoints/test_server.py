@@ -297,7 +297,7 @@ def test_models_health_and_metrics(client, server):
     ({"prompt": PROMPT, "temperature": 2.5}, "temperature"),
     ({"prompt": PROMPT, "top_p": 0}, "top_p"),
     ({"prompt": PROMPT, "n": 0}, "n"),
-    ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
     ({"prompt": PROMPT, "logprobs": 21}, "logprobs"),
     ({"prompt": PROMPT, "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": PROMPT, "logit_bias": {"dog": 1}}, "logit_bias"),
@@ -306,11 +306,72 @@ def test_models_health_and_metrics(client, server):
     ({"prompt": PROMPT, "max_tokens": 300}, "max_tokens"),
     ({"prompt": "dog " * 300}, "prompt"),
     ({"prompt": [[1, 99999]]}, "prompt"),
-    ({"prompt": PROMPT, "frobnicate": True}, "frobnicate"),
+    ({"prompt": PROMPT, "echo": True, "logprobs": 1, "n": 2}, "n"),
     ({}, "prompt"),
 ])
 def test_bad_completion_requests_name_the_field(server, body, param):
     assert_error(post(server, "/v1/completions", body), 400, param)
+
+
+def test_unknown_fields_are_ignored_with_a_log_line(server, client, caplog):
+    """As vLLM: a field of another server's API passes, named in the log; vLLM's
+    continuous_usage_stats gives the usage so far in every chunk."""
+    with caplog.at_level("WARNING", logger="fastllm"):
+        got = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3,
+                                               "frobnicate": True})
+    assert got.status_code == 200, got.text
+    assert any("frobnicate" in record.getMessage() for record in caplog.records)
+    chunks = list(client.completions.create(
+        model="stories", prompt=PROMPT, max_tokens=4, stream=True, extra_body={
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts and counts == sorted(counts) and chunks[-1].usage.completion_tokens == 4
+
+
+def test_echo_gives_the_prompts_logprobs(server, client, folder):
+    """lm-eval's loglikelihood request: echo, max_tokens 0, logprobs; the prompt's logprobs are
+    LLM's prompt_logprobs, the first token's None, and the text is the prompt's."""
+    local = LLM(folder, max_model_len=256, batch_invariant=True)
+    ids = local.tokenizer.encode(PROMPT)
+    [expected] = local.generate({"prompt_token_ids": ids},
+                                SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)
+    got = client.completions.create(model="stories", prompt=PROMPT, max_tokens=0, echo=True,
+                                    logprobs=2, temperature=0).choices[0]
+    assert got.text == PROMPT and got.finish_reason == "length"
+    assert len(got.logprobs.tokens) == len(ids)
+    assert got.logprobs.token_logprobs[0] is None and got.logprobs.top_logprobs[0] is None
+    for token_id, entry, logprob, top in zip(ids[1:], expected.prompt_logprobs[1:],
+                                             got.logprobs.token_logprobs[1:],
+                                             got.logprobs.top_logprobs[1:]):
+        assert logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        assert len(top) <= 2
+    # Each token's text starts where text_offset says, in the returned text (the first word's
+    # "▁" is no space at the start of a text, as decode gives it; the first token is BOS).
+    tokens, offsets = got.logprobs.tokens, got.logprobs.text_offset
+    assert offsets[1] == 0 and got.text.startswith(tokens[1].lstrip())
+    for token, offset in zip(tokens[2:], offsets[2:]):
+        assert got.text[offset:offset + len(token)] == token
+    # With tokens to generate, the echoed prompt leads the text, streamed or not.
+    full = client.completions.create(model="stories", prompt=PROMPT, max_tokens=6, echo=True,
+                                     logprobs=1, temperature=0).choices[0]
+    plain = client.completions.create(model="stories", prompt=PROMPT, max_tokens=6,
+                                      temperature=0).choices[0]
+    assert full.text == PROMPT + plain.text
+    assert len(full.logprobs.tokens) == len(ids) + 6
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="stories", prompt=PROMPT, max_tokens=6, echo=True, temperature=0, stream=True)
+        if c.choices)
+    assert streamed == full.text
+
+
+def test_sentencepiece_logprob_tokens_join_to_the_text(client):
+    """stories260K's tokenizer is SentencePiece: a token's "▁" is a space, so the tokens join
+    to the completion's text and each text_offset points at its token."""
+    got = client.completions.create(model="stories", prompt=PROMPT, max_tokens=12,
+                                    temperature=0, logprobs=0).choices[0]
+    assert "".join(got.logprobs.tokens) == got.text
+    for token, offset in zip(got.logprobs.tokens, got.logprobs.text_offset):
+        assert got.text[offset:offset + len(token)] == token
 
 
 def test_error_shapes(server):

@@ -39,11 +39,24 @@ class StepLogits:
             ``[len(ids)]`` logits of those ids.
         extra: the ``extra`` host tensors given to :meth:`ModelRunner.execute`, on the device
             (valid until the runner's next step).
+        prompt_logprobs: for each sequence with ``prompt_logprob_ids`` (by its index in the
+            batch), float32 ``[n]`` the ids' logprobs, int64 ``[n, k]`` the most likely
+            tokens and float32 ``[n, k]`` their logprobs (k: the batch's largest
+            ``num_prompt_logprobs``).
+        pooled: for each sequence with ``num_pool_rows``, the float32 sum of those rows'
+            final hidden states.
     """
 
     logits: Tensor | None
     scores: dict[int, Tensor]
     extra: dict[str, Tensor] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+    pooled: dict[int, Tensor] = field(default_factory=dict)
+
+
+# Rows of full-vocabulary logits computed at once for prompt logprobs: a long prompt's rows
+# would otherwise take gigabytes (2048 rows of 151,936 float32 logits: 1.2 GB).
+_PROMPT_LOGPROB_ELEMENTS = 16 << 20
 
 
 def _metadata_inputs(batch: SchedulerOutput) -> dict[str, Tensor]:
@@ -109,8 +122,25 @@ class ModelRunner:
                 sampling_rows.extend(range(end - 1 - sequence.num_draft_tokens, end))
             elif wanted is not None:
                 score_rows.setdefault(wanted, []).append((index, end - 1))
+        prompt_rows: dict[int, range] = {}  # index -> its rows in the packed batch
+        pool_rows: dict[int, slice] = {}
+        start = 0
+        for index, sequence in enumerate(batch.sequences):
+            if sequence.prompt_logprob_ids:
+                first = start + sequence.prompt_logprob_row
+                prompt_rows[index] = range(first, first + len(sequence.prompt_logprob_ids))
+            if sequence.num_pool_rows:
+                first = start + sequence.pool_row
+                pool_rows[index] = slice(first, first + sequence.num_pool_rows)
+            start += len(sequence.token_ids)
         inputs = _metadata_inputs(batch)
         inputs["input_ids"] = torch.tensor(input_ids, dtype=torch.long)
+        if prompt_rows:
+            inputs["prompt_rows"] = torch.tensor([r for rows in prompt_rows.values()
+                                                  for r in rows], dtype=torch.long)
+            inputs["prompt_ids"] = torch.tensor([t for i in prompt_rows for t in
+                                                 batch.sequences[i].prompt_logprob_ids],
+                                                dtype=torch.long)
         gather = 0 < len(sampling_rows) < len(input_ids)  # every row samples (decode): no gather
         if gather:
             inputs["sampling_rows"] = torch.tensor(sampling_rows, dtype=torch.long)
@@ -132,7 +162,31 @@ class ModelRunner:
                                               staged[f"score_ids{i}"])  # [n, len(ids)]
             for (index, _), row_logits in zip(entries, group):
                 scores[index] = row_logits
-        return StepLogits(logits, scores, staged_extra)
+        prompt_logprobs = {}
+        if prompt_rows:
+            k = max(batch.sequences[i].num_prompt_logprobs for i in prompt_rows)
+            every = self._prompt_logprobs(hidden[staged["prompt_rows"]], staged["prompt_ids"], k)
+            start = 0
+            for index, rows in prompt_rows.items():
+                part = slice(start, start + len(rows))
+                prompt_logprobs[index] = tuple(t[part] for t in every)
+                start += len(rows)
+        pooled = {index: hidden[rows].float().sum(0) for index, rows in pool_rows.items()}
+        return StepLogits(logits, scores, staged_extra, prompt_logprobs, pooled)
+
+    def _prompt_logprobs(self, hidden: Tensor, token_ids: Tensor, k: int
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+        """The logprobs of ``token_ids`` at rows ``hidden`` under the raw logits, and the ``k``
+        most likely tokens', a slice of rows at a time."""
+        per_slice = max(1, _PROMPT_LOGPROB_ELEMENTS // self.model.config.vocab_size)
+        parts = []
+        for start in range(0, hidden.shape[0], per_slice):
+            rows = slice(start, start + per_slice)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            top = logprobs.topk(k, dim=-1)
+            parts.append((logprobs.gather(1, token_ids[rows, None]).squeeze(1), top.indices,
+                          top.values))
+        return tuple(torch.cat(column) for column in zip(*parts))
 
 
 def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],

@@ -129,6 +129,10 @@ class RequestOutput:
     ``error`` is why the request failed (finish_reason "error"), or None: a request that fails
     inside an engine step (e.g. logits its penalties overflowed) ends alone with its error,
     keeping the text it had; the other requests go on.
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``, as vLLM): per prompt token,
+    its logprob given the tokens before it and the most likely alternatives; None for the
+    first token, which nothing precedes.
     """
 
     request_id: str
@@ -138,7 +142,18 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False)
     error: Exception | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int:
         return self.metrics.num_cached_tokens
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's ``EmbeddingRequestOutput``, its ``outputs.embedding``
+    here directly): the prompt's final hidden states pooled and L2-normalized, float32."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]

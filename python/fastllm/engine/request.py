@@ -40,6 +40,9 @@ class Request:
         score_token_ids: makes the request prompt-only: it generates nothing and finishes once
             its prompt is computed, with ``scores`` the logits of these tokens at the prompt's
             last position (an empty tuple: none; the prompt's KV is only computed and cached).
+        pooling: makes the request prompt-only too, its ``embedding`` the prompt's final
+            hidden states pooled ("last": the last token's; "mean": their mean) and
+            L2-normalized, as vLLM's pooling runner gives a decoder model's embedding.
 
     The scheduler keeps its state of the request here too, and is the one writer of it: the
     sequence id the request holds in the block manager (None while waiting or preempted), its
@@ -51,7 +54,8 @@ class Request:
                  params: SamplingParams, tokenizer: Tokenizer,
                  eos_token_ids: Sequence[int], max_model_len: int, *,
                  chunked_prompt: ChunkedPrompt | None = None,
-                 score_token_ids: Sequence[int] | None = None) -> None:
+                 score_token_ids: Sequence[int] | None = None,
+                 pooling: str | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,6 +63,13 @@ class Request:
         if chunked_prompt is not None and chunked_prompt.token_ids != self.prompt_token_ids:
             raise ValueError(f"request {request_id}: prompt_token_ids are not the chunked "
                              "prompt's tokens")
+        if pooling not in (None, "last", "mean"):
+            raise ValueError(f"pooling must be None, 'last' or 'mean', got {pooling!r}")
+        self.pooling = pooling
+        self._pooled: Tensor | None = None  # the pooled rows' sum so far
+        self.num_pooled = 0  # prompt positions pooled so far (from the first)
+        if score_token_ids is None and (params.max_tokens == 0 or pooling is not None):
+            score_token_ids = ()  # the prompt alone: computed (and its logprobs), then done
         self.score_token_ids = None if score_token_ids is None else tuple(score_token_ids)
         self.scores: Tensor | None = None
         self.params = params
@@ -69,6 +80,9 @@ class Request:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None \
             else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # The prompt's logprobs so far (the first token's is None): a prefill fills them in.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: Exception | None = None  # why it failed (finish_reason "error")
@@ -76,7 +90,8 @@ class Request:
         if not params.ignore_eos:
             self._end_ids.update(eos_token_ids)
         self._tokenizer = tokenizer
-        self._detokenizer = tokenizer.detokenizer(prompt_ids=self.prompt_token_ids)
+        self._detokenizer = tokenizer.detokenizer(
+            skip_special_tokens=params.skip_special_tokens, prompt_ids=self.prompt_token_ids)
         self._text = ""  # generated text (cut at a stop string once one is found)
         self._emitted = 0  # characters of _text already handed out
         self._deltas: list[str] = []  # released text not yet taken by a consumer
@@ -162,17 +177,49 @@ class Request:
             self._deltas.append(released)
         return released
 
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Whether a step must compute every prompt token of this request (prompt logprobs,
+        mean pooling) rather than take some from the prefix cache."""
+        return self.next_prompt_logprob is not None or (
+            self.pooling == "mean" and self.num_pooled < len(self.prompt_token_ids))
+
+    def add_pooled(self, rows_sum: Tensor, num_rows: int) -> None:
+        """Adds the sum of the next ``num_rows`` pooled rows' hidden states."""
+        self._pooled = rows_sum if self._pooled is None else self._pooled + rows_sum
+        self.num_pooled += num_rows
+
+    @property
+    def embedding(self) -> Tensor | None:
+        """The pooled, L2-normalized float32 embedding, once the prompt is computed."""
+        if self._pooled is None or not self.finished:
+            return None
+        pooled = self._pooled.float() / (1 if self.pooling == "last" else self.num_pooled)
+        return pooled / pooled.norm().clamp_min(1e-12)
+
+    @property
+    def next_prompt_logprob(self) -> int | None:
+        """The prompt position whose logprob comes next (None when none is wanted)."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) == len(self.prompt_token_ids):
+            return None
+        return len(self.prompt_logprobs)
+
+    def add_prompt_logprobs(self, logprobs: Sequence[SampledLogprobs]) -> None:
+        """The logprobs of the next prompt tokens, in order."""
+        start = len(self.prompt_logprobs)
+        for position, entry in enumerate(logprobs, start):
+            self.prompt_logprobs.append(
+                self._logprob_entry(self.prompt_token_ids[position], entry))
+
     def _logprob_entry(self, token: int, logprobs: SampledLogprobs) -> dict[int, Logprob]:
         """The sampled token's logprob, then the most likely tokens'."""
         ranks = {token_id: rank for rank, token_id in enumerate(logprobs.top_ids, 1)
                  if token_id >= 0}
-        decode = self._tokenizer.decode
-        entry = {token: Logprob(logprobs.token_logprob, ranks.get(token),
-                                decode([token], skip_special_tokens=False))}
+        text = self._tokenizer.token_text
+        entry = {token: Logprob(logprobs.token_logprob, ranks.get(token), text(token))}
         for token_id, logprob in zip(logprobs.top_ids, logprobs.top_logprobs):
             if token_id >= 0 and token_id != token:
-                entry[token_id] = Logprob(logprob, ranks[token_id],
-                                          decode([token_id], skip_special_tokens=False))
+                entry[token_id] = Logprob(logprob, ranks[token_id], text(token_id))
         return entry
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
@@ -222,4 +269,6 @@ class Request:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=list(self.prompt_token_ids), outputs=[completion],
-                             finished=self.finished, metrics=self.metrics, error=self.error)
+                             finished=self.finished, metrics=self.metrics, error=self.error,
+                             prompt_logprobs=None if self.prompt_logprobs is None
+                             else list(self.prompt_logprobs))

@@ -110,6 +110,9 @@ class Scheduler:
         blocks = math.ceil((length + room) / block_size)
         chunked = request.chunked_prompt
         if chunked is not None:
+            if request.prompt_logprobs is not None:
+                raise ValueError(f"request {request.request_id}: prompt_logprobs need a plain "
+                                 "prompt, not independent chunks")
             if not self.kv_cache.pre_rope or self.chunk_store is None:
                 raise ValueError(f"request {request.request_id}: independent chunks need a "
                                  "position-independent KV cache and a chunk store (LLM(..., "
@@ -255,6 +258,21 @@ class Scheduler:
         sequence = self._prefill(request.seq_id, request.all_token_ids, budget,
                                  self._logit_ids(request))
         sequence.num_output_tokens = len(request.output_token_ids)
+        wanted = request.next_prompt_logprob
+        if wanted is not None:
+            # Row p gives the logprob of token p + 1: the rows of this chunk from wanted - 1 on.
+            end = min(sequence.start + len(sequence.token_ids), len(request.prompt_token_ids) - 1)
+            first = max(sequence.start, wanted - 1)
+            if end > first:
+                sequence.prompt_logprob_row = first - sequence.start
+                sequence.prompt_logprob_ids = request.prompt_token_ids[first + 1:end + 1]
+                sequence.num_prompt_logprobs = request.params.prompt_logprobs
+        if request.pooling is not None:
+            end = sequence.start + len(sequence.token_ids)
+            first = (max(sequence.start, request.num_pooled) if request.pooling == "mean"
+                     else len(request.prompt_token_ids) - 1)
+            if end > first >= sequence.start:
+                sequence.pool_row, sequence.num_pool_rows = first - sequence.start, end - first
         drafts, request.draft_token_ids = request.draft_token_ids, []
         if drafts and len(sequence.token_ids) == 1 and sequence.samples:
             self._add_drafts(sequence, drafts[:budget - 1])
@@ -364,7 +382,9 @@ class Scheduler:
             request = self.waiting[0]
             seq_id = next(self._seq_ids)
             try:
-                cached = manager.allocate(seq_id, self._held_tokens(request))
+                # Prompt logprobs come from the prompt's own rows: none may come from the cache.
+                cached = manager.allocate(seq_id, self._held_tokens(request),
+                                          reuse_cached=not request.needs_every_prompt_row)
             except KVCacheFullError:
                 break
             self.waiting.popleft()
@@ -436,9 +456,13 @@ class Scheduler:
         for index, (sequence, request) in enumerate(zip(step.sequences, owners)):
             if request is None or request.seq_id is None:
                 continue  # it left the engine, or was preempted, while the step ran
-            # Drafts' KV counts once they are accepted (settle_drafts).
+            # Drafts' KV counts once they are accepted (_settle_drafts).
             end = sequence.start + len(sequence.token_ids) - sequence.num_draft_tokens
             manager.mark_computed(sequence.seq_id, end)
+            if sequence.prompt_logprob_ids:
+                request.add_prompt_logprobs(output.prompt_logprobs[index])
+            if sequence.num_pool_rows:
+                request.add_pooled(output.pooled[index], sequence.num_pool_rows)
             if (request.score_token_ids is not None and sequence.seq_id == request.seq_id
                     and end == request.num_tokens):
                 request.scores = output.scores.get(index)

@@ -40,6 +40,11 @@ class ScheduledSequence:
         request_id: the request it belongs to ("" for a sequence run by hand).
         num_output_tokens: tokens the request had generated before this step (a sampling
             sequence's position in its random stream).
+        prompt_logprob_ids: prompt tokens whose logprobs its rows give (the rows from
+            ``prompt_logprob_row`` on, each the logprob of the token after it), with the
+            ``num_prompt_logprobs`` most likely alternatives.
+        num_pool_rows: rows from ``pool_row`` on whose final hidden states are summed for a
+            pooled embedding.
     """
 
     seq_id: int
@@ -49,6 +54,11 @@ class ScheduledSequence:
     num_draft_tokens: int = 0
     request_id: str = ""
     num_output_tokens: int = 0
+    prompt_logprob_ids: list[int] = field(default_factory=list)
+    prompt_logprob_row: int = 0
+    num_prompt_logprobs: int = 0
+    pool_row: int = 0
+    num_pool_rows: int = 0
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -104,8 +114,10 @@ class SchedulerOutput:
 
     @property
     def is_decode(self) -> bool:
-        """One new token per sequence, each sampling from the whole vocabulary."""
-        return all(len(s.token_ids) == 1 and s.samples for s in self.sequences)
+        """One new token per sequence, each sampling from the whole vocabulary (and no other
+        logprob)."""
+        return all(len(s.token_ids) == 1 and s.samples and not s.prompt_logprob_ids
+                   for s in self.sequences)
 
     @property
     def num_logit_rows(self) -> int:
@@ -140,6 +152,10 @@ class ModelRunnerOutput:
             without drafts). A token < 0 marks a row whose logits could not be sampled.
         logprobs: per request that asked for logprobs, an entry per sampled token.
         scores: per scoring sequence (its index in the step), the logits of its token ids.
+        prompt_logprobs: per sequence with ``prompt_logprob_ids`` (its index in the step), an
+            entry per id.
+        pooled: per sequence with ``num_pool_rows`` (its index in the step), the float32 sum
+            of those rows' final hidden states (on the device).
         draft_token_ids: per request that speculates, the drafts for its next step.
         errors: requests whose logits could not be sampled, and why.
         propose_s: seconds spent drafting.
@@ -148,6 +164,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[SampledLogprobs]] = field(default_factory=dict)
     scores: dict[int, Tensor] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[SampledLogprobs]] = field(default_factory=dict)
+    pooled: dict[int, Tensor] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, Exception] = field(default_factory=dict)
     propose_s: float = 0.0

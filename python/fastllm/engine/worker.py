@@ -33,7 +33,7 @@ from fastllm.engine.speculative import (DraftLength, DraftModelProposer, NgramPr
 from fastllm.kv_cache import PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.models.pool import load
-from fastllm.ops.host_to_device import StagingBuffer
+from fastllm.ops.host_to_device import StagingBuffer, to_host
 from fastllm.sampling import SampleOutput, SamplingTensors, draw, mask_tokens, penalize
 
 __all__ = ["RunnerRequest", "Worker"]
@@ -138,6 +138,8 @@ class Worker:
         for request in masking:  # the staged copy lasts one step
             request.prompt_mask = logits.extra[f"prompt_mask {request.request_id}"].clone()
         output.scores = logits.scores
+        output.prompt_logprobs = _prompt_logprobs(logits.prompt_logprobs, step)
+        output.pooled = logits.pooled
         if not sampling:
             return output
         # SamplingParams checked every value on the host.
@@ -377,3 +379,19 @@ class Worker:
                 self._step_costs.record_drafting(max(lengths), time.perf_counter() - drafting)
         return time.perf_counter() - started
 
+
+
+def _prompt_logprobs(found: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                     step: SchedulerOutput) -> dict[int, list[SampledLogprobs]]:
+    """The step's prompt logprobs on the host (one copy), each sequence's alternatives cut to
+    the number it asked for."""
+    if not found:
+        return {}
+    on_host = iter(to_host(*(t for entry in found.values() for t in entry)))
+    entries = {}
+    for index in found:
+        token_logprobs, top_ids, top_logprobs = next(on_host), next(on_host), next(on_host)
+        k = step.sequences[index].num_prompt_logprobs
+        entries[index] = [SampledLogprobs(logprob, ids[:k], logprobs[:k]) for logprob, ids, logprobs
+                          in zip(token_logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist())]
+    return entries

@@ -147,6 +147,13 @@ class AsyncLLM:
         await self._finished(request, self._subscribe(request))
         return request.scores
 
+    async def embed(self, token_ids: Sequence[int], pooling: str = "last") -> Tensor:
+        """The prompt ``token_ids``' embedding (see :meth:`fastllm.LLM.embed`), a prompt-only
+        request of the running batch."""
+        request, = self.client.make_embedding_requests([list(token_ids)], pooling)
+        await self._finished(request, self._subscribe(request))
+        return request.embedding
+
     async def _finished(self, request: Request, queue: asyncio.Queue) -> None:
         """Waits until a subscribed request finishes; raises its error if it fails."""
         try:

@@ -146,6 +146,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     _add_batch_invariant(parser)
     parser.add_argument("--device", default="cpu")
     _add_tensor_parallel_size(parser)
+    parser.add_argument("--pooling", default="last", choices=["last", "mean"],
+                        help="how /v1/embeddings pools the final hidden states")
     parser.set_defaults(run=_serve)
 
 
@@ -158,7 +160,8 @@ def _serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         chat_template=(None if args.chat_template is None
-                       else Path(args.chat_template).read_text(encoding="utf-8")))
+                       else Path(args.chat_template).read_text(encoding="utf-8")),
+        pooling=args.pooling)
     llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device,
                    quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                    max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,

@@ -212,6 +212,22 @@ class EngineClient:
         return Request(str(next(self._request_counter)), None, token_ids, SamplingParams(),
                        self.tokenizer, (), self.max_model_len, score_token_ids=score_token_ids)
 
+    def make_embedding_requests(self, prompts: PromptType | Sequence[PromptType],
+                                pooling: str) -> list[Request]:
+        """Prompt-only requests (one prompt or a list) whose ``embedding`` is the prompt's
+        final hidden states pooled ("last" or "mean") and L2-normalized."""
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
+        requests = []
+        for request in self.make_requests(prompts, SamplingParams(max_tokens=0)):
+            if request.chunked_prompt is not None:
+                raise TypeError("an embedding's prompt is text or token ids, not a "
+                                "ChunkedPrompt")
+            requests.append(Request(request.request_id, request.prompt,
+                                    request.prompt_token_ids, request.params, self.tokenizer,
+                                    (), self.max_model_len, pooling=pooling))
+        return requests
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, its token ids), checked."""
         if isinstance(prompt, ChunkedPrompt):

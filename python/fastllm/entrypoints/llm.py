@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fastllm.engine.outputs import RequestOutput
+from fastllm.engine.outputs import EmbeddingOutput, RequestOutput
 from fastllm.entrypoints.client import EngineClient, PromptType
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
@@ -140,6 +140,23 @@ class LLM:
                   disable=not use_tqdm or not requests) as progress:
             self.client.run(requests, progress.update)
         return [request.output() for request in requests]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, pooling: str = "last",
+              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+        """Each prompt's embedding, in order: its final hidden states pooled ("last": the last
+        token's, as decoder embedding models such as Qwen3-Embedding are read; "mean": their
+        mean) and L2-normalized, as vLLM's pooling runner gives them. The prompts are
+        prompt-only requests of the running batch (a last-token prompt may start from the
+        prefix cache)."""
+        requests = self.client.make_embedding_requests(prompts, pooling)
+        with tqdm(total=len(requests), desc="Embedding", unit="prompt",
+                  disable=not use_tqdm or not requests) as progress:
+            self.client.run(requests, progress.update)
+        for request in requests:
+            if request.error is not None:
+                raise request.error
+        return [EmbeddingOutput(request.request_id, list(request.prompt_token_ids),
+                                request.embedding.tolist()) for request in requests]
 
     def stream(self, prompt: PromptType,
                sampling_params: SamplingParams | None = None) -> Iterator[str]:

@@ -117,15 +117,22 @@ class SamplingParams:
         logit_bias: token id -> value added to its logit, finite in float32.
         seed: makes the request's tokens reproducible whatever else is in the batch; None draws
             a fresh seed for the request.
-        max_tokens: most tokens to generate.
+        max_tokens: most tokens to generate; 0 computes the prompt alone (with
+            ``prompt_logprobs``, its log-probabilities) and generates nothing.
         stop: strings that end the generation when they appear in the output.
         stop_token_ids: tokens that end the generation.
         ignore_eos: keep generating past the end-of-sequence token.
         logprobs: report this many top log-probabilities per sampled position (None = none);
             at most the vocabulary's size (checked by :meth:`check_vocab`, when the request is
             added).
+        prompt_logprobs: report each prompt token's log-probability under the model given the
+            tokens before it, and this many top alternatives (None = none; 0 = the token's
+            alone), as vLLM: from the raw logits (no temperature, penalty or filter), in the
+            prefill that runs anyway. Such a prompt is computed whole, never found in the prefix
+            cache.
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
             a list of choices or a grammar (:class:`StructuredOutputsParams`); None = free.
+        skip_special_tokens: leave special tokens out of the output's text (their ids stay).
     """
 
     temperature: float = 1.0
@@ -142,7 +149,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -184,10 +193,15 @@ class SamplingParams:
              f"got {self.logit_bias}"),
             (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed <= _MAX_SEED),
              f"seed must be None or an int in [0, 2**63), got {self.seed!r}"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             f"max_tokens must be an int >= 1, got {self.max_tokens!r}"),
+            (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+             and self.max_tokens >= 0,
+             f"max_tokens must be an int >= 0 (0: the prompt alone), got {self.max_tokens!r}"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
              f"logprobs must be None or an int >= 0, got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and not isinstance(self.prompt_logprobs, bool)
+                                              and self.prompt_logprobs >= 0),
+             f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop must hold non-empty strings, got {self.stop!r}"),
         ]
@@ -218,9 +232,11 @@ class SamplingParams:
             if unknown:
                 raise ValueError(f"{name} names token ids {unknown} outside the vocabulary "
                                  f"[0, {vocab_size})")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be at most the vocabulary size {vocab_size}, got "
-                             f"{self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, "
+                                 f"got {value}")
 
 
 def resolve_seed(params: SamplingParams) -> int:

@@ -250,6 +250,19 @@ class Tokenizer:
         token = self._special_tokens.get(attr)
         return None if token is None else self._backend.token_to_id(token)
 
+    def token_text(self, token_id: int) -> str:
+        """The text a token stands for in the middle of a text (what logprobs show): its bytes
+        (a SentencePiece "▁" is a space), or, bytes that are not whole characters (a byte
+        fallback piece), as "bytes:" and their escapes, as OpenAI shows them; a token whose
+        bytes are unknown, as ``decode`` gives it."""
+        data = self.token_bytes(token_id) if 0 <= token_id < len(self) else None
+        if data is None:
+            return self.decode([token_id], skip_special_tokens=False)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in data)
+
     def token_bytes(self, token_id: int) -> bytes | None:
         """The bytes a token adds to the decoded byte stream (a special or added token: its
         text), or None for an id the tokenizer does not know or a backend that cannot tell."""

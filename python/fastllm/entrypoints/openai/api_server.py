@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastllm.entrypoints.async_llm import AsyncLLM
 from fastllm.entrypoints.openai import protocol as api
+from fastllm.entrypoints.openai.embeddings import EmbeddingServing
 from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.entrypoints.openai.rerank import RerankServing
 from fastllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingLimits
@@ -51,6 +52,7 @@ class ServerConfig:
         max_waiting_requests: engine requests queued past which a call gets a 503.
         max_body_bytes: the largest request body (past it, a 413).
         chat_template: a Jinja chat template overriding the tokenizer's.
+        pooling: how ``/v1/embeddings`` pools the final hidden states: "last" or "mean".
     """
 
     host: str = "127.0.0.1"
@@ -60,8 +62,11 @@ class ServerConfig:
     max_waiting_requests: int = 256
     max_body_bytes: int = 4 << 20
     chat_template: str | None = None
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
         for name in ("max_waiting_requests", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -71,7 +76,7 @@ class ServerConfig:
 
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-              "/v1/rerank", "/rerank"}
+              "/v1/embeddings", "/v1/rerank", "/rerank"}
 
 
 class _ClientDisconnected(Exception):
@@ -196,6 +201,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
                             ServingLimits(max_waiting_requests=config.max_waiting_requests),
                             chat_template=config.chat_template)
     reranking = RerankServing(llm, model_name, serving)
+    embedding = EmbeddingServing(llm, model_name, serving, config.pooling)
     app = FastAPI(title="fastllm", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
@@ -260,6 +266,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     async def chat(body: api.ChatCompletionRequest, request: Request) -> Response:
         return respond(await serving.chat(
             body, lambda work: _until_disconnected(request, work)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: api.EmbeddingRequest, request: Request
+                         ) -> api.EmbeddingResponse:
+        return await _until_disconnected(request, embedding.embed(body))
 
     @app.post("/v1/rerank")
     @app.post("/rerank")

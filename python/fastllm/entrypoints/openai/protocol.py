@@ -3,21 +3,25 @@ llama.cpp serve), as pydantic models: a request that does not fit is a 400 namin
 
 Ranges are OpenAI's where it has one (temperature in [0, 2], penalties in [-2, 2], at most 20
 top logprobs); the extensions vLLM accepts (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ``stop_token_ids``) are accepted too. Unknown fields are refused rather than
-ignored, so a parameter the server does not honour never passes silently.
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``chat_template_kwargs``,
+``stream_options.continuous_usage_stats``) are accepted too. A field the server does not know
+is ignored with one log line naming it, as vLLM does: clients written for other servers send
+their own fields, and refusing them would fail every such request.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage",
-    "CompletionChunk", "CompletionRequest", "CompletionResponse", "ErrorResponse", "ModelCard",
+    "CompletionChunk", "CompletionRequest", "CompletionResponse", "EmbeddingRequest",
+    "EmbeddingResponse", "ErrorResponse", "ModelCard",
     "ModelList", "RerankRequest", "RerankResponse", "Usage", "random_id",
 ]
 
@@ -29,8 +33,23 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+logger = logging.getLogger("fastllm")
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {field.alias for field in cls.model_fields.values()
+                                             if field.alias}
+            unknown = sorted(str(key) for key in data if key not in known)
+            if unknown:
+                logger.warning("%s: ignored fields the server does not know: %s",
+                               cls.__name__, ", ".join(unknown))
+        return data
 
 
 class _Response(BaseModel):
@@ -41,6 +60,7 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk too
 
 
 class JsonSchemaFormat(_Request):
@@ -84,13 +104,15 @@ class _SamplingFields(_Request):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
 
 
 # ---- completions -------------------------------------------------------------------------------
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # 0 with echo: the prompt's logprobs alone (lm-eval's loglikelihood requests).
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
 
@@ -205,6 +227,34 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# ---- embeddings ----------------------------------------------------------------------------------
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+
+class EmbeddingData(_Response):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: the float32 values' little-endian bytes
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 # ---- models, rerank, errors --------------------------------------------------------------------

@@ -21,6 +21,7 @@ from fastllm.entrypoints.async_llm import AsyncLLM, StreamDelta
 from fastllm.entrypoints.openai import protocol as api
 from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
+from fastllm.tokenizer import IncrementalDetokenizer
 
 __all__ = ["APIError", "OpenAIServing"]
 
@@ -95,7 +96,8 @@ class OpenAIServing:
         return requested
 
     def _sampling_params(self, req: api.ChatCompletionRequest | api.CompletionRequest,
-                         max_tokens: int, logprobs: int | None) -> SamplingParams:
+                         max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = {}
         for key, value in (req.logit_bias or {}).items():
             try:
@@ -113,7 +115,8 @@ class OpenAIServing:
                 logit_bias=logit_bias, seed=req.seed, max_tokens=max_tokens,
                 stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=_structured_outputs(req.response_format))
             params.check_vocab(self.vocab_size)
         except (TypeError, ValueError) as error:
@@ -128,8 +131,10 @@ class OpenAIServing:
 
     # ---- completions -------------------------------------------------------------------------
 
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
-        """Token ids of each prompt of a completion request (text, ids, or lists of them)."""
+    def completion_prompts(self, prompt: Any, field: str = "prompt"
+                           ) -> list[tuple[str, list[int]]]:
+        """The text and token ids of each prompt of a completion request (text, ids, or lists
+        of them; ids' text is their decoding); errors name ``field``."""
         if isinstance(prompt, str):
             prompts: Sequence[Any] = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -137,82 +142,116 @@ class OpenAIServing:
         else:
             prompts = prompt
         if not prompts:
-            raise APIError(400, "prompt must not be empty", param="prompt")
+            raise APIError(400, f"{field} must not be empty", param=field)
         ids = []
         for p in prompts:
             token_ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             if not token_ids:
-                raise APIError(400, "a prompt has no tokens", param="prompt")
+                raise APIError(400, f"a {field} has no tokens", param=field)
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(400, f"prompt token ids {bad[:8]} are outside the vocabulary "
-                                    f"[0, {self.vocab_size})", param="prompt")
-            ids.append(token_ids)
+                raise APIError(400, f"{field} token ids {bad[:8]} are outside the vocabulary "
+                                    f"[0, {self.vocab_size})", param=field)
+            ids.append((p if isinstance(p, str) else self.tokenizer.decode(token_ids),
+                        token_ids))
         return ids
 
     async def completions(self, req: api.CompletionRequest,
                           until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
                           ) -> api.CompletionResponse | AsyncIterator[str]:
         self.check_model(req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if req.echo and req.logprobs is not None and req.n > 1:
+            raise APIError(400, "echo with logprobs takes n = 1", param="n")
         prompts = self.completion_prompts(req.prompt)
-        jobs = []
-        for ids in prompts:
+        jobs, echoes = [], []
+        for text, ids in prompts:
             max_tokens = self._max_tokens(req.max_tokens, len(ids), "prompt")
-            params = self._sampling_params(req, max_tokens, req.logprobs)
+            # echo shows the prompt's logprobs too: the prefill computes them.
+            params = self._sampling_params(req, max_tokens, req.logprobs,
+                                           req.logprobs if req.echo else None)
             jobs += [(ids, p) for p in self._choices(params, req.n)]
+            echoes += [text if req.echo else ""] * req.n
         self.check_capacity(len(jobs))
         request_id = api.random_id("cmpl")
         if req.stream:
             streams = await until_disconnected(self._open_streams(jobs))
-            return self._completion_events(request_id, req, jobs, streams)
+            return self._completion_events(request_id, req, echoes, streams)
         outputs = await until_disconnected(self._generate(jobs))
-        choices = [api.CompletionChoice(
-            index=i, text=out.outputs[0].text, finish_reason=_finish_reason(out),
-            logprobs=None if req.logprobs is None else self._completion_logprobs(
-                out.outputs[0].logprobs, req.logprobs, 0))
-            for i, out in enumerate(outputs)]
+        choices = []
+        for i, (echo, out) in enumerate(zip(echoes, outputs)):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = api.CompletionLogprobs()
+                text_offsets = self._text_offsets(out, req.echo)
+                if req.echo:
+                    self._add_logprobs(logprobs, out.prompt_token_ids, out.prompt_logprobs,
+                                       req.logprobs, text_offsets)
+                self._add_logprobs(logprobs, out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                   req.logprobs, text_offsets)
+            choices.append(api.CompletionChoice(index=i, text=echo + out.outputs[0].text,
+                                                finish_reason=_finish_reason(out),
+                                                logprobs=logprobs))
         return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=_usage(outputs, req.n))
 
     async def _completion_events(self, request_id: str, req: api.CompletionRequest,
-                                 jobs: list, streams: list[_OpenStream]) -> AsyncIterator[str]:
+                                 echoes: list[str], streams: list[_OpenStream]
+                                 ) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        continuous = include_usage and req.stream_options.continuous_usage_stats
         usage_field = {"usage": None} if include_usage else {}
-        offsets = [0] * len(jobs)  # characters sent per choice (logprobs' text_offset)
-        last: list[RequestOutput | None] = [None] * len(jobs)
+        text_offsets: list[_TextOffsets | None] = [None] * len(streams)
+        last: list[RequestOutput | None] = [None] * len(streams)
         async for index, delta in _merge(streams):
             last[index] = delta.output
-            logprobs = None
+            text, logprobs = delta.text, None
+            if text_offsets[index] is None:  # the choice's first delta: the prompt is done
+                text_offsets[index] = self._text_offsets(delta.output, req.echo)
+                text = echoes[index] + text
+                if req.echo and req.logprobs is not None:
+                    logprobs = api.CompletionLogprobs()
+                    self._add_logprobs(logprobs, delta.output.prompt_token_ids,
+                                       delta.output.prompt_logprobs, req.logprobs,
+                                       text_offsets[index])
             if req.logprobs is not None and delta.logprobs is not None:
-                logprobs = self._completion_logprobs(delta.logprobs, req.logprobs, offsets[index])
-            offsets[index] += len(delta.text)
-            if delta.text or delta.finish_reason is not None or logprobs is not None:
+                logprobs = logprobs or api.CompletionLogprobs()
+                self._add_logprobs(logprobs, delta.token_ids, delta.logprobs, req.logprobs,
+                                   text_offsets[index])
+            if text or delta.finish_reason is not None or logprobs is not None:
                 chunk = api.CompletionChunk(
                     id=request_id, model=self.model_name, choices=[api.CompletionChoice(
-                        index=index, text=delta.text, logprobs=logprobs,
+                        index=index, text=text, logprobs=logprobs,
                         finish_reason=_finish_reason(delta.output)
                         if delta.finish_reason is not None else None)])
-                yield _event(chunk, **usage_field)
+                yield _event(chunk, **({"usage": _usage(last, req.n).model_dump()}
+                                       if continuous else usage_field))
         if include_usage:
             yield _event(api.CompletionChunk(id=request_id, model=self.model_name, choices=[],
                                              usage=_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
-    def _completion_logprobs(self, entries: list[dict[int, Logprob]] | None, top: int,
-                             offset: int) -> api.CompletionLogprobs:
-        result = api.CompletionLogprobs()
-        for entry in entries or []:
-            sampled = next(iter(entry.values()))  # the sampled token comes first
-            result.tokens.append(sampled.decoded_token)
-            result.token_logprobs.append(sampled.logprob)
+    def _text_offsets(self, output: RequestOutput, echo: bool) -> _TextOffsets:
+        return _TextOffsets(self.tokenizer.detokenizer(
+            prompt_ids=None if echo else output.prompt_token_ids))
+
+    def _add_logprobs(self, result: api.CompletionLogprobs, token_ids: Sequence[int],
+                      entries: Sequence[dict[int, Logprob] | None] | None, top: int,
+                      text_offsets: _TextOffsets) -> None:
+        """Appends tokens' logprobs (an entry of None: the prompt's first token, which has
+        none) and where their text starts."""
+        for token_id, entry in zip(token_ids, entries or [None] * len(token_ids)):
+            result.text_offset.append(text_offsets.next(token_id))
+            if entry is None:
+                result.tokens.append(self.tokenizer.token_text(token_id))
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            token = entry[token_id]
+            result.tokens.append(token.decoded_token)
+            result.token_logprobs.append(token.logprob)
             result.top_logprobs.append({
                 lp.decoded_token: lp.logprob for lp in sorted(
                     entry.values(), key=lambda lp: -lp.logprob)[:top]} if top else None)
-            result.text_offset.append(offset)
-            offset += len(sampled.decoded_token)
-        return result
 
     # ---- chat --------------------------------------------------------------------------------
 
@@ -263,6 +302,7 @@ class OpenAIServing:
     async def _chat_events(self, request_id: str, req: api.ChatCompletionRequest,
                            streams: list[_OpenStream]) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
+        continuous = include_usage and req.stream_options.continuous_usage_stats
         usage_field = {"usage": None} if include_usage else {}
         top = req.top_logprobs or 0
         for index in range(len(streams)):  # OpenAI's first chunk: the role
@@ -281,7 +321,9 @@ class OpenAIServing:
                         index=index, logprobs=logprobs,
                         delta=api.DeltaMessage(content=delta.text or None),
                         finish_reason=_finish_reason(delta.output)
-                        if delta.finish_reason is not None else None)]), **usage_field)
+                        if delta.finish_reason is not None else None)]),
+                    **({"usage": _usage(last, req.n).model_dump()} if continuous
+                       else usage_field))
         if include_usage:
             yield _event(api.ChatCompletionChunk(id=request_id, model=self.model_name,
                                                  choices=[], usage=_usage(last, req.n)))
@@ -336,6 +378,22 @@ class OpenAIServing:
             await asyncio.gather(*(stream.close() for stream in streams), return_exceptions=True)
             raise _refused(error) from error
         return streams
+
+
+class _TextOffsets:
+    """Where each token's text starts in a choice's text, token by token (the prompt's first
+    when the text starts with it, then the output's). Counted by detokenizing, so a character
+    split over byte tokens starts where its first byte's token does, and a SentencePiece
+    text's leading space is as ``decode`` gives it."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+        self._detokenizer = detokenizer
+        self._offset = 0
+
+    def next(self, token_id: int) -> int:
+        start = self._offset
+        self._offset += len(self._detokenizer.add(token_id))
+        return start
 
 
 class _OpenStream:
