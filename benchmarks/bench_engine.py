@@ -64,6 +64,13 @@ decode row's keys), calls alternating: output tokens/s of each, their ratio (the
 and the median TTFT and TPOT; also how many requests got the same greedy tokens in both. Left
 out on CUDA, where the engine refuses the mode (its batch-invariant kernels are the CPU's).
 
+Tensor parallelism (``--tensor-parallel-size N``, N > 1): the throughput section's requests
+on ``fastllm.LLM(..., tensor_parallel_size=N)`` (N ranks, one process each; on the CPU they
+share the cores, rank 0 keeping 1/N of this process's threads) and on one process with every
+thread, calls alternating: output tokens/s of each, rank 0's time broadcasting a step to the
+other ranks (mean per step) and how many requests got the same greedy tokens. On a CPU the ranks split the same cores, so this shows what the ranks' collectives
+cost, not a speedup.
+
 Goals, at the full Qwen3-0.6B shape with 64 requests of 32-512 tokens: fastllm throughput
 >= 5x HF's; cached-prefix TTFT >= 5x lower than cold. Greedy tokens are compared per request:
 float32 should agree; bfloat16 may drift apart (batch shapes change the rounding).
@@ -136,6 +143,7 @@ class EngineBenchConfig:
     mixed_layers: int = 4
     dtypes: tuple[str, ...] = ("bfloat16",)
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # > 1: the tensor-parallel section runs
     seed: int = 0
     models_dir: str = str(DEFAULT_MODELS_DIR)
     # A call serving every request lasts far longer than the budget at the default size, so
@@ -452,6 +460,58 @@ def batch_invariant_rows(config: EngineBenchConfig, folder: Path, dtype_name: st
     return [row]
 
 
+def tensor_parallel_rows(config: EngineBenchConfig, folder: Path, dtype_name: str,
+                         prompts: list[list[int]]) -> list[dict[str, object]]:
+    """The throughput section's requests on ``tensor_parallel_size`` ranks and on one process,
+    calls alternating; returns the section's row."""
+    size = config.tensor_parallel_size
+    memory = kv_cache_memory(fastllm.load(folder, dtype_name, config.device), config)
+    threads = torch.get_num_threads()
+    llms = {name: fastllm.LLM(folder, dtype=dtype_name, device=config.device,
+                              max_model_len=config.max_model_len, kv_cache_memory=memory,
+                              enable_prefix_caching=False, max_num_seqs=config.num_requests,
+                              max_num_batched_tokens=config.max_num_batched_tokens,
+                              tensor_parallel_size=size if name == "fastllm_tp" else 1)
+            for name in ("fastllm", "fastllm_tp")}
+    tp_threads = torch.get_num_threads()  # rank 0's share
+
+    def with_threads(count: int, call: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            torch.set_num_threads(count)
+            call()
+        return run
+
+    samples: dict[str, list[RunSample]] = {name: [] for name in llms}
+    try:
+        with torch.inference_mode():
+            calls = {name: with_threads(threads if name == "fastllm" else tp_threads,
+                                        fastllm_call(llm, prompts, config.output_tokens,
+                                                     samples[name]))
+                     for name, llm in llms.items()}
+            timings = compare(calls, config.timer, device=config.device)
+        executor = llms["fastllm_tp"].engine.executor
+        broadcast_ms = 1e3 * executor.broadcast_s / llms["fastllm_tp"].engine.stats.steps
+    finally:
+        llms["fastllm_tp"].shutdown()
+        torch.set_num_threads(threads)
+    del llms, calls
+    model_pool.clear()
+    gc.collect()
+    output_tokens = len(prompts) * config.output_tokens
+    row: dict[str, object] = {"section": "tensor_parallel", "model": MODEL, "dtype": dtype_name,
+                              "layers": config.layers, "num_requests": len(prompts),
+                              "tensor_parallel_size": size, "rank_threads": tp_threads,
+                              "broadcast_ms_per_step": broadcast_ms}
+    for name, timing in timings.items():
+        row.update({f"{name}_call_{key}": value for key, value in timing.to_dict().items()})
+        row[f"{name}_tok_s"] = output_tokens / timing.median_s
+        row[f"{name}_tpot_p50_ms"] = percentile(samples[name][-1].tpot_s, 50) * 1e3
+    row["tp_throughput_ratio"] = row["fastllm_tp_tok_s"] / row["fastllm_tok_s"]
+    row["requests_tokens_equal"] = sum(
+        a == b for a, b in zip(samples["fastllm"][-1].tokens, samples["fastllm_tp"][-1].tokens))
+    return [row]
+
+
 def mixed_prompt_sets(config: EngineBenchConfig) -> list[list[list[int]]]:
     """One set of ``mixed_requests`` prompts per call the timer may make (warm-up and timed):
     the same lengths, drawn uniformly from ``mixed_min_prompt_len`` .. ``mixed_max_prompt_len``,
@@ -531,6 +591,9 @@ def run(config: EngineBenchConfig) -> list[dict[str, object]]:
             print(f"engine: {dtype_name} throughput measured", flush=True)
             rows += prefix_rows(config, folder, dtype_name)
             print(f"engine: {dtype_name} prefix cache measured", flush=True)
+            if config.tensor_parallel_size > 1:
+                rows += tensor_parallel_rows(config, folder, dtype_name, prompts)
+                print(f"engine: {dtype_name} tensor parallelism measured", flush=True)
             if torch.device(config.device).type == "cuda":
                 print(f"engine: batch-invariant section left out: {INVARIANT_LEFT_OUT}", flush=True)
                 continue
@@ -611,6 +674,14 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
         "fastllm_tpot_p50_ms": "default TPOT p50 (ms)",
         "fastllm_invariant_tpot_p50_ms": "batch-invariant TPOT p50 (ms)",
         "requests_tokens_equal": "requests with equal greedy tokens"})
+    parallel = markdown_table([row for row in rows if row["section"] == "tensor_parallel"], {
+        "dtype": "dtype", "tensor_parallel_size": "ranks", "rank_threads": "threads a rank",
+        "fastllm_tok_s": "one process tok/s", "fastllm_tp_tok_s": "tensor-parallel tok/s",
+        "tp_throughput_ratio": "tensor-parallel / one process",
+        "broadcast_ms_per_step": "step broadcast (ms)",
+        "fastllm_tpot_p50_ms": "one process TPOT p50 (ms)",
+        "fastllm_tp_tpot_p50_ms": "tensor-parallel TPOT p50 (ms)",
+        "requests_tokens_equal": "requests with equal greedy tokens"})
     prefix_about = (f"{config.prefix_rounds} rounds of {config.prefix_requests} requests one "
                     f"after another, each a shared {config.prefix_len}-token system prompt "
                     f"(new per round) and a distinct {config.suffix_len}-token question, one "
@@ -631,6 +702,10 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
         "and preemption in every dtype): the throughput section's requests, calls alternating":
             invariant if torch.device(config.device).type != "cuda"
             else f"Left out on {config.device}: {INVARIANT_LEFT_OUT}.",
+        f"Tensor parallelism over {config.tensor_parallel_size} ranks: the throughput "
+        "section's requests, calls alternating with one process":
+            parallel if config.tensor_parallel_size > 1
+            else "Not run: --tensor-parallel-size is 1.",
     }
 
 
@@ -664,7 +739,7 @@ def parse_args(argv: list[str] | None) -> tuple[EngineBenchConfig, Path]:
              "max_prompt_len", "output_tokens", "hf_batch_size", "max_num_batched_tokens",
              "prefix_len", "suffix_len", "prefix_requests", "prefix_rounds", "mixed_requests",
              "mixed_min_prompt_len", "mixed_max_prompt_len", "mixed_output_tokens",
-             "mixed_layers", "seed")
+             "mixed_layers", "tensor_parallel_size", "seed")
     return parse_model_bench_args(argv, EngineBenchConfig.for_device(parse_device(argv)),
                                   benchmark="engine", description=__doc__.split("\n\n")[0],
                                   sizes=sizes,

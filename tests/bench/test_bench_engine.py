@@ -140,6 +140,25 @@ def test_bench_engine_writes_rows(bench_run, device: torch.device) -> None:
     assert "\n| float32 |" in markdown and "\n| bfloat16 | HF |" in markdown
 
 
+def test_tensor_parallel_section_gives_one_processs_tokens() -> None:
+    """``--tensor-parallel-size 2``'s section at the tiny size, in float32: two ranks give every
+    request one process's greedy tokens, and the report shows the section."""
+    models_dir = find_model("qwen3_tokenizer").parent
+    config, _ = bench_engine.parse_args([*engine_args(models_dir), "--tensor-parallel-size",
+                                         "2"])
+    assert config.tensor_parallel_size == 2
+    prompts = bench_engine.random_prompts(config)
+    with bench_engine.random_model_folder(config, "engine") as folder:
+        [row] = bench_engine.tensor_parallel_rows(config, folder, "float32", prompts)
+    assert (row["section"], row["tensor_parallel_size"]) == ("tensor_parallel", 2)
+    assert row["requests_tokens_equal"] == REQUESTS
+    assert row["tp_throughput_ratio"] == pytest.approx(row["fastllm_tp_tok_s"]
+                                                       / row["fastllm_tok_s"])
+    assert 0 < row["broadcast_ms_per_step"] < row["fastllm_tp_call_median_ms"]
+    table = bench_engine.tables(config, [row])
+    assert "| tensor-parallel / one process |" in "".join(table.values())
+
+
 def test_goal_summary_judges_both_goals() -> None:
     config = bench_engine.EngineBenchConfig()
     assert config.at_goal_size and not bench_engine.EngineBenchConfig(layers=4).at_goal_size

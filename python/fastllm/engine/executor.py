@@ -283,6 +283,7 @@ class MultiprocExecutor(Executor):
                  enable_prefix_caching: bool = True,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
+        self.broadcast_s = 0.0  # rank 0's time sending steps to the other ranks
         self._errors: mp.SimpleQueue | None = None
         self._dead: ExecutorError | None = None
         rank = _torchrun_rank()
@@ -335,9 +336,11 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise self._dead
         try:
+            started = time.perf_counter()
             # The other ranks run the model only: what sampling reads stays here.
             _broadcast(dataclasses.replace(step, new_requests=[], grammar_bitmask=None,
                                            constrained_request_ids=[]), self._ranks.groups)
+            self.broadcast_s += time.perf_counter() - started
             return self.worker.execute_model(step)
         except Exception as error:
             stopped = self._stopped_rank(wait_s=2.0)
