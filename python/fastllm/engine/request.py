@@ -76,7 +76,8 @@ class Request:
         if not params.ignore_eos:
             self._end_ids.update(eos_token_ids)
         self._tokenizer = tokenizer
-        self._detokenizer = tokenizer.detokenizer(prompt_ids=self.prompt_token_ids)
+        self._detokenizer = tokenizer.detokenizer(
+            skip_special_tokens=params.skip_special_tokens, prompt_ids=self.prompt_token_ids)
         self._text = ""  # generated text (cut at a stop string once one is found)
         self._emitted = 0  # characters of _text already handed out
         self._deltas: list[str] = []  # released text not yet taken by a consumer

@@ -126,6 +126,8 @@ class SamplingParams:
             added).
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
             a list of choices or a grammar (:class:`StructuredOutputsParams`); None = free.
+        skip_special_tokens: leave special tokens out of the output text (a tool-call parser
+            that reads a special marker such as Mistral's ``[TOOL_CALLS]`` turns it off).
     """
 
     temperature: float = 1.0
@@ -143,6 +145,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -190,6 +193,8 @@ class SamplingParams:
              f"logprobs must be None or an int >= 0, got {self.logprobs!r}"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop must hold non-empty strings, got {self.stop!r}"),
+            (isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"),
         ]
         for ok, message in checks:
             if not ok:
