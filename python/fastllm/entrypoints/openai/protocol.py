@@ -13,7 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator)
 
 __all__ = [
     "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage",
@@ -188,6 +189,16 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. enable_thinking
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _tool_choice(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # The union's own error names its members ("tool_choice.literal[...]"): one plain one.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
+                             '"function", "function": {"name": ...}}') from None
 
 
 class TopLogprob(_Response):

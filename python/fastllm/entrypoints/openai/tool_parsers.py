@@ -356,7 +356,8 @@ class ToolCallStream:
         self._marker = 0  # where the current run's marker starts
         self._first = True  # the current call is its run's first (not yet announced)
         self._announced = False  # the current call is in `calls`
-        self._after_run = True  # whitespace at pos is next to a run (or the reply's start)
+        self._after_run = False  # whitespace at pos follows a run: dropped
+        self._gap = ""  # the whitespace before the current run's marker
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """Takes ``delta`` (``final``: the reply ends with it); returns the content released
@@ -387,6 +388,7 @@ class ToolCallStream:
                 self.pos += len(kept)
                 return False
             content.append(piece.rstrip())
+            self._gap = piece[len(content[-1]):]  # dropped if calls follow
             self._state, self._marker, self.pos = "run", marker, body
             self._first, self._after_run = True, True
             return True
@@ -419,7 +421,8 @@ class ToolCallStream:
         if self._first:
             self._state, self.pos, self._after_run = "content", self._marker, False
             # The marker itself is content now: step past it so it is not found again.
-            content.append(self.text[self._marker:self._marker + len(self.parser.start)])
+            content.append(self._gap + self.text[self._marker:
+                                                 self._marker + len(self.parser.start)])
             self.pos = self._marker + len(self.parser.start)
             return True
         self._state, self._after_run = "content", False
