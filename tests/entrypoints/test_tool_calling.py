@@ -23,7 +23,7 @@ from openai_server import running_server
 from pydantic import BaseModel, ConfigDict, Field
 from tiny_hf import random_hf_model, save_hf_model
 
-from fastllm import AsyncLLM
+from fastllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
 from fastllm.entrypoints.cli import main
 
 MODEL = "tiny-qwen3"
@@ -249,6 +249,17 @@ def test_serve_refuses_an_unknown_parser(folder, capsys):
     assert exit_info.value.code == 2
     assert "tool_call_parser must be one of ['hermes', 'llama3_json', 'mistral']" in \
         capsys.readouterr().err
+
+
+def test_special_tokens_stay_in_the_text_when_asked(folder):
+    """What a parser with a special marker (Mistral's [TOOL_CALLS]) relies on."""
+    llm = LLM(folder, max_model_len=64)
+    marker = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    forced = StructuredOutputsParams(grammar=f'start: <[{marker}]> "hi"')
+    texts = [llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=forced,
+                                              skip_special_tokens=skip),
+                          use_tqdm=False)[0].outputs[0].text for skip in (True, False)]
+    assert texts == ["hi", "<|im_start|>hi"]
 
 
 # ---- the clients ----------------------------------------------------------------------------

@@ -162,6 +162,8 @@ def test_grammar_is_the_parsers_format(tokenizer, name):
                "llama3_json": (one, f"{one}; {two}"),
                "mistral": (f"[{one}]", f"[{one}, {two}]")}[name]
     prefix = [parser.tokenizer.marker] if name == "mistral" else []
+    # A special marker must stay in the reply's text for the parser to see it.
+    assert parser.skip_special_tokens == (name != "mistral")
 
     def ids(text: str) -> list[int]:
         return prefix + tokenizer.encode(text, add_special_tokens=False)

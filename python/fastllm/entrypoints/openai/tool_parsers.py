@@ -178,8 +178,6 @@ class ToolParser:
             none; the close marker may be missing at the end of the reply).
         arguments_keys: the keys a call's arguments may come under, the first one written by
             the grammar.
-        skip_special_tokens: whether the reply's text may leave special tokens out (not when
-            the start marker is one).
     """
 
     name: ClassVar[str]
@@ -189,7 +187,6 @@ class ToolParser:
     separator: ClassVar[str] = ""
     close: ClassVar[str] = ""
     arguments_keys: ClassVar[tuple[str, ...]] = ("arguments",)
-    skip_special_tokens: ClassVar[bool] = True
     # How the grammar joins the pieces (the template's own spacing).
     grammar_open: ClassVar[str] = ""
     grammar_separator: ClassVar[str] = ""
@@ -198,6 +195,16 @@ class ToolParser:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # A marker that is a special token (Mistral's [TOOL_CALLS]) is dropped by the
+        # detokenizer unless told otherwise, and matched by llguidance only by its id.
+        token_id = tokenizer.convert_tokens_to_ids(self.start)
+        self.special_marker = token_id if token_id in set(tokenizer.all_special_ids) else None
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether the reply's text may leave special tokens out (not when the marker is
+        one)."""
+        return self.special_marker is None
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The reply's content (the text outside the calls) and its calls."""
@@ -239,7 +246,7 @@ class ToolParser:
     def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         """The Lark grammar of this format's calls of ``tools`` (OpenAI tool dicts): one call
         or, when ``parallel``, one or more."""
-        keys = self.arguments_keys[0]
+        key = self.arguments_keys[0]
         schema = {
             # The spacing json.dumps (and the templates) write; no free whitespace, which a
             # small model may spend its tokens on.
@@ -247,9 +254,9 @@ class ToolParser:
                            "item_separator": ", "},
             "anyOf": [{"type": "object",
                        "properties": {"name": {"const": tool["function"]["name"]},
-                                      keys: tool["function"].get("parameters")
+                                      key: tool["function"].get("parameters")
                                       or {"type": "object"}},
-                       "required": ["name", keys], "additionalProperties": False}
+                       "required": ["name", key], "additionalProperties": False}
                       for tool in tools]}
         marker = self._marker_lark()
         if self.grammar_between_runs is not None:  # a run per call
@@ -261,12 +268,8 @@ class ToolParser:
                 f"{_lark(self.grammar_close)}\nobj: %json {json.dumps(schema)}\n")
 
     def _marker_lark(self) -> str:
-        """The start marker in Lark: a special token by its id (llguidance matches special
-        tokens only so), other text as text."""
-        token_id = self.tokenizer.convert_tokens_to_ids(self.start)
-        if token_id is not None and token_id in set(self.tokenizer.all_special_ids):
-            return f"<[{token_id}]>"
-        return _lark(self.start)
+        """The start marker in Lark: a special token by its id, other text as text."""
+        return _lark(self.start) if self.special_marker is None else f"<[{self.special_marker}]>"
 
 
 def _lark(text: str) -> str:
@@ -322,7 +325,6 @@ class MistralToolParser(ToolParser):
     template_markers = ("[TOOL_CALLS]",)
     start = "[TOOL_CALLS]"
     open, separator, close = "[", ",", "]"
-    skip_special_tokens = False  # [TOOL_CALLS] is a special token in Mistral's tokenizers
     grammar_open, grammar_separator, grammar_close = "[", ", ", "]"
 
 
@@ -397,13 +399,13 @@ class ToolCallStream:
             if parser.open and text.startswith(parser.open, i):
                 i = _WHITESPACE.match(text, i + len(parser.open)).end()
             elif parser.open and i < len(text):
-                return self._not_a_call(final, content)
+                return self._not_a_call(content)
             if i == len(text):
                 if final:
-                    return self._not_a_call(final, content)
+                    return self._not_a_call(content)
                 return False
             if text[i] != "{":
-                return self._not_a_call(final, content)
+                return self._not_a_call(content)
             self._state, self.pos = "call", i
             return True
         if self._state == "between":  # after a call: the next one, or the run's end
@@ -416,7 +418,7 @@ class ToolCallStream:
             return True
         return self._call(final, content, pieces)
 
-    def _not_a_call(self, final: bool, content: list[str]) -> bool:
+    def _not_a_call(self, content: list[str]) -> bool:
         """The run at the marker is not calls after all: its text is content."""
         if self._first:
             self._state, self.pos, self._after_run = "content", self._marker, False
@@ -435,7 +437,7 @@ class ToolCallStream:
             name = self._name(scan, text, start, final)
             if name is None:
                 if scan.broken is not None or scan.end is not None or final:
-                    return self._not_a_call(final, content)
+                    return self._not_a_call(content)
                 return False
             self.calls.append((new_call_id(), name, ""))
             self._announced = True
