@@ -34,6 +34,7 @@ from fastllm.entrypoints.openai.embeddings import EmbeddingServing
 from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.entrypoints.openai.rerank import RerankServing
 from fastllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingLimits
+from fastllm.entrypoints.openai.tool_parsers import PARSERS
 
 __all__ = ["ServerConfig", "build_app", "build_server"]
 
@@ -53,6 +54,8 @@ class ServerConfig:
         max_body_bytes: the largest request body (past it, a 413).
         chat_template: a Jinja chat template overriding the tokenizer's.
         pooling: how ``/v1/embeddings`` pools the final hidden states: "last" or "mean".
+        tool_call_parser: how tool calls are read from replies (``hermes``, ``llama3_json``,
+            ``mistral``); None picks it from the chat template.
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +66,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     chat_template: str | None = None
     pooling: str = "last"
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
@@ -73,6 +77,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be an int in [0, 65536), got {self.port!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
 
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
@@ -199,7 +206,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     metrics = ServerMetrics(engine, model_name)
     serving = OpenAIServing(llm, model_name, metrics,
                             ServingLimits(max_waiting_requests=config.max_waiting_requests),
-                            chat_template=config.chat_template)
+                            chat_template=config.chat_template,
+                            tool_call_parser=config.tool_call_parser)
     reranking = RerankServing(llm, model_name, serving)
     embedding = EmbeddingServing(llm, model_name, serving, config.pooling)
     app = FastAPI(title="fastllm", docs_url=None, redoc_url=None)
