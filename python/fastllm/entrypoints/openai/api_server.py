@@ -32,7 +32,8 @@ from fastllm.entrypoints.async_llm import AsyncLLM
 from fastllm.entrypoints.openai import protocol as api
 from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.entrypoints.openai.rerank import RerankServing
-from fastllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingLimits
+from fastllm.entrypoints.openai.serving import (APIError, OpenAIServing, ServingLimits,
+                                                as_api_error)
 
 __all__ = ["ServerConfig", "build_app", "build_server"]
 
@@ -76,6 +77,13 @@ _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/
 
 class _ClientDisconnected(Exception):
     pass
+
+
+def _union_member(part: str | int) -> bool:
+    """Whether a validation error's path part names a union's member (``str``,
+    ``list[TextPart]``, ``RerankDocument``) rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
+                                       or part[:1].isupper())
 
 
 def _json_error(status: int, message: str, type: str, param: str | None = None,
@@ -177,13 +185,8 @@ async def _events(events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield event
-    except APIError as error:
-        yield f"data: {json.dumps(error.body())}\n\n"
     except Exception as error:  # the status line is sent: say it in the stream
-        logger.exception("a streamed request failed")
-        status, kind = ((400, "invalid_request_error") if isinstance(error, ValueError)
-                        else (500, "internal_server_error"))
-        yield f"data: {json.dumps(APIError(status, str(error), type=kind).body())}\n\n"
+        yield f"data: {json.dumps(as_api_error(error).body())}\n\n"
     finally:
         await events.aclose()
 
@@ -205,8 +208,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        # A union (a string or a list of parts) fails once per member: the error that went
+        # deepest says what is wrong, and its path names the members, which are no fields.
+        first = max(error.errors(), key=lambda e: len(e.get("loc", ())))
+        loc = [str(part) for part in first.get("loc", ())
+               if part != "body" and not _union_member(part)]
         if first.get("type") == "json_invalid":
             return _json_error(400, f"the body is not valid JSON: {first.get('msg')} "
                                     f"(at character {loc[-1] if loc else '?'})",

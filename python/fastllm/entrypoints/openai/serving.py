@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,9 +23,10 @@ from fastllm.entrypoints.openai import protocol as api
 from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
 
-__all__ = ["APIError", "OpenAIServing"]
+__all__ = ["APIError", "OpenAIServing", "as_api_error", "count_usage", "merge_streams"]
 
 T = TypeVar("T")
+logger = logging.getLogger("fastllm")
 
 
 class APIError(Exception):
@@ -165,16 +167,16 @@ class OpenAIServing:
         self.check_capacity(len(jobs))
         request_id = api.random_id("cmpl")
         if req.stream:
-            streams = await until_disconnected(self._open_streams(jobs))
+            streams = await until_disconnected(self.open_streams(jobs))
             return self._completion_events(request_id, req, jobs, streams)
-        outputs = await until_disconnected(self._generate(jobs))
+        outputs = await until_disconnected(self.generate(jobs))
         choices = [api.CompletionChoice(
             index=i, text=out.outputs[0].text, finish_reason=_finish_reason(out),
             logprobs=None if req.logprobs is None else self._completion_logprobs(
                 out.outputs[0].logprobs, req.logprobs, 0))
             for i, out in enumerate(outputs)]
         return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=_usage(outputs, req.n))
+                                      usage=count_usage(outputs, req.n))
 
     async def _completion_events(self, request_id: str, req: api.CompletionRequest,
                                  jobs: list, streams: list[_OpenStream]) -> AsyncIterator[str]:
@@ -182,7 +184,7 @@ class OpenAIServing:
         usage_field = {"usage": None} if include_usage else {}
         offsets = [0] * len(jobs)  # characters sent per choice (logprobs' text_offset)
         last: list[RequestOutput | None] = [None] * len(jobs)
-        async for index, delta in _merge(streams):
+        async for index, delta in merge_streams(streams):
             last[index] = delta.output
             logprobs = None
             if req.logprobs is not None and delta.logprobs is not None:
@@ -197,7 +199,7 @@ class OpenAIServing:
                 yield _event(chunk, **usage_field)
         if include_usage:
             yield _event(api.CompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                             usage=_usage(last, req.n)))
+                                             usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
     def _completion_logprobs(self, entries: list[dict[int, Logprob]] | None, top: int,
@@ -233,9 +235,10 @@ class OpenAIServing:
             raise APIError(400, f"the messages cannot be rendered with the chat template: "
                                 f"{error}", param="messages") from None
 
-    async def chat(self, req: api.ChatCompletionRequest,
-                   until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
-                   ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+    def chat_jobs(self, req: api.ChatCompletionRequest
+                  ) -> list[tuple[list[int], SamplingParams]]:
+        """A chat request's engine requests (one per choice): its model, prompt and sampling
+        parameters checked, and room for them in the queue."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -243,22 +246,29 @@ class OpenAIServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), "messages")
-        top = req.top_logprobs or 0
-        params = self._sampling_params(req, max_tokens, top if req.logprobs else None)
+        params = self._sampling_params(req, max_tokens,
+                                       (req.top_logprobs or 0) if req.logprobs else None)
         jobs = [(ids, p) for p in self._choices(params, req.n)]
         self.check_capacity(len(jobs))
+        return jobs
+
+    async def chat(self, req: api.ChatCompletionRequest,
+                   until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
+                   ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+        jobs = self.chat_jobs(req)
+        top = req.top_logprobs or 0
         request_id = api.random_id("chatcmpl")
         if req.stream:
-            streams = await until_disconnected(self._open_streams(jobs))
+            streams = await until_disconnected(self.open_streams(jobs))
             return self._chat_events(request_id, req, streams)
-        outputs = await until_disconnected(self._generate(jobs))
+        outputs = await until_disconnected(self.generate(jobs))
         choices = [api.ChatChoice(
             index=i, message=api.ChatMessage(content=out.outputs[0].text),
             finish_reason=_finish_reason(out),
             logprobs=self._chat_logprobs(out.outputs[0].logprobs, top) if req.logprobs else None)
             for i, out in enumerate(outputs)]
         return api.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                          usage=_usage(outputs, req.n))
+                                          usage=count_usage(outputs, req.n))
 
     async def _chat_events(self, request_id: str, req: api.ChatCompletionRequest,
                            streams: list[_OpenStream]) -> AsyncIterator[str]:
@@ -271,7 +281,7 @@ class OpenAIServing:
                     index=index, delta=api.DeltaMessage(role="assistant", content=""))]),
                 **usage_field)
         last: list[RequestOutput | None] = [None] * len(streams)
-        async for index, delta in _merge(streams):
+        async for index, delta in merge_streams(streams):
             last[index] = delta.output
             logprobs = (self._chat_logprobs(delta.logprobs, top)
                         if req.logprobs and delta.logprobs else None)
@@ -284,7 +294,7 @@ class OpenAIServing:
                         if delta.finish_reason is not None else None)]), **usage_field)
         if include_usage:
             yield _event(api.ChatCompletionChunk(id=request_id, model=self.model_name,
-                                                 choices=[], usage=_usage(last, req.n)))
+                                                 choices=[], usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(self, entries: list[dict[int, Logprob]] | None,
@@ -307,8 +317,8 @@ class OpenAIServing:
 
     # ---- running the engine requests ---------------------------------------------------------
 
-    async def _generate(self, jobs: list[tuple[list[int], SamplingParams]]
-                        ) -> list[RequestOutput]:
+    async def generate(self, jobs: list[tuple[list[int], SamplingParams]]
+                       ) -> list[RequestOutput]:
         """Every job's finished output; the first failure cancels (aborts) the others."""
         tasks = [asyncio.ensure_future(self.llm.generate({"prompt_token_ids": ids}, params))
                  for ids, params in jobs]
@@ -324,8 +334,8 @@ class OpenAIServing:
             self.metrics.observe(output)
         return outputs
 
-    async def _open_streams(self, jobs: list[tuple[list[int], SamplingParams]]
-                            ) -> list[_OpenStream]:
+    async def open_streams(self, jobs: list[tuple[list[int], SamplingParams]]
+                           ) -> list[_OpenStream]:
         """Starts every job's stream and waits for its first update, so that a request the
         engine refuses is an error before the response starts."""
         streams = [_OpenStream(self.llm.stream_outputs({"prompt_token_ids": ids}, params),
@@ -366,7 +376,7 @@ class _OpenStream:
             await self.close()
 
 
-async def _merge(streams: list[_OpenStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
+async def merge_streams(streams: list[_OpenStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
     """The streams' deltas as they come, tagged with the stream's index; closing this closes
     (aborts) every stream."""
     if len(streams) == 1:
@@ -422,6 +432,18 @@ def _refused(error: BaseException) -> BaseException:
     return APIError(400, str(error), param=param)
 
 
+def as_api_error(error: Exception) -> APIError:
+    """What to tell a client whose streamed response failed after it started: the error itself
+    when it is an APIError, a 400 for a ValueError (a request the engine refused or failed
+    alone), else a 500 (logged)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    logger.exception("a streamed request failed")
+    return APIError(500, str(error), type="internal_server_error")
+
+
 def _field_named(message: str) -> str | None:
     """The field a SamplingParams error message starts with ("top_p must be ...")."""
     first = message.split(" ", 1)[0]
@@ -433,7 +455,7 @@ def _finish_reason(output: RequestOutput | None) -> str | None:
     return None if output is None else output.outputs[0].finish_reason
 
 
-def _usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:
+def count_usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:
     """Prompt tokens once per prompt (a prompt's n choices share it), output tokens of all."""
     done = [o for o in outputs if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in done[::n])
@@ -446,3 +468,4 @@ def _event(chunk: api.CompletionChunk | api.ChatCompletionChunk, **extra: Any) -
     body = chunk.model_dump(exclude_none=True)
     body.update(extra)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
