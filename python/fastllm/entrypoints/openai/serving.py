@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,7 +23,8 @@ from fastllm.entrypoints.openai import protocol as api
 from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
 
-__all__ = ["APIError", "OpenAIServing", "as_api_error", "count_usage", "merge_streams"]
+__all__ = ["APIError", "OpenAIServing", "as_api_error", "count_usage", "merge_streams",
+           "named_event"]
 
 T = TypeVar("T")
 logger = logging.getLogger("fastllm")
@@ -41,6 +42,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return api.ErrorResponse(error=api.ErrorInfo(
             message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
+
+    def renamed(self, params: Mapping[str, str]) -> APIError:
+        """This error with its field named as another API (Responses, Messages) names it."""
+        return APIError(self.status, self.message, param=params.get(self.param, self.param),
+                        type=self.type, code=self.code)
 
 
 @dataclass
@@ -238,7 +244,8 @@ class OpenAIServing:
     def chat_jobs(self, req: api.ChatCompletionRequest
                   ) -> list[tuple[list[int], SamplingParams]]:
         """A chat request's engine requests (one per choice): its model, prompt and sampling
-        parameters checked, and room for them in the queue."""
+        parameters checked, and room for them in the queue. The Responses and Messages APIs
+        build a chat request and come through here too."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -251,6 +258,20 @@ class OpenAIServing:
         jobs = [(ids, p) for p in self._choices(params, req.n)]
         self.check_capacity(len(jobs))
         return jobs
+
+    async def run_chat(self, req: api.ChatCompletionRequest,
+                       until_disconnected: Callable[[Awaitable[T]], Awaitable[T]],
+                       params: Mapping[str, str]) -> list[RequestOutput] | list[_OpenStream]:
+        """Runs a chat request another API built: its outputs, or with ``req.stream`` its open
+        streams (read them with :func:`merge_streams`); errors name that API's fields
+        (``params`` maps the chat request's names to them)."""
+        try:
+            jobs = self.chat_jobs(req)
+            if req.stream:
+                return await until_disconnected(self.open_streams(jobs))
+            return await until_disconnected(self.generate(jobs))
+        except APIError as error:
+            raise error.renamed(params) from None
 
     async def chat(self, req: api.ChatCompletionRequest,
                    until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
@@ -469,3 +490,8 @@ def _event(chunk: api.CompletionChunk | api.ChatCompletionChunk, **extra: Any) -
     body.update(extra)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+
+def named_event(name: str, body: dict[str, Any]) -> str:
+    """A server-sent event with an ``event:`` line, as the Responses and Messages APIs send
+    them (their SDKs dispatch on the name; the body repeats it as ``type``)."""
+    return f"event: {name}\ndata: {json.dumps({'type': name, **body}, ensure_ascii=False)}\n\n"
