@@ -13,7 +13,8 @@ import asyncio
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,9 +27,11 @@ from fastllm.entrypoints.openai.tool_parsers import (
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
 from fastllm.tokenizer import IncrementalDetokenizer
 
-__all__ = ["APIError", "OpenAIServing"]
+__all__ = ["APIError", "OpenAIServing", "as_api_error", "count_usage", "merge_streams",
+           "named_event"]
 
 T = TypeVar("T")
+logger = logging.getLogger("fastllm")
 
 
 class APIError(Exception):
@@ -43,6 +46,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return api.ErrorResponse(error=api.ErrorInfo(
             message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
+
+    def renamed(self, params: Mapping[str, str]) -> APIError:
+        """This error with its field named as another API (Responses, Messages) names it."""
+        return APIError(self.status, self.message, param=params.get(self.param, self.param),
+                        type=self.type, code=self.code)
 
 
 @dataclass
@@ -191,9 +199,9 @@ class OpenAIServing:
         self.check_capacity(len(jobs))
         request_id = api.random_id("cmpl")
         if req.stream:
-            streams = await until_disconnected(self._open_streams(jobs))
+            streams = await until_disconnected(self.open_streams(jobs))
             return self._completion_events(request_id, req, echoes, streams)
-        outputs = await until_disconnected(self._generate(jobs))
+        outputs = await until_disconnected(self.generate(jobs))
         choices = []
         for i, (echo, out) in enumerate(zip(echoes, outputs)):
             logprobs = None
@@ -209,7 +217,7 @@ class OpenAIServing:
                                                 finish_reason=_finish_reason(out),
                                                 logprobs=logprobs))
         return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=_usage(outputs, req.n))
+                                      usage=count_usage(outputs, req.n))
 
     async def _completion_events(self, request_id: str, req: api.CompletionRequest,
                                  echoes: list[str], streams: list[_OpenStream]
@@ -219,7 +227,7 @@ class OpenAIServing:
         usage_field = {"usage": None} if include_usage else {}
         text_offsets: list[_TextOffsets | None] = [None] * len(streams)
         last: list[RequestOutput | None] = [None] * len(streams)
-        async for index, delta in _merge(streams):
+        async for index, delta in merge_streams(streams):
             last[index] = delta.output
             text, logprobs = delta.text, None
             if text_offsets[index] is None:  # the choice's first delta: the prompt is done
@@ -240,11 +248,11 @@ class OpenAIServing:
                         index=index, text=text, logprobs=logprobs,
                         finish_reason=_finish_reason(delta.output)
                         if delta.finish_reason is not None else None)])
-                yield _event(chunk, **({"usage": _usage(last, req.n).model_dump()}
+                yield _event(chunk, **({"usage": count_usage(last, req.n).model_dump()}
                                        if continuous else usage_field))
         if include_usage:
             yield _event(api.CompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                             usage=_usage(last, req.n)))
+                                             usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
     def _text_offsets(self, output: RequestOutput, echo: bool) -> _TextOffsets:
@@ -304,9 +312,11 @@ class OpenAIServing:
             raise APIError(400, f"the messages cannot be rendered with the chat template: "
                                 f"{error}", param="messages") from None
 
-    async def chat(self, req: api.ChatCompletionRequest,
-                   until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
-                   ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+    def chat_jobs(self, req: api.ChatCompletionRequest
+                  ) -> tuple[list[tuple[list[int], SamplingParams]], _ToolUse | None]:
+        """A chat request's engine requests (one per choice), and how its tools are used: its
+        model, prompt and sampling parameters checked, and room for them in the queue. The
+        Responses and Messages APIs build a chat request and come through here too."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -320,14 +330,35 @@ class OpenAIServing:
                                        tool_use=tool_use)
         jobs = [(ids, p) for p in self._choices(params, req.n)]
         self.check_capacity(len(jobs))
+        return jobs, tool_use
+
+    async def run_chat(self, req: api.ChatCompletionRequest,
+                       until_disconnected: Callable[[Awaitable[T]], Awaitable[T]],
+                       params: Mapping[str, str]) -> list[RequestOutput] | list[_OpenStream]:
+        """Runs a chat request another API built: its outputs, or with ``req.stream`` its open
+        streams (read them with :func:`merge_streams`); errors name that API's fields
+        (``params`` maps the chat request's names to them)."""
+        try:
+            jobs, _ = self.chat_jobs(req)
+            if req.stream:
+                return await until_disconnected(self.open_streams(jobs))
+            return await until_disconnected(self.generate(jobs))
+        except APIError as error:
+            raise error.renamed(params) from None
+
+    async def chat(self, req: api.ChatCompletionRequest,
+                   until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
+                   ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+        jobs, tool_use = self.chat_jobs(req)
+        top = req.top_logprobs or 0
         request_id = api.random_id("chatcmpl")
         # A constraint that does not compile is the tools' fault when they made it.
         constraint_field = "response_format" if tool_use is None or \
             tool_use.constraint is None else "tools"
         if req.stream:
-            streams = await until_disconnected(self._open_streams(jobs, constraint_field))
+            streams = await until_disconnected(self.open_streams(jobs, constraint_field))
             return self._chat_events(request_id, req, streams, tool_use)
-        outputs = await until_disconnected(self._generate(jobs, constraint_field))
+        outputs = await until_disconnected(self.generate(jobs, constraint_field))
         choices = []
         for i, out in enumerate(outputs):
             text, calls = out.outputs[0].text, []
@@ -342,7 +373,7 @@ class OpenAIServing:
                 logprobs=self._chat_logprobs(out.outputs[0].logprobs, top)
                 if req.logprobs else None))
         return api.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                          usage=_usage(outputs, req.n))
+                                          usage=count_usage(outputs, req.n))
 
     def _tool_use(self, req: api.ChatCompletionRequest) -> _ToolUse | None:
         """How the request's tools are used; None when the reply is plain text (no tools, or
@@ -412,7 +443,7 @@ class OpenAIServing:
         last: list[RequestOutput | None] = [None] * len(streams)
         readers: list[ToolCallStream | None] = [
             None if tool_use is None else tool_use.parser.stream() for _ in streams]
-        async for index, delta in _merge(streams):
+        async for index, delta in merge_streams(streams):
             last[index] = delta.output
             logprobs = (self._chat_logprobs(delta.logprobs, top)
                         if req.logprobs and delta.logprobs else None)
@@ -435,11 +466,11 @@ class OpenAIServing:
                         finish_reason=_chat_finish_reason(
                             delta.output, reader is not None and bool(reader.calls))
                         if finished else None)]),
-                    **({"usage": _usage(last, req.n).model_dump()} if continuous
+                    **({"usage": count_usage(last, req.n).model_dump()} if continuous
                        else usage_field))
         if include_usage:
             yield _event(api.ChatCompletionChunk(id=request_id, model=self.model_name,
-                                                 choices=[], usage=_usage(last, req.n)))
+                                                 choices=[], usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(self, entries: list[dict[int, Logprob]] | None,
@@ -462,8 +493,8 @@ class OpenAIServing:
 
     # ---- running the engine requests ---------------------------------------------------------
 
-    async def _generate(self, jobs: list[tuple[list[int], SamplingParams]],
-                        constraint_field: str = "response_format") -> list[RequestOutput]:
+    async def generate(self, jobs: list[tuple[list[int], SamplingParams]],
+                       constraint_field: str = "response_format") -> list[RequestOutput]:
         """Every job's finished output; the first failure cancels (aborts) the others.
         ``constraint_field``: the request field a constraint that fails to compile came from."""
         tasks = [asyncio.ensure_future(self.llm.generate({"prompt_token_ids": ids}, params))
@@ -480,8 +511,8 @@ class OpenAIServing:
             self.metrics.observe(output)
         return outputs
 
-    async def _open_streams(self, jobs: list[tuple[list[int], SamplingParams]],
-                            constraint_field: str = "response_format") -> list[_OpenStream]:
+    async def open_streams(self, jobs: list[tuple[list[int], SamplingParams]],
+                           constraint_field: str = "response_format") -> list[_OpenStream]:
         """Starts every job's stream and waits for its first update, so that a request the
         engine refuses is an error before the response starts."""
         streams = [_OpenStream(self.llm.stream_outputs({"prompt_token_ids": ids}, params),
@@ -538,7 +569,7 @@ class _OpenStream:
             await self.close()
 
 
-async def _merge(streams: list[_OpenStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
+async def merge_streams(streams: list[_OpenStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
     """The streams' deltas as they come, tagged with the stream's index; closing this closes
     (aborts) every stream."""
     if len(streams) == 1:
@@ -594,6 +625,18 @@ def _refused(error: BaseException, constraint_field: str) -> BaseException:
     return APIError(400, str(error), param=param)
 
 
+def as_api_error(error: Exception) -> APIError:
+    """What to tell a client whose streamed response failed after it started: the error itself
+    when it is an APIError, a 400 for a ValueError (a request the engine refused or failed
+    alone), else a 500 (logged)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    logger.exception("a streamed request failed")
+    return APIError(500, str(error), type="internal_server_error")
+
+
 def _field_named(message: str) -> str | None:
     """The field a SamplingParams error message starts with ("top_p must be ...")."""
     first = message.split(" ", 1)[0]
@@ -621,7 +664,7 @@ class _ToolUse:
     constraint: StructuredOutputsParams | None = None
 
 
-def _usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:
+def count_usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:
     """Prompt tokens once per prompt (a prompt's n choices share it), output tokens of all."""
     done = [o for o in outputs if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in done[::n])
@@ -634,3 +677,9 @@ def _event(chunk: api.CompletionChunk | api.ChatCompletionChunk, **extra: Any) -
     body = chunk.model_dump(exclude_none=True)
     body.update(extra)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def named_event(name: str, body: dict[str, Any]) -> str:
+    """A server-sent event with an ``event:`` line, as the Responses and Messages APIs send
+    them (their SDKs dispatch on the name; the body repeats it as ``type``)."""
+    return f"event: {name}\ndata: {json.dumps({'type': name, **body}, ensure_ascii=False)}\n\n"
