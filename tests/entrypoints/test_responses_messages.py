@@ -304,7 +304,7 @@ def test_clients_that_disconnect_abort_their_requests(smollm2_server):
     assert finished(smollm2_server)["abort"] - before["abort"] == 1
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(smollm2_server.v1 + "/responses", json={
-            "model": "smollm2", "input": story, "max_output_tokens": 400},
+            "model": "smollm2", "input": story, "max_output_tokens": 900},
             timeout=httpx.Timeout(30, read=0.5))
     wait_idle(smollm2_server.llm)
     assert finished(smollm2_server)["abort"] - before["abort"] == 2
