@@ -238,6 +238,23 @@ def smollm2_llm(smollm2_llms):
     return smollm2_llms("cpu")
 
 
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path: Path, smollm2_llm):
+    """A ``fastllm serve`` server of the real SmolLM2 (``tests/openai_server.py``), one per test
+    module, with the session's tokenizer (reading it takes seconds); batch-invariant, so that a
+    seeded choice gets the same tokens whatever the batch it lands in."""
+    from fastllm import AsyncLLM
+    from openai_server import running_server
+
+    llm = AsyncLLM(smollm2_path, tokenizer=smollm2_llm.tokenizer, max_model_len=1024,
+                   kv_cache_memory=64 << 20, batch_invariant=True)
+    try:
+        with running_server(llm, "smollm2") as running:
+            yield running
+    finally:
+        llm.shutdown()
+
+
 @pytest.fixture(scope="session")
 def bench_run(tmp_path_factory: pytest.TempPathFactory):
     """``bench_run(name, args)`` -> ``(document, out)``: ``benchmarks/bench_{name}.py`` run with

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 from conftest import per_device
-from openai_server import running_server
+from openai_server import finished, running_server, wait_idle
 
 from fastllm import LLM, AsyncLLM, SamplingParams
 
@@ -114,26 +114,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     if param is not None:
         assert error["param"] == param, error
     return error
-
-
-def finished(server) -> dict[str, float]:
-    """The server's count of finished requests by reason (its /metrics)."""
-    counts = {"length": 0.0, "stop": 0.0, "abort": 0.0}
-    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
-        if line.startswith("fastllm_request_success_total{"):
-            reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
-            counts[reason] = float(line.rsplit(" ", 1)[1])
-    return counts
-
-
-def wait_idle(llm: AsyncLLM, seconds: float = 5.0) -> None:
-    """Until no request holds a KV block (fails after ``seconds``)."""
-    engine = llm.client.engine
-    deadline = time.monotonic() + seconds
-    while engine.num_running or engine.num_waiting or engine.kv_usage:
-        assert time.monotonic() < deadline, (engine.num_running, engine.num_waiting,
-                                             engine.kv_usage)
-        time.sleep(0.005)
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -459,19 +439,6 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
 
 
 # ---- chat with the real SmolLM2 ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_path, smollm2_llm):
-    # The session's tokenizer (reading it takes seconds); batch-invariant, so that a seeded
-    # choice gets the same tokens whatever the batch it lands in.
-    llm = AsyncLLM(smollm2_path, tokenizer=smollm2_llm.tokenizer, max_model_len=1024,
-                   kv_cache_memory=64 << 20, batch_invariant=True)
-    try:
-        with running_server(llm, "smollm2") as running:
-            yield running
-    finally:
-        llm.shutdown()
-
 
 def test_chat_answers_streamed_and_not(smollm2_server):
     client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)

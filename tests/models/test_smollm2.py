@@ -60,7 +60,8 @@ def test_the_command_line_chat(smollm2_path, llm, capsys, monkeypatch):
           "--max-tokens", "24", "--temperature", "0"])
     assert calls == [(str(smollm2_path), dict(dtype="float32", device="cpu", quantization=None,
                                                   kv_cache_dtype="auto",
-                                                  batch_invariant=False))]
+                                                  batch_invariant=False,
+                                                  tensor_parallel_size=1))]
     out = capsys.readouterr().out
     assert "Paris" in out, out
 

@@ -131,6 +131,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                              "folder name)")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template file overriding the tokenizer's")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the format the model writes tool calls in: hermes, llama3_json "
+                             "or mistral (default: picked from the chat template)")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="queued requests past which new ones get a 503")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20,
@@ -159,6 +162,7 @@ def _serve(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
         chat_template=(None if args.chat_template is None
                        else Path(args.chat_template).read_text(encoding="utf-8")),
         pooling=args.pooling)

@@ -132,7 +132,9 @@ class SamplingParams:
             cache.
         structured_outputs: constrain the output to a JSON schema, any JSON object, a regex,
             a list of choices or a grammar (:class:`StructuredOutputsParams`); None = free.
-        skip_special_tokens: leave special tokens out of the output's text (their ids stay).
+        skip_special_tokens: leave special tokens out of the output text, their ids kept (a
+            tool-call parser that reads a special marker such as Mistral's ``[TOOL_CALLS]``
+            turns it off).
     """
 
     temperature: float = 1.0
@@ -204,6 +206,8 @@ class SamplingParams:
              f"prompt_logprobs must be None or an int >= 0, got {self.prompt_logprobs!r}"),
             (all(isinstance(s, str) and s for s in self.stop),
              f"stop must hold non-empty strings, got {self.stop!r}"),
+            (isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"),
         ]
         for ok, message in checks:
             if not ok:

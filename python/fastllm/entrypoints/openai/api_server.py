@@ -4,10 +4,12 @@
     fastllm serve MODEL [--host 127.0.0.1] [--port 8000] [--api-key KEY]
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
-with server-sent events), ``GET /v1/models``, ``POST /v1/rerank`` (with a Qwen3-Reranker
-model), ``GET /health`` and ``GET /metrics`` (Prometheus). Errors are OpenAI's error JSON with
-the field at fault in ``param``. A client that disconnects aborts its requests, freeing their
-KV blocks at once.
+with server-sent events), ``POST /v1/responses`` (OpenAI's Responses API, stateless), ``POST
+/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API), ``GET
+/v1/models``, ``POST /v1/rerank`` (with a Qwen3-Reranker model), ``GET /health`` and ``GET
+/metrics`` (Prometheus). Errors are OpenAI's error JSON with the field at fault in ``param``
+(Anthropic's under ``/v1/messages``). A client that disconnects aborts its requests, freeing
+their KV blocks at once.
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastllm.entrypoints.async_llm import AsyncLLM
 from fastllm.entrypoints.openai import protocol as api
+from fastllm.entrypoints.openai import protocol_messages, protocol_responses
 from fastllm.entrypoints.openai.embeddings import EmbeddingServing
 from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.entrypoints.openai.rerank import RerankServing
-from fastllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingLimits
+from fastllm.entrypoints.openai.serving import (APIError, OpenAIServing, ServingLimits,
+                                                as_api_error)
+from fastllm.entrypoints.openai.serving_messages import MessagesServing
+from fastllm.entrypoints.openai.serving_responses import ResponsesServing
+from fastllm.entrypoints.openai.tool_parsers import PARSERS
 
 __all__ = ["ServerConfig", "build_app", "build_server"]
 
@@ -47,12 +54,15 @@ class ServerConfig:
 
     Attributes:
         host, port: where to listen; 127.0.0.1 unless told otherwise.
-        api_key: when set, ``/v1/*`` and ``/rerank`` need ``Authorization: Bearer KEY``.
+        api_key: when set, ``/v1/*`` and ``/rerank`` need ``Authorization: Bearer KEY``
+            (``/v1/messages`` takes Anthropic's ``x-api-key: KEY`` too).
         served_model_name: the model name clients use (default: the model path's name).
         max_waiting_requests: engine requests queued past which a call gets a 503.
         max_body_bytes: the largest request body (past it, a 413).
         chat_template: a Jinja chat template overriding the tokenizer's.
         pooling: how ``/v1/embeddings`` pools the final hidden states: "last" or "mean".
+        tool_call_parser: how tool calls are read from replies (``hermes``, ``llama3_json``,
+            ``mistral``); None picks it from the chat template.
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +73,7 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20
     chat_template: str | None = None
     pooling: str = "last"
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
@@ -73,20 +84,43 @@ class ServerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be an int in [0, 65536), got {self.port!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
 
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
-              "/v1/embeddings", "/v1/rerank", "/rerank"}
+              "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+              "/v1/rerank", "/rerank"}
 
 
 class _ClientDisconnected(Exception):
     pass
 
 
+def _union_member(part: str | int) -> bool:
+    """Whether a validation error's path part names a union's member (``str``,
+    ``list[TextPart]``, ``RerankDocument``) rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
+                                       or part[:1].isupper())
+
+
+def _anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def _error_body(path: str, error: APIError) -> dict[str, Any]:
+    """The error in the shape of the API ``path`` belongs to."""
+    if _anthropic(path):
+        return protocol_messages.error_body(error.status, error.message, error.param)
+    return error.body()
+
+
 def _json_error(status: int, message: str, type: str, param: str | None = None,
-                code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(APIError(status, message, param=param, type=type, code=code).body(),
-                        status_code=status, headers=headers)
+                code: str | None = None, headers: dict[str, str] | None = None,
+                path: str = "") -> JSONResponse:
+    error = APIError(status, message, param=param, type=type, code=code)
+    return JSONResponse(_error_body(path, error), status_code=status, headers=headers)
 
 
 class _Guard:
@@ -117,15 +151,18 @@ class _Guard:
     async def _handle(self, scope: dict, receive: Any, send: Any, path: str) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
-        if self.config.api_key is not None and (path.startswith("/v1") or path == "/rerank"):
-            if headers.get("authorization") != f"Bearer {self.config.api_key}":
-                await _json_error(401, "Incorrect or missing API key: send 'Authorization: "
-                                       "Bearer KEY'", "invalid_request_error",
-                                  code="invalid_api_key")(scope, receive, send)
+        key = self.config.api_key
+        if key is not None and (path.startswith("/v1") or path == "/rerank"):
+            if headers.get("authorization") != f"Bearer {key}" and not (
+                    _anthropic(path) and headers.get("x-api-key") == key):
+                also = " or 'x-api-key: KEY'" if _anthropic(path) else ""
+                await _json_error(401, f"Incorrect or missing API key: send 'Authorization: "
+                                       f"Bearer KEY'{also}", "invalid_request_error",
+                                  code="invalid_api_key", path=path)(scope, receive, send)
                 return
         limit = self.config.max_body_bytes
         too_large = _json_error(413, f"the request body exceeds {limit} bytes",
-                                "invalid_request_error", code="request_too_large")
+                                "invalid_request_error", code="request_too_large", path=path)
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await too_large(scope, receive, send)
@@ -182,13 +219,8 @@ async def _events(events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield event
-    except APIError as error:
-        yield f"data: {json.dumps(error.body())}\n\n"
     except Exception as error:  # the status line is sent: say it in the stream
-        logger.exception("a streamed request failed")
-        status, kind = ((400, "invalid_request_error") if isinstance(error, ValueError)
-                        else (500, "internal_server_error"))
-        yield f"data: {json.dumps(APIError(status, str(error), type=kind).body())}\n\n"
+        yield f"data: {json.dumps(as_api_error(error).body())}\n\n"
     finally:
         await events.aclose()
 
@@ -199,42 +231,51 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     metrics = ServerMetrics(engine, model_name)
     serving = OpenAIServing(llm, model_name, metrics,
                             ServingLimits(max_waiting_requests=config.max_waiting_requests),
-                            chat_template=config.chat_template)
+                            chat_template=config.chat_template,
+                            tool_call_parser=config.tool_call_parser)
     reranking = RerankServing(llm, model_name, serving)
     embedding = EmbeddingServing(llm, model_name, serving, config.pooling)
+    responding, messaging = ResponsesServing(serving), MessagesServing(serving)
     app = FastAPI(title="fastllm", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
         headers = {"Retry-After": "1"} if error.status == 503 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        return JSONResponse(_error_body(request.url.path, error), status_code=error.status,
+                            headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        # A union (a string or a list of parts) fails once per member: the error that went
+        # deepest says what is wrong, and its path names the members, which are no fields.
+        first = max(error.errors(), key=lambda e: len(e.get("loc", ())))
+        loc = [str(part) for part in first.get("loc", ())
+               if part != "body" and not _union_member(part)]
         if first.get("type") == "json_invalid":
             return _json_error(400, f"the body is not valid JSON: {first.get('msg')} "
                                     f"(at character {loc[-1] if loc else '?'})",
-                               "invalid_request_error")
+                               "invalid_request_error", path=request.url.path)
         param = ".".join(loc) or None
         return _json_error(400, f"{param or 'body'}: {first.get('msg')}",
-                           "invalid_request_error", param=param)
+                           "invalid_request_error", param=param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _json_error(error.status_code, str(error.detail), "invalid_request_error")
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return _json_error(error.status_code, str(error.detail), "invalid_request_error",
+                           path=request.url.path)
 
     @app.exception_handler(_ClientDisconnected)
     async def gone(_: Request, __: _ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(Exception)
-    async def failed(_: Request, error: Exception) -> JSONResponse:
+    async def failed(request: Request, error: Exception) -> JSONResponse:
+        path = request.url.path
         if isinstance(error, ValueError):  # a request the engine refused or failed alone
-            return _json_error(400, str(error), "invalid_request_error")
+            return _json_error(400, str(error), "invalid_request_error", path=path)
         logger.exception("request failed")
-        return _json_error(500, f"{type(error).__name__}: {error}", "internal_server_error")
+        return _json_error(500, f"{type(error).__name__}: {error}", "internal_server_error",
+                           path=path)
 
     def respond(result: Any) -> Response:
         if isinstance(result, BaseModel):
@@ -271,6 +312,21 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     async def embeddings(body: api.EmbeddingRequest, request: Request
                          ) -> api.EmbeddingResponse:
         return await _until_disconnected(request, embedding.embed(body))
+
+    @app.post("/v1/responses")
+    async def responses(body: protocol_responses.ResponsesRequest, request: Request) -> Response:
+        return respond(await responding.create(
+            body, lambda work: _until_disconnected(request, work)))
+
+    @app.post("/v1/messages")
+    async def messages(body: protocol_messages.MessagesRequest, request: Request) -> Response:
+        return respond(await messaging.create(
+            body, lambda work: _until_disconnected(request, work)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: protocol_messages.CountTokensRequest
+                           ) -> protocol_messages.CountTokensResponse:
+        return messaging.count_tokens(body)
 
     @app.post("/v1/rerank")
     @app.post("/rerank")

@@ -16,7 +16,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator,
+    model_validator)
 
 __all__ = [
     "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage",
@@ -157,11 +159,46 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallParam(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(BaseModel):
-    # Other fields (name, tool_call_id...) go to the chat template as they are.
+    # Other fields go to the chat template as they are.
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -170,7 +207,21 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. enable_thinking
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _tool_choice(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # The union's own error names its members ("tool_choice.literal[...]"): one plain one.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": '
+                             '"function", "function": {"name": ...}}') from None
 
 
 class TopLogprob(_Response):
@@ -187,9 +238,21 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -208,9 +271,24 @@ class ChatCompletionResponse(_Response):
     usage: Usage | None = None
 
 
+class FunctionCallDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Response):
+    """A piece of a streamed call: its first has the id and name, the rest arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,12 +22,16 @@ from fastllm.engine.outputs import Logprob, RequestOutput
 from fastllm.entrypoints.async_llm import AsyncLLM, StreamDelta
 from fastllm.entrypoints.openai import protocol as api
 from fastllm.entrypoints.openai.metrics import ServerMetrics
+from fastllm.entrypoints.openai.tool_parsers import (
+    PARSERS, ToolCallStream, ToolParser, detect_parser)
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
 from fastllm.tokenizer import IncrementalDetokenizer
 
-__all__ = ["APIError", "OpenAIServing"]
+__all__ = ["APIError", "OpenAIServing", "as_api_error", "count_usage", "merge_streams",
+           "named_event"]
 
 T = TypeVar("T")
+logger = logging.getLogger("fastllm")
 
 
 class APIError(Exception):
@@ -40,6 +46,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return api.ErrorResponse(error=api.ErrorInfo(
             message=self.message, type=self.type, param=self.param, code=self.code)).model_dump()
+
+    def renamed(self, params: Mapping[str, str]) -> APIError:
+        """This error with its field named as another API (Responses, Messages) names it."""
+        return APIError(self.status, self.message, param=params.get(self.param, self.param),
+                        type=self.type, code=self.code)
 
 
 @dataclass
@@ -58,12 +69,23 @@ class OpenAIServing:
     """Serves completions, chat completions and models for one :class:`AsyncLLM`."""
 
     def __init__(self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics,
-                 limits: ServingLimits, chat_template: str | None = None) -> None:
+                 limits: ServingLimits, chat_template: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: how replies to requests with tools are read (a name in
+        :data:`~fastllm.entrypoints.openai.tool_parsers.PARSERS`); None picks it from the chat
+        template's text, or leaves tool calling off when the template shows no known format."""
         self.llm, self.model_name, self.metrics, self.limits = llm, model_name, metrics, limits
         self.tokenizer = llm.client.tokenizer
         self.max_model_len = llm.client.max_model_len
         self.vocab_size = llm.client.vocab_size
         self.chat_template = chat_template
+        if tool_call_parser is None:
+            template = chat_template or self.tokenizer.chat_template or ""
+            if isinstance(template, dict):
+                template = template.get("tool_use") or template.get("default") or ""
+            tool_call_parser = detect_parser(template)
+        self.tool_parser: ToolParser | None = (
+            None if tool_call_parser is None else PARSERS[tool_call_parser](self.tokenizer))
 
     # ---- shared checks -----------------------------------------------------------------------
 
@@ -97,7 +119,8 @@ class OpenAIServing:
 
     def _sampling_params(self, req: api.ChatCompletionRequest | api.CompletionRequest,
                          max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         tool_use: _ToolUse | None = None) -> SamplingParams:
         logit_bias = {}
         for key, value in (req.logit_bias or {}).items():
             try:
@@ -116,8 +139,10 @@ class OpenAIServing:
                 stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-                structured_outputs=_structured_outputs(req.response_format))
+                structured_outputs=_structured_outputs(req.response_format)
+                if tool_use is None or tool_use.constraint is None else tool_use.constraint,
+                skip_special_tokens=req.skip_special_tokens and (
+                    tool_use is None or tool_use.parser.skip_special_tokens))
             params.check_vocab(self.vocab_size)
         except (TypeError, ValueError) as error:
             raise APIError(400, str(error), param=_field_named(str(error))) from None
@@ -174,9 +199,9 @@ class OpenAIServing:
         self.check_capacity(len(jobs))
         request_id = api.random_id("cmpl")
         if req.stream:
-            streams = await until_disconnected(self._open_streams(jobs))
+            streams = await until_disconnected(self.open_streams(jobs))
             return self._completion_events(request_id, req, echoes, streams)
-        outputs = await until_disconnected(self._generate(jobs))
+        outputs = await until_disconnected(self.generate(jobs))
         choices = []
         for i, (echo, out) in enumerate(zip(echoes, outputs)):
             logprobs = None
@@ -192,7 +217,7 @@ class OpenAIServing:
                                                 finish_reason=_finish_reason(out),
                                                 logprobs=logprobs))
         return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=_usage(outputs, req.n))
+                                      usage=count_usage(outputs, req.n))
 
     async def _completion_events(self, request_id: str, req: api.CompletionRequest,
                                  echoes: list[str], streams: list[_OpenStream]
@@ -202,7 +227,7 @@ class OpenAIServing:
         usage_field = {"usage": None} if include_usage else {}
         text_offsets: list[_TextOffsets | None] = [None] * len(streams)
         last: list[RequestOutput | None] = [None] * len(streams)
-        async for index, delta in _merge(streams):
+        async for index, delta in merge_streams(streams):
             last[index] = delta.output
             text, logprobs = delta.text, None
             if text_offsets[index] is None:  # the choice's first delta: the prompt is done
@@ -223,11 +248,11 @@ class OpenAIServing:
                         index=index, text=text, logprobs=logprobs,
                         finish_reason=_finish_reason(delta.output)
                         if delta.finish_reason is not None else None)])
-                yield _event(chunk, **({"usage": _usage(last, req.n).model_dump()}
+                yield _event(chunk, **({"usage": count_usage(last, req.n).model_dump()}
                                        if continuous else usage_field))
         if include_usage:
             yield _event(api.CompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                             usage=_usage(last, req.n)))
+                                             usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
     def _text_offsets(self, output: RequestOutput, echo: bool) -> _TextOffsets:
@@ -255,16 +280,31 @@ class OpenAIServing:
 
     # ---- chat --------------------------------------------------------------------------------
 
-    def chat_prompt(self, req: api.ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, req: api.ChatCompletionRequest,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's token ids: the messages (and ``tools``) through the chat template."""
         messages = []
-        for message in req.messages:
+        for i, message in enumerate(req.messages):
             fields = message.model_dump(exclude_none=True)
-            if isinstance(message.content, list):
-                fields["content"] = "".join(part.text for part in message.content)
+            # As vLLM: a null content (an assistant's message that only calls tools) is "",
+            # which templates can concatenate.
+            fields["content"] = ("".join(part.text for part in message.content)
+                                 if isinstance(message.content, list) else message.content or "")
+            for j, call in enumerate(fields.get("tool_calls", ())):
+                # As vLLM and HF: templates get the arguments as an object (Llama 3's writes
+                # them with tojson).
+                try:
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                except json.JSONDecodeError as error:
+                    raise APIError(400, f"a tool call's arguments are not JSON: {error}",
+                                   param=f"messages.{i}.tool_calls.{j}.function.arguments"
+                                   ) from None
             messages.append(fields)
         kwargs = dict(req.chat_template_kwargs or {})
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tokenize=True, **kwargs)
@@ -272,35 +312,125 @@ class OpenAIServing:
             raise APIError(400, f"the messages cannot be rendered with the chat template: "
                                 f"{error}", param="messages") from None
 
-    async def chat(self, req: api.ChatCompletionRequest,
-                   until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
-                   ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+    def chat_jobs(self, req: api.ChatCompletionRequest
+                  ) -> tuple[list[tuple[list[int], SamplingParams]], _ToolUse | None]:
+        """A chat request's engine requests (one per choice), and how its tools are used: its
+        model, prompt and sampling parameters checked, and room for them in the queue. The
+        Responses and Messages APIs build a chat request and come through here too."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        ids = self.chat_prompt(req)
+        tool_use = self._tool_use(req)
+        ids = self.chat_prompt(req, None if tool_use is None else tool_use.tools)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), "messages")
         top = req.top_logprobs or 0
-        params = self._sampling_params(req, max_tokens, top if req.logprobs else None)
+        params = self._sampling_params(req, max_tokens, top if req.logprobs else None,
+                                       tool_use=tool_use)
         jobs = [(ids, p) for p in self._choices(params, req.n)]
         self.check_capacity(len(jobs))
+        return jobs, tool_use
+
+    async def run_chat(self, req: api.ChatCompletionRequest,
+                       until_disconnected: Callable[[Awaitable[T]], Awaitable[T]],
+                       params: Mapping[str, str]) -> list[RequestOutput] | list[_OpenStream]:
+        """Runs a chat request another API built: its outputs, or with ``req.stream`` its open
+        streams (read them with :func:`merge_streams`); errors name that API's fields
+        (``params`` maps the chat request's names to them)."""
+        try:
+            jobs, _ = self.chat_jobs(req)
+            if req.stream:
+                return await until_disconnected(self.open_streams(jobs))
+            return await until_disconnected(self.generate(jobs))
+        except APIError as error:
+            raise error.renamed(params) from None
+
+    async def chat(self, req: api.ChatCompletionRequest,
+                   until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
+                   ) -> api.ChatCompletionResponse | AsyncIterator[str]:
+        jobs, tool_use = self.chat_jobs(req)
+        top = req.top_logprobs or 0
         request_id = api.random_id("chatcmpl")
+        # A constraint that does not compile is the tools' fault when they made it.
+        constraint_field = "response_format" if tool_use is None or \
+            tool_use.constraint is None else "tools"
         if req.stream:
-            streams = await until_disconnected(self._open_streams(jobs))
-            return self._chat_events(request_id, req, streams)
-        outputs = await until_disconnected(self._generate(jobs))
-        choices = [api.ChatChoice(
-            index=i, message=api.ChatMessage(content=out.outputs[0].text),
-            finish_reason=_finish_reason(out),
-            logprobs=self._chat_logprobs(out.outputs[0].logprobs, top) if req.logprobs else None)
-            for i, out in enumerate(outputs)]
+            streams = await until_disconnected(self.open_streams(jobs, constraint_field))
+            return self._chat_events(request_id, req, streams, tool_use)
+        outputs = await until_disconnected(self.generate(jobs, constraint_field))
+        choices = []
+        for i, out in enumerate(outputs):
+            text, calls = out.outputs[0].text, []
+            if tool_use is not None:
+                content, calls = tool_use.parser.parse(text)
+                text = (content or None) if calls else text
+            choices.append(api.ChatChoice(
+                index=i, message=api.ChatMessage(content=text, tool_calls=[
+                    api.ToolCall(id=call.id, function=api.FunctionCall(
+                        name=call.name, arguments=call.arguments)) for call in calls] or None),
+                finish_reason=_chat_finish_reason(out, bool(calls)),
+                logprobs=self._chat_logprobs(out.outputs[0].logprobs, top)
+                if req.logprobs else None))
         return api.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                          usage=_usage(outputs, req.n))
+                                          usage=count_usage(outputs, req.n))
+
+    def _tool_use(self, req: api.ChatCompletionRequest) -> _ToolUse | None:
+        """How the request's tools are used; None when the reply is plain text (no tools, or
+        ``tool_choice`` "none": then, as vLLM's ``--exclude-tools-when-tool-choice-none``,
+        the template does not show them)."""
+        choice = req.tool_choice
+        named = isinstance(choice, api.NamedToolChoice)
+        if not req.tools:
+            if named or choice == "required":
+                raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        if choice == "none":
+            return None
+        names = [tool.function.name for tool in req.tools]
+        if len(set(names)) < len(names):
+            raise APIError(400, f"tools must have distinct names, got {names}", param="tools")
+        if self.tool_parser is None:
+            raise APIError(400, "this server does not know how the model writes tool calls "
+                                "(its chat template shows no known format): start it with "
+                                f"--tool-call-parser, one of {sorted(PARSERS)}", param="tools")
+        if not self._template_renders_tools:
+            raise APIError(400, "this model's chat template does not render tools: start the "
+                                "server with a --chat-template that does", param="tools")
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools]
+        if named:
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names the function "
+                                    f"`{choice.function.name}`, which is not in tools "
+                                    f"{names}", param="tool_choice")
+            chosen, parallel = [tools[names.index(choice.function.name)]], False
+        elif choice == "required":
+            chosen, parallel = tools, req.parallel_tool_calls
+        else:
+            return _ToolUse(tools, self.tool_parser)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a tool_choice that "
+                                "forces a call", param="response_format")
+        return _ToolUse(tools, self.tool_parser, StructuredOutputsParams(
+            grammar=self.tool_parser.grammar(chosen, parallel)))
+
+    @functools.cached_property
+    def _template_renders_tools(self) -> bool:
+        """Whether the chat template shows a tool given to it (a probe's name appears)."""
+        probe = {"type": "function", "function": {
+            "name": "fastllm_probe_tool", "description": "probe",
+            "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[probe],
+                chat_template=self.chat_template)
+        except Exception:  # a template that cannot render this much shows no tools either
+            return False
+        return "fastllm_probe_tool" in text
 
     async def _chat_events(self, request_id: str, req: api.ChatCompletionRequest,
-                           streams: list[_OpenStream]) -> AsyncIterator[str]:
+                           streams: list[_OpenStream],
+                           tool_use: _ToolUse | None) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         usage_field = {"usage": None} if include_usage else {}
@@ -311,22 +441,36 @@ class OpenAIServing:
                     index=index, delta=api.DeltaMessage(role="assistant", content=""))]),
                 **usage_field)
         last: list[RequestOutput | None] = [None] * len(streams)
-        async for index, delta in _merge(streams):
+        readers: list[ToolCallStream | None] = [
+            None if tool_use is None else tool_use.parser.stream() for _ in streams]
+        async for index, delta in merge_streams(streams):
             last[index] = delta.output
             logprobs = (self._chat_logprobs(delta.logprobs, top)
                         if req.logprobs and delta.logprobs else None)
-            if delta.text or logprobs is not None or delta.finish_reason is not None:
+            finished = delta.finish_reason is not None
+            reader = readers[index]
+            content, pieces = (delta.text, []) if reader is None else \
+                reader.feed(delta.text, final=finished)
+            tool_calls = [api.ToolCallDelta(
+                index=piece.index, id=piece.id, type=None if piece.id is None else "function",
+                function=api.FunctionCallDelta(
+                    name=piece.name,
+                    arguments=piece.arguments if piece.arguments or piece.id else None))
+                for piece in pieces]
+            if content or tool_calls or logprobs is not None or finished:
                 yield _event(api.ChatCompletionChunk(
                     id=request_id, model=self.model_name, choices=[api.ChatChunkChoice(
                         index=index, logprobs=logprobs,
-                        delta=api.DeltaMessage(content=delta.text or None),
-                        finish_reason=_finish_reason(delta.output)
-                        if delta.finish_reason is not None else None)]),
-                    **({"usage": _usage(last, req.n).model_dump()} if continuous
+                        delta=api.DeltaMessage(content=content or None,
+                                               tool_calls=tool_calls or None),
+                        finish_reason=_chat_finish_reason(
+                            delta.output, reader is not None and bool(reader.calls))
+                        if finished else None)]),
+                    **({"usage": count_usage(last, req.n).model_dump()} if continuous
                        else usage_field))
         if include_usage:
             yield _event(api.ChatCompletionChunk(id=request_id, model=self.model_name,
-                                                 choices=[], usage=_usage(last, req.n)))
+                                                 choices=[], usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
     def _chat_logprobs(self, entries: list[dict[int, Logprob]] | None,
@@ -349,9 +493,10 @@ class OpenAIServing:
 
     # ---- running the engine requests ---------------------------------------------------------
 
-    async def _generate(self, jobs: list[tuple[list[int], SamplingParams]]
-                        ) -> list[RequestOutput]:
-        """Every job's finished output; the first failure cancels (aborts) the others."""
+    async def generate(self, jobs: list[tuple[list[int], SamplingParams]],
+                       constraint_field: str = "response_format") -> list[RequestOutput]:
+        """Every job's finished output; the first failure cancels (aborts) the others.
+        ``constraint_field``: the request field a constraint that fails to compile came from."""
         tasks = [asyncio.ensure_future(self.llm.generate({"prompt_token_ids": ids}, params))
                  for ids, params in jobs]
         try:
@@ -361,13 +506,13 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.metrics.aborted(sum(task.cancelled() for task in tasks))
-            raise _refused(error) from error
+            raise _refused(error, constraint_field) from error
         for output in outputs:
             self.metrics.observe(output)
         return outputs
 
-    async def _open_streams(self, jobs: list[tuple[list[int], SamplingParams]]
-                            ) -> list[_OpenStream]:
+    async def open_streams(self, jobs: list[tuple[list[int], SamplingParams]],
+                           constraint_field: str = "response_format") -> list[_OpenStream]:
         """Starts every job's stream and waits for its first update, so that a request the
         engine refuses is an error before the response starts."""
         streams = [_OpenStream(self.llm.stream_outputs({"prompt_token_ids": ids}, params),
@@ -376,7 +521,7 @@ class OpenAIServing:
             await asyncio.gather(*(stream.start() for stream in streams))
         except BaseException as error:
             await asyncio.gather(*(stream.close() for stream in streams), return_exceptions=True)
-            raise _refused(error) from error
+            raise _refused(error, constraint_field) from error
         return streams
 
 
@@ -424,7 +569,7 @@ class _OpenStream:
             await self.close()
 
 
-async def _merge(streams: list[_OpenStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
+async def merge_streams(streams: list[_OpenStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
     """The streams' deltas as they come, tagged with the stream's index; closing this closes
     (aborts) every stream."""
     if len(streams) == 1:
@@ -471,13 +616,25 @@ def _structured_outputs(response_format: api.ResponseFormat | None
     return StructuredOutputsParams(json=response_format.json_schema.json_schema)
 
 
-def _refused(error: BaseException) -> BaseException:
+def _refused(error: BaseException, constraint_field: str) -> BaseException:
     """A ValueError of the engine (a constraint that does not compile, a request that failed
     on its own logits) as a 400; anything else as it is."""
     if not isinstance(error, ValueError):
         return error
-    param = "response_format" if "structured output" in str(error) else None
+    param = constraint_field if "structured output" in str(error) else None
     return APIError(400, str(error), param=param)
+
+
+def as_api_error(error: Exception) -> APIError:
+    """What to tell a client whose streamed response failed after it started: the error itself
+    when it is an APIError, a 400 for a ValueError (a request the engine refused or failed
+    alone), else a 500 (logged)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    logger.exception("a streamed request failed")
+    return APIError(500, str(error), type="internal_server_error")
 
 
 def _field_named(message: str) -> str | None:
@@ -491,7 +648,23 @@ def _finish_reason(output: RequestOutput | None) -> str | None:
     return None if output is None else output.outputs[0].finish_reason
 
 
-def _usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:
+def _chat_finish_reason(output: RequestOutput | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself after calling tools."""
+    reason = _finish_reason(output)
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+@dataclass
+class _ToolUse:
+    """A chat request's tools at work: shown to the template, read from the reply by
+    ``parser``, and, when a call is forced, enforced by ``constraint``."""
+
+    tools: list[dict[str, Any]]
+    parser: ToolParser
+    constraint: StructuredOutputsParams | None = None
+
+
+def count_usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:
     """Prompt tokens once per prompt (a prompt's n choices share it), output tokens of all."""
     done = [o for o in outputs if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in done[::n])
@@ -504,3 +677,9 @@ def _event(chunk: api.CompletionChunk | api.ChatCompletionChunk, **extra: Any) -
     body = chunk.model_dump(exclude_none=True)
     body.update(extra)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def named_event(name: str, body: dict[str, Any]) -> str:
+    """A server-sent event with an ``event:`` line, as the Responses and Messages APIs send
+    them (their SDKs dispatch on the name; the body repeats it as ``type``)."""
+    return f"event: {name}\ndata: {json.dumps({'type': name, **body}, ensure_ascii=False)}\n\n"

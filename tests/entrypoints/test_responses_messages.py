@@ -1,0 +1,310 @@
+"""OpenAI's Responses API (``/v1/responses``) and Anthropic's Messages API (``/v1/messages``)
+end to end: a real server driven with the official ``openai`` and ``anthropic`` SDKs, their
+texts checked against the chat completions endpoint's for the same conversation (greedy,
+batch-invariant: equal to the character), streamed (the events in order, joined deltas) and
+not; the stop reasons, structured output, each API's error shape naming the field, the API key
+as ``x-api-key`` and disconnects that abort. stories260K (given a chat template: it has none)
+where the mechanics matter, the real SmolLM2 where real answers do."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai_server import finished, running_server, wait_idle
+
+from fastllm import AsyncLLM
+
+API_KEY = "sk-test"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+SYSTEM, USER = "Be kind.", "Tell me a story."
+CONVERSATION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+GREEDY = {"temperature": 0}
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    llm = AsyncLLM(model_path("stories260K_hf"), max_model_len=512, batch_invariant=True)
+    try:
+        with running_server(llm, "stories", api_key=API_KEY, chat_template=TEMPLATE) as running:
+            yield running
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gpt(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+
+
+def chat_completion(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int):
+    """The chat completions endpoint's greedy answer."""
+    return client.chat.completions.create(model=model, messages=messages,
+                                          max_completion_tokens=max_tokens, **GREEDY)
+
+
+def post(server, path: str, body: dict, **headers: str) -> httpx.Response:
+    return httpx.post(server.v1 + path, json=body,
+                      headers=headers or {"Authorization": f"Bearer {API_KEY}"})
+
+
+# ---- /v1/responses -----------------------------------------------------------------------------
+
+def test_a_response_is_the_chat_completion_streamed_and_not(gpt):
+    chat = chat_completion(gpt, "stories", CONVERSATION, 24)
+    text = chat.choices[0].message.content
+    got = gpt.responses.create(model="stories", instructions=SYSTEM, input=USER,
+                               max_output_tokens=24, **GREEDY)
+    assert got.output_text == text
+    assert got.id.startswith("resp_") and got.object == "response" and got.model == "stories"
+    assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
+    message, = got.output
+    assert (message.type, message.role, message.status) == ("message", "assistant",
+                                                            "incomplete")
+    assert [part.type for part in message.content] == ["output_text"]
+    assert (got.usage.input_tokens, got.usage.output_tokens, got.usage.total_tokens) == (
+        chat.usage.prompt_tokens, 24, chat.usage.prompt_tokens + 24)
+    # The same conversation as input items: the system message and text parts.
+    items = gpt.responses.create(model="stories", max_output_tokens=24, **GREEDY, input=[
+        {"role": "system", "content": SYSTEM},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": USER}]}])
+    assert items.output_text == text
+
+    events = list(gpt.responses.create(model="stories", instructions=SYSTEM, input=USER,
+                                       max_output_tokens=24, stream=True, **GREEDY))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert [event.type for event in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert "".join(deltas) == text and events[-4].text == text
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.output_text == text
+    assert final.usage.output_tokens == 24
+    assert events[0].response.status == "in_progress"
+    assert events[2].item.id == events[-2].item.id and events[-2].item.status == "incomplete"
+
+
+def test_a_completed_response_through_the_sdks_stream_helper(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    brief = "Answer in one sentence."
+    chat = chat_completion(client, "smollm2", [{"role": "system", "content": brief},
+                                               *question], 40)
+    kwargs = dict(model="smollm2", instructions=brief, input=question,
+                  max_output_tokens=40, **GREEDY)
+    got = client.responses.create(**kwargs)
+    assert got.status == "completed" and got.incomplete_details is None
+    assert got.output_text == chat.choices[0].message.content and "Paris" in got.output_text
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == got.output_text
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (got.usage.input_tokens,
+                                                                      got.usage.output_tokens)
+
+    # A second turn with the first answer fed back as it came.
+    follow = [*question, got.output[0].model_dump(exclude_none=True),
+              {"role": "user", "content": "And of Germany?"}]
+    again = client.responses.create(model="smollm2", input=follow, max_output_tokens=40,
+                                    **GREEDY)
+    assert again.output_text == chat_completion(client, "smollm2", [
+        *question, {"role": "assistant", "content": got.output_text},
+        {"role": "user", "content": "And of Germany?"}], 40).choices[0].message.content
+
+
+def test_json_schema_output_in_both_apis_validates(smollm2_server):
+    client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
+    got = client.responses.create(
+        model="smollm2", input="Describe a person as JSON.", max_output_tokens=60, **GREEDY,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                         "strict": True}})
+    jsonschema.validate(json.loads(got.output_text), PERSON)
+    assert got.text.format.type == "json_schema"
+    claude = anthropic.Anthropic(base_url=smollm2_server.base_url, api_key="none",
+                                 max_retries=0)
+    message = claude.messages.create(
+        model="smollm2", max_tokens=60, extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": PERSON}})
+    jsonschema.validate(json.loads(message.content[0].text), PERSON)
+
+
+# ---- /v1/messages ------------------------------------------------------------------------------
+
+def test_a_message_is_the_chat_completion_streamed_and_not(gpt, claude):
+    chat = chat_completion(gpt, "stories", CONVERSATION, 24)
+    text = chat.choices[0].message.content
+    kwargs = dict(model="stories", max_tokens=24, system=SYSTEM, extra_body=GREEDY,
+                  messages=[{"role": "user", "content": USER}])
+    got = claude.messages.create(**kwargs)
+    assert got.id.startswith("msg_") and (got.type, got.role, got.model) == (
+        "message", "assistant", "stories")
+    assert [(block.type, block.text) for block in got.content] == [("text", text)]
+    assert (got.stop_reason, got.stop_sequence) == ("max_tokens", None)
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (chat.usage.prompt_tokens, 24)
+    blocks = claude.messages.create(**{**kwargs, "system": [{"type": "text", "text": SYSTEM}],
+                                       "messages": [{"role": "user", "content": [
+                                           {"type": "text", "text": USER}]}]})
+    assert blocks.content[0].text == text
+    counted = claude.messages.count_tokens(model="stories", system=SYSTEM,
+                                           messages=kwargs["messages"])
+    assert counted.input_tokens == chat.usage.prompt_tokens
+
+    events = list(claude.messages.create(**kwargs, stream=True))
+    deltas = [event.delta.text for event in events if event.type == "content_block_delta"]
+    assert [event.type for event in events] == [
+        "message_start", "content_block_start", *["content_block_delta"] * len(deltas),
+        "content_block_stop", "message_delta", "message_stop"]
+    assert "".join(deltas) == text
+    assert events[0].message.usage.input_tokens == chat.usage.prompt_tokens
+    assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 24
+    with claude.messages.stream(**kwargs) as stream:
+        assert "".join(stream.text_stream) == text
+        final = stream.get_final_message()
+    assert final.content[0].text == text and final.stop_reason == "max_tokens"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                      24)
+
+
+def test_stop_sequences_end_the_message_and_are_named(claude):
+    kwargs = dict(model="stories", max_tokens=40, extra_body=GREEDY,
+                  messages=[{"role": "user", "content": USER}])
+    free = claude.messages.create(**kwargs).content[0].text
+    stop = free.split()[4]  # a word the greedy text holds
+    got = claude.messages.create(**kwargs, stop_sequences=["zzzz", stop])
+    assert got.content[0].text == free[:free.index(stop)]
+    assert (got.stop_reason, got.stop_sequence) == ("stop_sequence", stop)
+    with claude.messages.stream(**kwargs, stop_sequences=["zzzz", stop]) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == got.content[0].text
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_a_message_that_ends_its_turn(smollm2_server):
+    claude = anthropic.Anthropic(base_url=smollm2_server.base_url, api_key="none",
+                                 max_retries=0)
+    gpt = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    got = claude.messages.create(model="smollm2", max_tokens=40, messages=question,
+                                 extra_body=GREEDY)
+    assert got.stop_reason == "end_turn" and "Paris" in got.content[0].text
+    chat = chat_completion(gpt, "smollm2", question, 40)
+    assert got.content[0].text == chat.choices[0].message.content
+
+
+# ---- errors and the API key --------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "store": True}, "store"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 600}, "max_output_tokens"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]},
+     "input.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input.0.content.0.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x",
+                                        "schema": {"type": "nonsense"}}}}, "text.format"),
+    ({}, "input"),
+])
+def test_bad_responses_requests_name_the_field(server, body, param):
+    response = post(server, "/responses", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"model": None}, "model"),
+    ({"max_tokens": None}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 600}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+     "messages"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
+     "output_config.format"),
+])
+def test_bad_messages_requests_name_the_field_in_anthropics_shape(server, body, field):
+    body = {"model": "stories", "max_tokens": 5,
+            "messages": [{"role": "user", "content": "x"}], **body}
+    body = {key: value for key, value in body.items() if value is not None}  # None: left out
+    response = post(server, "/messages", body, **{"x-api-key": API_KEY})
+    assert response.status_code == 400, response.text
+    got = response.json()
+    assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
+    assert got["error"]["message"].startswith(f"{field}: "), got
+
+
+def test_an_unknown_model_and_the_api_key_in_each_apis_shape(server, claude):
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        claude.messages.create(model="claude-x", max_tokens=5,
+                               messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    wrong = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model="stories", max_tokens=5,
+                              messages=[{"role": "user", "content": "x"}])
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "authentication_error", "message": caught.value.body["error"]["message"]}}
+    body = {"model": "stories", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    assert post(server, "/messages", body).status_code == 200  # the Bearer header works too
+    counted = post(server, "/messages/count_tokens", {"model": "stories", "messages": [
+        {"role": "user", "content": "x"}]}, **{"x-api-key": API_KEY})
+    assert counted.json()["input_tokens"] > 0
+    refused = post(server, "/responses", {"input": "x"}, **{"x-api-key": API_KEY})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0).responses.create(
+            model="gpt-x", input="x")
+
+
+# ---- disconnects -------------------------------------------------------------------------------
+
+def test_clients_that_disconnect_abort_their_requests(smollm2_server):
+    """A streamed message read for its first events, a response not waited for: both requests
+    are aborted. SmolLM2 (tokens take milliseconds here, not microseconds as stories260K's), so
+    that neither can finish before its client leaves."""
+    story = [{"role": "user", "content": "Tell me a long story."}]
+    before = finished(smollm2_server)
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", smollm2_server.v1 + "/messages", json={
+                "model": "smollm2", "max_tokens": 400, "messages": story, "stream": True}) \
+                as response:
+            lines = response.iter_lines()
+            while "content_block_delta" not in next(lines):
+                pass
+    wait_idle(smollm2_server.llm)
+    assert finished(smollm2_server)["abort"] - before["abort"] == 1
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(smollm2_server.v1 + "/responses", json={
+            "model": "smollm2", "input": story, "max_output_tokens": 900},
+            timeout=httpx.Timeout(30, read=0.5))
+    wait_idle(smollm2_server.llm)
+    assert finished(smollm2_server)["abort"] - before["abort"] == 2
