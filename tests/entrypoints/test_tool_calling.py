@@ -313,6 +313,20 @@ def test_langchain_structured_output_by_function_calling(server):
     assert isinstance(person, Person)
 
 
+def test_instructor_tools_mode(server):
+    """instructor's Mode.TOOLS: the model is called as a named function (here forced by the
+    grammar), and its arguments validate as the pydantic model."""
+    import instructor
+
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0),
+        mode=instructor.Mode.TOOLS)
+    person = client.chat.completions.create(
+        model=MODEL, response_model=Person, max_retries=0, max_tokens=200, seed=1,
+        messages=[{"role": "user", "content": "Invent a person."}])
+    assert isinstance(person, Person)
+
+
 def test_openai_agents_function_tool(server):
     from agents import (
         Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
