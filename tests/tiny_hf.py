@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -37,4 +38,18 @@ def random_hf_model(model_type: str, seed: int, **config) -> transformers.PreTra
 def save_hf_model(hf: transformers.PreTrainedModel, folder: Path) -> Path:
     """Writes config.json (with "architectures") and model.safetensors into ``folder``."""
     hf.save_pretrained(folder)
+    return folder
+
+
+def tiny_qwen3_folder(folder: Path, tokenizer_dir: Path, seed: int, **config) -> Path:
+    """A tiny random Qwen3 (2 layers, hidden 64, 4 query and 2 KV heads of 16; ``config``
+    overrides) over the real Qwen3 tokenizer's 151,936-token vocabulary, its tokenizer files
+    (and chat template) copied in: a model whose template renders tools, and that HF's
+    tokenizer reads."""
+    shape = dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=2048, tie_word_embeddings=True)
+    save_hf_model(random_hf_model("qwen3", seed, **{**shape, **config}), folder)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, folder)
     return folder

@@ -5,11 +5,10 @@ logprobs ``LLM`` computes in process for the same tokens."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from openai_server import running_server
-from tiny_hf import random_hf_model, save_hf_model
+from tiny_hf import tiny_qwen3_folder
 
 from fastllm import LLM, AsyncLLM, SamplingParams
 
@@ -39,14 +38,10 @@ metric_list:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, model_path):
     """A tiny random Qwen3 over the real Qwen3 tokenizer (lm-eval tokenizes with HF's)."""
-    hf = random_hf_model("qwen3", seed=5, vocab_size=151936, hidden_size=32,
-                         intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp("qwen3_lm_eval"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_path("qwen3_tokenizer") / name, folder / name)
-    return folder
+    return tiny_qwen3_folder(tmp_path_factory.mktemp("qwen3_lm_eval"),
+                             model_path("qwen3_tokenizer"), seed=5, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, max_position_embeddings=512)
 
 
 def test_multiple_choice_scores_are_the_prompt_logprobs(folder, tmp_path):

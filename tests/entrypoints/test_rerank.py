@@ -6,7 +6,6 @@ Reranker and of the server's endpoint) are checked on each device present, HF on
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import torch
 import transformers
 from conftest import per_device
 from openai_server import running_server
-from tiny_hf import random_hf_model, save_hf_model
+from tiny_hf import tiny_qwen3_folder
 
 import fastllm
 from fastllm import Reranker
@@ -29,14 +28,8 @@ TOLERANCE = 1e-5  # scores in [0, 1], float32 on any device against HF's on the 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, model_path):
-    hf = random_hf_model("qwen3", seed=0, vocab_size=151936, hidden_size=64,
-                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                         tie_word_embeddings=True)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp("reranker"))
-    for file in model_path("qwen3_tokenizer").iterdir():
-        shutil.copy(file, folder)
-    return folder
+    return tiny_qwen3_folder(tmp_path_factory.mktemp("reranker"),
+                             model_path("qwen3_tokenizer"), seed=0, max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")

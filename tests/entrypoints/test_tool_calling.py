@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from typing import Literal
 
 import httpx
@@ -21,7 +20,7 @@ import pytest
 import transformers
 from openai_server import running_server
 from pydantic import BaseModel, ConfigDict, Field
-from tiny_hf import random_hf_model, save_hf_model
+from tiny_hf import tiny_qwen3_folder
 
 from fastllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
 from fastllm.entrypoints.cli import main
@@ -49,14 +48,8 @@ NO_TOOLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, model_path):
-    hf = random_hf_model("qwen3", seed=0, vocab_size=151936, hidden_size=64,
-                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
-                         tie_word_embeddings=True)
-    folder = save_hf_model(hf, tmp_path_factory.mktemp("qwen3"))
-    for file in model_path("qwen3_tokenizer").iterdir():
-        shutil.copy(file, folder)
-    return folder
+    return tiny_qwen3_folder(tmp_path_factory.mktemp("qwen3"), model_path("qwen3_tokenizer"),
+                             seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -234,6 +234,7 @@ class Engine:
         self.stats.preemptions = self.scheduler.num_preemptions
         if step is None:
             return []
+        step.started = started
         updated: list[Request] = []
         with torch.inference_mode(), ops.batch_invariant(self.config.batch_invariant):
             parts = self._execute(step, updated)

@@ -96,6 +96,9 @@ class SchedulerOutput:
         grammar_bitmask: int32 ``[n, words]`` the allowed tokens of each constrained request
             in ``constrained_request_ids`` (its row of this step), or None.
         constrained_request_ids: the requests ``grammar_bitmask``'s rows belong to.
+        started: when the engine began the step (``time.perf_counter()`` in the process that
+            samples; 0 unknown): speculative decoding's step costs count the scheduling too,
+            as a step costs its caller.
     """
 
     sequences: list[ScheduledSequence]
@@ -107,6 +110,7 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Tensor | None = None
     constrained_request_ids: list[str] = field(default_factory=list)
+    started: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -118,7 +118,7 @@ class Worker:
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Runs the step; without ``samples``, the model alone (its output is empty)."""
-        started = time.perf_counter()
+        started = step.started or time.perf_counter()
         self._update_requests(step)
         output = ModelRunnerOutput()
         if not step.sequences:

@@ -156,7 +156,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from fastllm import AsyncLLM
-    from fastllm.entrypoints.openai.api_server import ServerConfig, build_server
+    try:
+        from fastllm.entrypoints.openai.api_server import ServerConfig, build_server
+    except ModuleNotFoundError as error:
+        raise OSError(f"fastllm serve needs the server's packages ({error.name} is missing): "
+                      "pip install 'fastllm[server]'") from None
 
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
