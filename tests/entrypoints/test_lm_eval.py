@@ -57,7 +57,8 @@ def test_multiple_choice_scores_are_the_prompt_logprobs(folder, tmp_path):
                            "tokenizer_backend=huggingface,tokenized_requests=True,"
                            "num_concurrent=1,max_retries=1",
                 tasks=["tiny_mc"], log_samples=True,
-                task_manager=lm_eval.tasks.TaskManager(include_path=str(tmp_path)))
+                task_manager=lm_eval.tasks.TaskManager(include_path=str(tmp_path),
+                                                       include_defaults=False))
     finally:
         llm.shutdown()
     samples = results["samples"]["tiny_mc"]
