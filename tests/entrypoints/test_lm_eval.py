@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 
+import lm_eval
+import lm_eval.api.registry
+import lm_eval.tasks
 import pytest
 from openai_server import running_server
 from tiny_hf import tiny_qwen3_folder
 
 from fastllm import LLM, AsyncLLM, SamplingParams
-
-lm_eval = pytest.importorskip("lm_eval")
 
 QUESTIONS = [
     {"question": "The sky is", "choices": [" blue", " green", " a loud noise"], "answer": 0},
