@@ -1,5 +1,6 @@
 #include "decoder/decoder_bindings.h"
 
+#include <cmath>
 #include <tuple>
 
 #include <pybind11/stl.h>
@@ -36,15 +37,34 @@ struct DecoderLayers {
 }  // namespace
 
 void bind_decoder(py::module_& m) {
+  py::class_<Experts>(m, "Experts",
+                      "A layer's mixture-of-experts MLP (see fastllm.ops.ExpertWeights).")
+      .def(py::init([](const std::vector<PartTuple>& router, at::Tensor gate_up, at::Tensor down,
+                       std::optional<int64_t> gate_up_type, std::optional<int64_t> down_type,
+                       int64_t top_k, bool renormalize) {
+             TORCH_CHECK_VALUE(top_k > 0, "top_k must be positive, got ", top_k);
+             return Experts{to_projection(router, "router"), std::move(gate_up),
+                            std::move(down), gate_up_type, down_type, top_k, renormalize};
+           }),
+           py::kw_only(), py::arg("router"), py::arg("gate_up"), py::arg("down"),
+           py::arg("gate_up_type"), py::arg("down_type"), py::arg("top_k"),
+           py::arg("renormalize"));
+
   py::class_<DecoderLayer>(m, "DecoderLayer",
-                           "One pre-norm decoder layer's weights and shape (see "
+                           "One decoder layer's weights and shape (see "
                            "fastllm.ops.DecoderLayers).")
-      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
+      .def(py::init([](std::optional<at::Tensor> input_norm,
+                       std::optional<at::Tensor> post_attention_norm,
+                       std::optional<at::Tensor> pre_feedforward_norm,
+                       std::optional<at::Tensor> post_feedforward_norm,
                        const std::vector<PartTuple>& qkv, const std::vector<PartTuple>& o,
-                       const std::vector<PartTuple>& gate_up, const std::vector<PartTuple>& down,
+                       const std::optional<std::vector<PartTuple>>& gate_up,
+                       const std::optional<std::vector<PartTuple>>& down,
+                       std::optional<Experts> experts, int64_t activation,
                        std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                       int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps,
-                       bool use_rope, int64_t window_left) {
+                       bool qk_norm_per_head, int64_t n_heads, int64_t n_kv_heads,
+                       int64_t head_dim, double eps, bool use_rope, int64_t rope_table,
+                       int64_t window_left, std::optional<double> scale, double softcap) {
              TORCH_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(),
                                "q_norm and k_norm come together");
              TORCH_CHECK_VALUE(n_heads > 0 && n_kv_heads > 0 && head_dim > 0 &&
@@ -52,16 +72,36 @@ void bind_decoder(py::module_& m) {
                                "n_heads, n_kv_heads and head_dim must be positive with n_heads a "
                                "multiple of n_kv_heads, got ", n_heads, ", ", n_kv_heads, ", ",
                                head_dim);
+             TORCH_CHECK_VALUE(experts.has_value() != (gate_up.has_value() && down.has_value()) &&
+                                   gate_up.has_value() == down.has_value(),
+                               "a layer has either gate_up and down or experts");
+             TORCH_CHECK_VALUE(activation == int64_t(Activation::kSilu) ||
+                                   activation == int64_t(Activation::kGeluTanh),
+                               "activation must be 0 (silu) or 1 (gelu_tanh), got ", activation);
+             TORCH_CHECK_VALUE(rope_table >= 0, "rope_table must be >= 0, got ", rope_table);
+             TORCH_CHECK_VALUE(softcap >= 0 && std::isfinite(softcap),
+                               "softcap must be finite and >= 0, got ", softcap);
+             std::optional<Projection> gate_up_projection, down_projection;
+             if (gate_up.has_value()) {
+               gate_up_projection = to_projection(*gate_up, "gate_up");
+               down_projection = to_projection(*down, "down");
+             }
              return DecoderLayer{std::move(input_norm), std::move(post_attention_norm),
-                                 std::move(q_norm), std::move(k_norm),
-                                 to_projection(qkv, "qkv"), to_projection(o, "o"),
-                                 to_projection(gate_up, "gate_up"), to_projection(down, "down"),
-                                 n_heads, n_kv_heads, head_dim, eps, use_rope, window_left};
+                                 std::move(pre_feedforward_norm),
+                                 std::move(post_feedforward_norm), std::move(q_norm),
+                                 std::move(k_norm), qk_norm_per_head, to_projection(qkv, "qkv"),
+                                 to_projection(o, "o"), std::move(gate_up_projection),
+                                 std::move(down_projection), std::move(experts),
+                                 Activation(activation), n_heads, n_kv_heads, head_dim, eps,
+                                 use_rope, rope_table, window_left, scale, softcap};
            }),
-           py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("qkv"),
-           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("q_norm"),
-           py::arg("k_norm"), py::arg("n_heads"), py::arg("n_kv_heads"), py::arg("head_dim"),
-           py::arg("eps"), py::arg("use_rope"), py::arg("window_left"));
+           py::kw_only(), py::arg("input_norm"), py::arg("post_attention_norm"),
+           py::arg("pre_feedforward_norm"), py::arg("post_feedforward_norm"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("experts"),
+           py::arg("activation"), py::arg("q_norm"), py::arg("k_norm"),
+           py::arg("qk_norm_per_head"), py::arg("n_heads"), py::arg("n_kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("use_rope"), py::arg("rope_table"),
+           py::arg("window_left"), py::arg("scale"), py::arg("softcap"));
 
   py::class_<DecoderLayers>(m, "DecoderLayers",
                                          "Decoder layers run back to back (see "
@@ -80,12 +120,16 @@ void bind_decoder(py::module_& m) {
              std::optional<at::Tensor> residual, at::Tensor positions, at::Tensor cu_seqlens_q,
              int64_t max_seqlen_q, at::Tensor seq_lens, at::Tensor block_tables,
              at::Tensor slot_mapping, bool keys_are_new, at::Tensor k_cache, at::Tensor v_cache,
-             at::Tensor cos_sin_cache, bool pre_rope) {
+             std::vector<at::Tensor> cos_sin_caches, bool pre_rope) {
+            for (const DecoderLayer& layer : self.layers)
+              TORCH_CHECK_VALUE(!layer.use_rope || layer.rope_table < int64_t(cos_sin_caches.size()),
+                                "a layer rotates with RoPE table ", layer.rope_table, " but ",
+                                cos_sin_caches.size(), " table(s) were given");
             const DecoderStep step{std::move(positions), std::move(cu_seqlens_q),
                                    std::move(seq_lens), std::move(block_tables),
                                    std::move(slot_mapping), max_seqlen_q, keys_are_new,
                                    std::move(k_cache), std::move(v_cache),
-                                   std::move(cos_sin_cache), pre_rope};
+                                   std::move(cos_sin_caches), pre_rope};
             // Other Python threads (an asyncio server's loop) run while the layers do.
             py::gil_scoped_release release;
             return run_decoder_layers(self.layers, std::move(x), std::move(residual), step,
@@ -94,7 +138,7 @@ void bind_decoder(py::module_& m) {
           py::arg("x"), py::arg("residual"), py::arg("positions"), py::arg("cu_seqlens_q"),
           py::arg("max_seqlen_q"), py::arg("seq_lens"), py::arg("block_tables"),
           py::arg("slot_mapping"), py::arg("keys_are_new"), py::arg("k_cache"),
-          py::arg("v_cache"), py::arg("cos_sin_cache"), py::arg("pre_rope"));
+          py::arg("v_cache"), py::arg("cos_sin_caches"), py::arg("pre_rope"));
 }
 
 }  // namespace fastllm

@@ -93,8 +93,8 @@ def test_random_model_has_its_scales_and_its_tokenizer(random_q8_0: Path,
     llm = fastllm.LLM(random_q8_0, max_model_len=32)
     config = llm.model.config
     assert (config.num_layers, config.hidden_size, config.intermediate_size, config.n_heads,
-            config.n_kv_heads, config.head_dim, config.qk_norm, config.vocab_size,
-            config.tie_word_embeddings) == (2, 64, 72, 2, 1, 32, True, 3328, False)
+            config.n_kv_heads, config.head_dim, config.family.qk_norm, config.vocab_size,
+            config.tie_word_embeddings) == (2, 64, 72, 2, 1, 32, "head", 3328, False)
     reference = tokenizers.Tokenizer.from_file(str(small_tokenizer / "tokenizer.json"))
     for text in TEXTS:
         assert llm.tokenizer.encode(text) == reference.encode(text).ids, text

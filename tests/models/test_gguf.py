@@ -27,7 +27,7 @@ from fastllm.engine.model_runner import run_step
 from fastllm.kv_cache import PagedKVCache
 from fastllm.models import DecoderLM, hf_weight_map, load_model
 from fastllm.models.gguf import gguf_tensor_name, load_gguf
-from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
+from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
 from fastllm.models.quantized import SegmentedQuantizedLinear
 from tiny_hf import randomize_
 
@@ -244,7 +244,8 @@ def test_fixture_config(fixture_models):
     assert (config.rms_norm_eps, config.rope_theta, config.rope_scaling) == (1e-5, 1e4, None)
     assert (config.max_position_embeddings, config.tie_word_embeddings) == (4096, False)
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2,))
-    assert (config.qkv_bias, config.o_bias, config.mlp_bias, config.qk_norm) == (False,) * 4
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (False,) * 3
+    assert config.family.qk_norm is None
 
 
 def test_fixture_matches_transformers_gguf_reader(fixture_models):

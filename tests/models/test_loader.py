@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from fastllm.models import DecoderLM, ModelConfig, hf_weight_map, load_model
-from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
+from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
 
 transformers.logging.set_verbosity_error()
 
@@ -160,7 +160,8 @@ def test_index_naming_a_missing_shard(hf_folder, tmp_path):
 @pytest.mark.parametrize("overrides, match", [
     (dict(architectures=["GPT2LMHeadModel"]), "unsupported architecture 'GPT2LMHeadModel'"),
     (dict(architectures=None, model_type="gpt2"), "names no architecture"),
-    (dict(hidden_act="gelu"), "hidden_act must be 'silu'"),
+    (dict(hidden_act="gelu"),
+     r"hidden_act must be one of \['gelu_pytorch_tanh', 'silu'\], got 'gelu'"),
     (dict(num_key_value_heads=3), "not a multiple of n_kv_heads=3"),
     (dict(head_dim=7), "head_dim must be even"),
     (dict(vocab_size=0), r"vocab_size must be an int in \[1, 16777216\], got 0"),
@@ -176,7 +177,7 @@ def test_index_naming_a_missing_shard(hf_folder, tmp_path):
     (dict(rope_parameters=dict(rope_type="linear", factor=0)), "factor must be a positive"),
     (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=4.0,
                                high_freq_factor=1.0)), "low_freq_factor < high_freq_factor"),
-    (dict(partial_rotary_factor=0.5), "partial rotary"),
+    (dict(partial_rotary_factor=1.5), r"partial_rotary_factor must be a number in \(0, 1\]"),
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
           layer_types=["sliding_attention", "full_attention"]), "sliding_window is not set"),
     (dict(architectures=["Qwen2ForCausalLM"], layer_types=["full_attention"]),
@@ -322,7 +323,7 @@ def test_config_defaults_follow_each_hf_config_class():
     minimal = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4)
     qwen3 = ModelConfig.from_hf_config({"architectures": ["Qwen3ForCausalLM"], **minimal})
-    assert (qwen3.head_dim, qwen3.n_kv_heads, qwen3.qk_norm) == (128, 4, True)
+    assert (qwen3.head_dim, qwen3.n_kv_heads, qwen3.family.qk_norm) == (128, 4, "head")
     mistral = ModelConfig.from_hf_config({"architectures": ["MistralForCausalLM"], **minimal})
     assert mistral.sliding_window == 4096 and all(mistral.sliding_layers)
     no_window = ModelConfig.from_hf_config({"architectures": ["MistralForCausalLM"], **minimal,

@@ -55,6 +55,12 @@ CASES = {
     "llama-rope-linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0,
                                                              rope_theta=500.0),
                                         attention_bias=True, mlp_bias=True)),
+    # q|k|v and gate|up fused in the checkpoint; half the head rotated; every layer slides.
+    "phi3-partial-rotary": ("phi3", dict(
+        sliding_window=8, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                               partial_rotary_factor=0.5))),
+    # Norms on the sublayers' outputs only; q/k norms over all heads.
+    "olmo2": ("olmo2", dict()),
 }
 
 
@@ -256,9 +262,9 @@ def test_config_resolves_layers_like_hf(name):
     """Per-layer sliding windows, NoPE layers, head_dim and biases as the HF config reads them."""
     hf = hf_config(name)
     config = ModelConfig.from_hf_config(hf.to_dict())  # architecture from model_type
-    hf_sliding = [t == "sliding_attention" for t in getattr(hf, "layer_types", [])]
-    if name.startswith("mistral"):  # Mistral slides every layer, without layer_types
-        hf_sliding = [hf.sliding_window is not None] * hf.num_hidden_layers
+    hf_sliding = [t == "sliding_attention" for t in getattr(hf, "layer_types", None) or []]
+    if not hf_sliding:  # Mistral, Mixtral, Phi-3, Qwen3-MoE: every layer, when set
+        hf_sliding = [getattr(hf, "sliding_window", None) is not None] * hf.num_hidden_layers
     assert list(config.sliding_layers) == (hf_sliding or [False] * hf.num_hidden_layers)
     assert config.rope_layers == tuple(bool(f) for f in getattr(
         hf, "no_rope_layers", [1] * hf.num_hidden_layers))

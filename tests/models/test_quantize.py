@@ -16,7 +16,7 @@ from tiny_hf import random_hf_model, save_hf_model
 
 from fastllm import LLM, Tokenizer, ops
 from fastllm.models import load_model
-from fastllm.models.llama import Linear
+from fastllm.models.decoder import Linear
 from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear, quantize_weight
 
 transformers.logging.set_verbosity_error()

@@ -280,7 +280,7 @@ def decode_ops(tensor_parallel: TensorParallel, path: Path, token_ids: list[int]
     step = dict(positions=meta.positions, cu_seqlens_q=meta.cu_seqlens_q,
                 max_seqlen_q=meta.max_seqlen_q, seq_lens=meta.seq_lens,
                 block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
-                keys_are_new=False, cos_sin_cache=model.cos_sin_cache, pre_rope=False)
+                keys_are_new=False, cos_sin_caches=model.rope_tables(), pre_rope=False)
     weights = [model.layers[0].weights()]
     x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     layer, layer_input = ops.DecoderLayers(weights, tensor_parallel.group_name), x.clone()

@@ -38,7 +38,7 @@ def layer_weights(quantized: bool, qk_norm: bool, use_rope: bool,
     qkv_rows = (N_HEADS + 2 * N_KV_HEADS) * HEAD_DIM
     norm = lambda n: 1 + 0.1 * torch.randn(n)  # noqa: E731
     return ops.DecoderLayerWeights(
-        input_norm=norm(HIDDEN), post_attention_norm=norm(HIDDEN),
+        input_norm=norm(HIDDEN), pre_feedforward_norm=norm(HIDDEN),
         qkv=projection(qkv_rows, HIDDEN, quantized, bias=True),
         o=projection(HIDDEN, N_HEADS * HEAD_DIM, quantized, bias=False),
         gate_up=projection(2 * INTERMEDIATE, HIDDEN, quantized, bias=False),
@@ -55,7 +55,7 @@ def as_dtype(layer: ops.DecoderLayerWeights, dtype: torch.dtype) -> ops.DecoderL
                                            else p.weight.to(dtype), p.weight_type, cast(p.bias))
                         for p in ps]
     return ops.DecoderLayerWeights(
-        input_norm=cast(layer.input_norm), post_attention_norm=cast(layer.post_attention_norm),
+        input_norm=cast(layer.input_norm), pre_feedforward_norm=cast(layer.pre_feedforward_norm),
         qkv=parts(layer.qkv), o=parts(layer.o), gate_up=parts(layer.gate_up),
         down=parts(layer.down), n_heads=layer.n_heads, n_kv_heads=layer.n_kv_heads,
         head_dim=layer.head_dim, eps=layer.eps, use_rope=layer.use_rope,
@@ -98,9 +98,9 @@ def test_decoder_layers_match_their_float64_twin(dtype, quantized, variant):
     for step in steps():
         x = torch.randn(step["positions"].shape[0], HIDDEN).to(dtype)
         out, residual = bound(x.clone(), None, **step, k_cache=k_cache, v_cache=v_cache,
-                              cos_sin_cache=cos_sin, pre_rope=pre_rope)
+                              cos_sin_caches=[cos_sin], pre_rope=pre_rope)
         want, want_residual, ref_k, ref_v = reference.decoder_layers(
-            layers, x, None, **step, k_cache=ref_k, v_cache=ref_v, cos_sin_cache=cos_sin,
+            layers, x, None, **step, k_cache=ref_k, v_cache=ref_v, cos_sin_caches=[cos_sin],
             pre_rope=pre_rope)
         tolerance = 2e-3 if dtype == torch.float32 else 6e-2
         for got, expected in ((out, want), (residual, want_residual)):
@@ -125,10 +125,10 @@ def test_a_decode_layer_is_nine_fastllm_ops():
     bound = ops.DecoderLayers(layers)
     prefill, decode = steps()
     table = ops.rope_cos_sin_cache(16, HEAD_DIM)
-    bound(torch.randn(10, HIDDEN), None, **prefill, **caches, cos_sin_cache=table, pre_rope=False)
+    bound(torch.randn(10, HIDDEN), None, **prefill, **caches, cos_sin_caches=[table], pre_rope=False)
     x = torch.randn(2, HIDDEN)
     with OpLog() as log:
-        bound(x, None, **decode, **caches, cos_sin_cache=table, pre_rope=False)
+        bound(x, None, **decode, **caches, cos_sin_caches=[table], pre_rope=False)
     layer = ["fastllm::add_rms_norm", "fastllm::linear", "fastllm::rotary_and_cache",
              "fastllm::paged_attention", "fastllm::linear", "fastllm::add_rms_norm",
              "fastllm::linear", "fastllm::silu_and_mul", "fastllm::linear"]
@@ -145,10 +145,10 @@ def test_the_residual_stream_continues_from_the_caller():
     x, stream = torch.randn(10, HIDDEN), torch.randn(10, HIDDEN)
     residual = stream.clone()
     out, got_residual = ops.DecoderLayers(layers)(
-        x.clone(), residual, **step, **caches, cos_sin_cache=ops.rope_cos_sin_cache(16, HEAD_DIM),
+        x.clone(), residual, **step, **caches, cos_sin_caches=[ops.rope_cos_sin_cache(16, HEAD_DIM)],
         pre_rope=False)
     want, want_residual, _, _ = reference.decoder_layers(
-        layers, x, stream, **step, **caches, cos_sin_cache=ops.rope_cos_sin_cache(16, HEAD_DIM),
+        layers, x, stream, **step, **caches, cos_sin_caches=[ops.rope_cos_sin_cache(16, HEAD_DIM)],
         pre_rope=False)
     assert got_residual.data_ptr() == residual.data_ptr()  # updated in place
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
@@ -177,5 +177,5 @@ def test_caches_of_another_layer_count_are_refused():
     with pytest.raises(ValueError, match=r"k_cache and v_cache must be \[num_layers=2"):
         ops.DecoderLayers(layers)(torch.randn(10, HIDDEN), None, **steps()[0],
                                   k_cache=torch.zeros(shape), v_cache=torch.zeros(shape),
-                                  cos_sin_cache=ops.rope_cos_sin_cache(16, HEAD_DIM),
+                                  cos_sin_caches=[ops.rope_cos_sin_cache(16, HEAD_DIM)],
                                   pre_rope=False)

@@ -164,8 +164,7 @@ def random_model(shape: AttentionShape, *, num_layers: int | None = None,
         num_layers=layers, sliding_layers=(False,) * layers, rope_layers=(True,) * layers,
         n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=shape.head_dim,
         rms_norm_eps=1e-6, rope_theta=shape.rope_theta, max_position_embeddings=max_position,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        qk_norm=shape.architecture == "Qwen3ForCausalLM")
+        tie_word_embeddings=shape.tie_word_embeddings)
     torch.manual_seed(seed)
     model = DecoderLM(config)
     for param in model.parameters():  # small weights keep activations in range over the layers

@@ -25,7 +25,7 @@ from fastllm.engine.request import Request
 from fastllm.kv_cache import (ChunkKVStore, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
                               plan_pool)
 from fastllm.models import DecoderLM
-from fastllm.models.llama import DEFAULT_ROPE_POSITIONS
+from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
 from fastllm.models.pool import load, resolve_dtype
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ from fastllm.models.attention_metadata import AttentionMetadata
 from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from fastllm.models.gguf import load_gguf
-from fastllm.models.llama import DecoderLM
+from fastllm.models.decoder import DecoderLM
 from fastllm.models.loader import load_model
 from fastllm.models.tensor_parallel import TensorParallel
 

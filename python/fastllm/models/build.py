@@ -1,4 +1,4 @@
-"""One owner of how a checkpoint becomes a :class:`~fastllm.models.llama.DecoderLM`: the HF
+"""One owner of how a checkpoint becomes a :class:`~fastllm.models.decoder.DecoderLM`: the HF
 name -> fastllm name map (which also fuses q/k/v and gate/up) and :func:`build_model`, which
 builds the model (or one tensor-parallel rank's shard of it) on the meta device and
 materializes it once. Both loaders use it: safetensors (:mod:`fastllm.models.loader`) and GGUF
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from fastllm import ops
 from fastllm.models.config import ModelConfig
-from fastllm.models.llama import DecoderLM
+from fastllm.models.decoder import DecoderLM
 from fastllm.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight,
                                       Quantization, SegmentedQuantizedLinear, check_quantization,
                                       quantize_weight)
@@ -32,7 +32,10 @@ TensorReader = Callable[[str, tuple[int, ...], TensorSlice | None], Tensor | Qua
 
 
 def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
-    """fastllm parameter name -> the HF tensors it is made of, concatenated along dim 0."""
+    """fastllm parameter name -> the HF tensors it is made of, concatenated along dim 0 (an
+    expert weight's parts, expert by expert, then viewed as ``[experts, rows, cols]``), as the
+    family's record (:mod:`fastllm.models.families`) names them."""
+    family = config.family
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.n_heads * d, config.n_kv_heads * d
     names: dict[str, list[HFTensor]] = {
@@ -44,24 +47,45 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
-        names[dst + "input_layernorm.weight"] = [(src + "input_layernorm.weight", (h,))]
-        names[dst + "post_attention_layernorm.weight"] = [
-            (src + "post_attention_layernorm.weight", (h,))]
-        names[dst + "self_attn.qkv_proj.weight"] = [
-            (attn + "q_proj.weight", (q, h)), (attn + "k_proj.weight", (kv, h)),
-            (attn + "v_proj.weight", (kv, h))]
-        if config.qkv_bias:
-            names[dst + "self_attn.qkv_proj.bias"] = [
-                (attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)),
-                (attn + "v_proj.bias", (kv,))]
-        if config.qk_norm:
-            names[dst + "self_attn.q_norm.weight"] = [(attn + "q_norm.weight", (d,))]
-            names[dst + "self_attn.k_norm.weight"] = [(attn + "k_norm.weight", (d,))]
+        for role, hf_name in family.norm_names.items():
+            names[f"{dst}{role}.weight"] = [(f"{src}{hf_name}.weight", (h,))]
+        for kind, parts in (("weight", ((q, h), (kv, h), (kv, h))),
+                            ("bias", ((q,), (kv,), (kv,)))):
+            if kind == "bias" and not config.qkv_bias:
+                continue
+            if family.fused_checkpoint:
+                names[f"{dst}self_attn.qkv_proj.{kind}"] = [
+                    (f"{attn}qkv_proj.{kind}", (q + 2 * kv, *parts[0][1:]))]
+            else:
+                names[f"{dst}self_attn.qkv_proj.{kind}"] = [
+                    (f"{attn}{proj}.{kind}", shape)
+                    for proj, shape in zip(("q_proj", "k_proj", "v_proj"), parts)]
+        if family.qk_norm is not None:
+            per_head = family.qk_norm == "head"
+            names[dst + "self_attn.q_norm.weight"] = [(attn + "q_norm.weight", (d if per_head
+                                                                                else q,))]
+            names[dst + "self_attn.k_norm.weight"] = [(attn + "k_norm.weight", (d if per_head
+                                                                                else kv,))]
         names[dst + "self_attn.o_proj.weight"] = [(attn + "o_proj.weight", (h, q))]
         if config.o_bias:
             names[dst + "self_attn.o_proj.bias"] = [(attn + "o_proj.bias", (h,))]
-        names[dst + "mlp.gate_up_proj.weight"] = [
-            (mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
+        if config.moe_layers[i]:
+            moe, experts = family.moe, range(config.num_experts)
+            expert_inter = config.moe_intermediate_size
+            names[dst + "mlp.router.weight"] = [(f"{src}{moe.router}.weight",
+                                                 (config.num_experts, h))]
+            names[dst + "mlp.gate_up_proj"] = [
+                (f"{src}{name.format(e=e)}.weight", (expert_inter, h))
+                for e in experts for name in (moe.gate, moe.up)]
+            names[dst + "mlp.down_proj"] = [(f"{src}{moe.down.format(e=e)}.weight",
+                                             (h, expert_inter)) for e in experts]
+            continue
+        if family.fused_checkpoint:
+            names[dst + "mlp.gate_up_proj.weight"] = [(mlp + "gate_up_proj.weight",
+                                                       (2 * inter, h))]
+        else:
+            names[dst + "mlp.gate_up_proj.weight"] = [
+                (mlp + "gate_proj.weight", (inter, h)), (mlp + "up_proj.weight", (inter, h))]
         names[dst + "mlp.down_proj.weight"] = [(mlp + "down_proj.weight", (h, inter))]
         if config.mlp_bias:
             names[dst + "mlp.gate_up_proj.bias"] = [
@@ -123,6 +147,11 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
         tensors = [ops.dequantize(t.data, t.weight_type, torch.float32)
                    if isinstance(t, QuantizedWeight) else t for t in tensors]
         fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        if _EXPERTS.search(name):  # [experts * rows, cols] -> [experts, rows, cols]
+            fused = fused.view(config.num_experts, -1, fused.shape[-1])
+        if config.family.norm_offset and _NORM.search(name):
+            # Gemma scales by (1 + w): folded in float32, as HF computes it.
+            fused = fused.float() + config.family.norm_offset
         weight_type = None if scheme is None else _quantized_type(name, scheme, config)
         if weight_type is not None and fused.shape[-1] % _block_values(weight_type) == 0:
             try:
@@ -147,6 +176,10 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
 
 # The weights that may be (or stay) quantized: every projection, the embedding and the LM head.
 _QUANTIZABLE = re.compile(r"(_proj|embed_tokens|lm_head)\.weight$")
+# The experts' stacked weights, [experts, rows, cols].
+_EXPERTS = re.compile(r"\.mlp\.(gate_up|down)_proj$")
+# RMSNorm weights: the layers' and the final norm, q/k norms.
+_NORM = re.compile(r"norm\.weight$")
 # The weights whose rows are the vocabulary, split among tensor-parallel ranks.
 _VOCABULARY = re.compile(r"^(embed_tokens|lm_head)\.weight$")
 

@@ -1,8 +1,9 @@
-"""The decoder family's configuration, read from a Hugging Face ``config.json``.
+"""A decoder model's configuration, read from a Hugging Face ``config.json``.
 
 :class:`ModelConfig` holds what the forward pass needs, with every per-architecture rule of HF
-transformers 5 resolved once here (which projections have a bias, which layers slide or skip
-RoPE, the RoPE scaling), so the model code never branches on the architecture name.
+transformers 5 resolved once here from the family's record (:mod:`fastllm.models.families`:
+which projections have a bias, which layers slide or skip RoPE, the RoPE scaling, soft-caps,
+experts), so the model code never branches on the architecture name.
 """
 
 from __future__ import annotations
@@ -14,33 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES"]
+from fastllm.models.families import FAMILIES, Family
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "SmolLM3ForCausalLM")
+__all__ = ["ACTIVATIONS", "ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES"]
+
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # model_type -> architecture, for a config.json that has no "architectures" list.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "smollm3": "SmolLM3ForCausalLM"}
+_MODEL_TYPES = {model_type: family.architecture for family in FAMILIES.values()
+                for model_type in family.model_types}
 
-# The HF config classes' defaults for keys a config.json may leave out (transformers 5.23).
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(max_position_embeddings=2048, rope_theta=10000.0,
-                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
-    "MistralForCausalLM": dict(max_position_embeddings=4096 * 32, rope_theta=10000.0,
-                               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                               sliding_window=4096),
-    "Qwen2ForCausalLM": dict(max_position_embeddings=32768, rope_theta=10000.0,
-                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                             sliding_window=4096),
-    "Qwen3ForCausalLM": dict(max_position_embeddings=32768, rope_theta=10000.0,
-                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                             sliding_window=4096, head_dim=128),
-    "SmolLM3ForCausalLM": dict(max_position_embeddings=32768, rope_theta=2000000.0,
-                               tie_word_embeddings=True, bos_token_id=128000,
-                               eos_token_id=128001, sliding_window=None),
-}
+# MLP activations by their HF name -> the name fastllm's decoder knows them by.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -109,11 +95,21 @@ class ModelConfig:
         max_position_embeddings: rows of the RoPE table, the longest sequence the model runs.
         tie_word_embeddings: the LM head reuses the token embedding.
         qkv_bias, o_bias, mlp_bias: which projections have a bias (Qwen2: q/k/v only).
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         sliding_window: keys a sliding layer's query sees, itself included (HF's meaning).
         sliding_layers: per layer, whether it uses ``sliding_window``.
         rope_layers: per layer, whether it applies RoPE (False: a SmolLM3 NoPE layer).
         bos_token_id, eos_token_ids: special tokens (eos may be several).
+        activation: the MLP's gate activation, ``"silu"`` or ``"gelu_tanh"``.
+        rotary_dim: channels of each head RoPE rotates (the first ones; partial rotary).
+        rope_local_theta: the RoPE base of sliding layers, when theirs is their own (Gemma 3).
+        attention_scale: the query-key scale, None for ``head_dim ** -0.5``.
+        attn_softcap, final_softcap: attention scores and logits soft-capped as
+            ``cap * tanh(x / cap)``; None: not capped.
+        num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob: the
+            mixture-of-experts block (``num_experts`` 0: none); each token runs its
+            ``num_experts_per_tok`` best experts, their weights renormalized to sum to 1 when
+            ``norm_topk_prob``.
+        moe_layers: per layer, whether its MLP is the experts (else a dense MLP).
     """
 
     architecture: str
@@ -132,12 +128,22 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = field(default=())
     rope_layers: tuple[bool, ...] = field(default=())
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    activation: str = "silu"
+    rotary_dim: int | None = None
+    rope_local_theta: float | None = None
+    attention_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -150,12 +156,34 @@ class ModelConfig:
                              f"n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        _check_int("rotary_dim", self.rotary_dim, self.head_dim, low=2)
+        if self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
         for name in ("rms_norm_eps", "rope_theta"):
             _check_positive_number(name, getattr(self, name))
+        for name in ("rope_local_theta", "attention_scale", "attn_softcap", "final_softcap"):
+            if getattr(self, name) is not None:
+                _check_positive_number(name, getattr(self, name))
+        if self.activation not in ACTIVATIONS.values():
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS.values())}, got "
+                             f"{_brief(self.activation)}")
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (False,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers or not all(
+                isinstance(f, bool) for f in self.moe_layers):
+            raise ValueError(f"moe_layers must be {self.num_layers} bools (one per layer), got "
+                             f"{_brief(self.moe_layers)}")
+        if any(self.moe_layers):
+            _check_int("num_experts", self.num_experts, 1 << 12)
+            _check_int("num_experts_per_tok", self.num_experts_per_tok, self.num_experts)
+            _check_int("moe_intermediate_size", self.moe_intermediate_size, 1 << 20)
+            _check_bool("norm_topk_prob", self.norm_topk_prob)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"rope_scaling must be a RopeScaling or None, got "
                             f"{_brief(self.rope_scaling)}")
-        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "qk_norm"):
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias"):
             _check_bool(name, getattr(self, name))
         if self.sliding_window is not None:
             _check_int("sliding_window", self.sliding_window, MAX_POSITIONS)
@@ -171,6 +199,11 @@ class ModelConfig:
             if token is not None and not (isinstance(token, int) and not isinstance(token, bool)
                                           and token >= 0):
                 raise ValueError(f"token ids must be non-negative ints, got {_brief(token)}")
+
+    @property
+    def family(self) -> Family:
+        """The architecture's record (:mod:`fastllm.models.families`)."""
+        return FAMILIES[self.architecture]
 
     def window_left(self, layer: int) -> int:
         """The ``window_left`` of layer ``layer`` for :func:`fastllm.ops.paged_attention`.
@@ -212,15 +245,17 @@ class ModelConfig:
             raise TypeError(f"a model config must be a JSON object (a dict), got "
                             f"{type(hf).__name__}")
         arch = _architecture(hf)
-        defaults = _DEFAULTS[arch]
+        family = FAMILIES[arch]
+        defaults = family.defaults
 
         def get(key: str, default: Any = None) -> Any:
             # A key present with null stays None (HF: an explicit null sliding_window or eos).
             return hf[key] if key in hf else defaults.get(key, default)
 
-        hidden_act = get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {hidden_act!r}")
+        hidden_act = get(family.activation_key, "silu")
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"{family.activation_key} must be one of {sorted(ACTIVATIONS)}, got "
+                             f"{_brief(hidden_act)}")
         sizes: dict[str, int] = {}
         for name, (key, high) in _SIZES.items():
             value = get(key)
@@ -228,8 +263,9 @@ class ModelConfig:
                 sizes[name] = _check_int(key, value, high)
         sizes.setdefault("n_kv_heads", sizes["n_heads"])
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["n_heads"])
-        rope_theta, rope_scaling = _rope(hf, get("rope_theta"), sizes["max_position_embeddings"])
-        sliding_window, layer_types, rope_layers = _layer_rules(arch, hf, get,
+        rope = _rope(hf, family, get("rope_theta"), sizes["max_position_embeddings"],
+                     sizes["head_dim"])
+        sliding_window, layer_types, rope_layers = _layer_rules(family, hf, get,
                                                                 sizes["num_layers"])
         attention_bias = _check_bool("attention_bias", hf.get("attention_bias", False))
         eos = get("eos_token_id")
@@ -237,21 +273,23 @@ class ModelConfig:
             architecture=arch,
             **sizes,
             rms_norm_eps=get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            **rope,
             tie_word_embeddings=_check_bool("tie_word_embeddings", get("tie_word_embeddings")),
-            # Qwen2 hard-codes q/k/v biases and no o_proj bias; Mistral has none.
-            qkv_bias={"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(
-                arch, attention_bias),
-            o_bias=attention_bias and arch not in ("Qwen2ForCausalLM", "MistralForCausalLM"),
-            mlp_bias=_check_bool("mlp_bias", hf.get("mlp_bias", False)) and arch in (
-                "LlamaForCausalLM", "SmolLM3ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+            o_bias=attention_bias if family.o_bias is None else family.o_bias,
+            mlp_bias=family.mlp_bias and _check_bool("mlp_bias", hf.get("mlp_bias", False)),
             sliding_window=sliding_window,
             sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
             rope_layers=rope_layers,
             bos_token_id=get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            activation=ACTIVATIONS[hidden_act],
+            attention_scale=(None if not family.query_pre_attn_scalar else
+                             _check_positive_number("query_pre_attn_scalar",
+                                                    get("query_pre_attn_scalar")) ** -0.5),
+            attn_softcap=get("attn_logit_softcapping") if family.softcaps else None,
+            final_softcap=get("final_logit_softcapping") if family.softcaps else None,
+            **_experts(family, hf, get, sizes["num_layers"], sizes["intermediate_size"]),
         )
 
 
@@ -275,56 +313,99 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     return arch
 
 
-def _rope(hf: Mapping[str, Any], top_level_theta: float,
-          max_position: int) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) with HF's precedence: ``rope_scaling`` over ``rope_parameters``,
-    a theta inside them over the top-level ``rope_theta``."""
+def _rope(hf: Mapping[str, Any], family: Family, top_level_theta: float, max_position: int,
+          head_dim: int) -> dict[str, Any]:
+    """``rope_theta``, ``rope_scaling``, ``rotary_dim`` and ``rope_local_theta`` with HF's
+    precedence: ``rope_scaling`` over ``rope_parameters``, a theta inside them over the
+    top-level ``rope_theta``. A family with local RoPE (Gemma 3) gives per-layer-type
+    parameters (``{"full_attention": {...}, "sliding_attention": {...}}``), or in older files
+    ``rope_local_base_freq`` beside the global ones."""
     for key in ("rope_scaling", "rope_parameters"):
         if hf.get(key) is not None and not isinstance(hf[key], Mapping):
             raise TypeError(f"{key} must be a JSON object (e.g. {{\"rope_type\": \"linear\", "
                             f"\"factor\": 2.0}}) or null, got {_brief(hf[key])}")
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    local_theta = None
+    if family.local_rope:
+        local_theta = hf.get("rope_local_base_freq", family.defaults.get("rope_local_base_freq"))
+        if set(params) & set(_LAYER_TYPES):
+            local = params.get("sliding_attention") or {}
+            if not isinstance(local, Mapping) or local.get("rope_type", "default") != "default":
+                raise ValueError(f"sliding layers' RoPE must be default RoPE, got "
+                                 f"{_brief(local)}")
+            local_theta = local.get("rope_theta", local_theta)
+            params = dict(params.get("full_attention") or {})
+        _check_positive_number("rope_local_base_freq", local_theta)
     if any(isinstance(value, Mapping) for value in params.values()):
         raise ValueError(f"per-layer-type RoPE parameters are not supported, got "
                          f"{_brief(params)}")
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"partial rotary embedding is not supported, got "
-                         f"partial_rotary_factor={_brief(partial)}")
-    theta = params.get("rope_theta", top_level_theta)
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got "
+                         f"{_brief(partial)}")
+    rope = dict(rope_theta=params.get("rope_theta", top_level_theta), rope_scaling=None,
+                rotary_dim=int(head_dim * partial), rope_local_theta=local_theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if not isinstance(rope_type, str):
         raise TypeError(f"rope_type must be a string, got {_brief(rope_type)}")
     if rope_type == "default":
-        return theta, None
+        return rope
     if rope_type == "linear":
-        return theta, RopeScaling("linear", factor=params.get("factor"))
+        return dict(rope, rope_scaling=RopeScaling("linear", factor=params.get("factor")))
     if rope_type == "llama3":
         original = params.get("original_max_position_embeddings",
                               hf.get("original_max_position_embeddings", max_position))
-        return theta, RopeScaling("llama3", factor=params.get("factor"),
-                                  low_freq_factor=params.get("low_freq_factor"),
-                                  high_freq_factor=params.get("high_freq_factor"),
-                                  original_max_position_embeddings=original)
+        return dict(rope, rope_scaling=RopeScaling(
+            "llama3", factor=params.get("factor"), low_freq_factor=params.get("low_freq_factor"),
+            high_freq_factor=params.get("high_freq_factor"),
+            original_max_position_embeddings=original))
     raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; fastllm supports 'default', "
                      "'linear' and 'llama3'")
 
 
-def _layer_rules(arch: str, hf: Mapping[str, Any], get, num_layers: int
+def _experts(family: Family, hf: Mapping[str, Any], get, num_layers: int, intermediate_size: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a family with experts (none for a dense one): which
+    layers route (Qwen3-MoE: every ``decoder_sparse_step``-th but ``mlp_only_layers``)."""
+    names = family.moe
+    if names is None:
+        return {}
+    key = next((key for key in names.experts_keys if key in hf), names.experts_keys[0])
+    num_experts = _check_int(key, get(key), 1 << 12)
+    top_k = _check_int("num_experts_per_tok", get("num_experts_per_tok"), num_experts)
+    renormalize = (True if names.renormalize_key is None else
+                   _check_bool(names.renormalize_key, get(names.renormalize_key)))
+    step = _check_int("decoder_sparse_step", get("decoder_sparse_step", 1), num_layers)
+    dense = get("mlp_only_layers", [])
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                              for i in dense):
+        raise TypeError(f"mlp_only_layers must be a list of layer indices, got {_brief(dense)}")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=_check_int(
+                    "moe_intermediate_size", get("moe_intermediate_size", intermediate_size),
+                    1 << 20),
+                norm_topk_prob=renormalize,
+                moe_layers=tuple(i not in dense and (i + 1) % step == 0
+                                 for i in range(num_layers)))
+
+
+def _layer_rules(family: Family, hf: Mapping[str, Any], get, num_layers: int
                  ) -> tuple[int | None, list[str], tuple[bool, ...]]:
     """(sliding_window, layer_types, rope_layers) as each HF config class resolves them."""
     layer_types = hf.get("layer_types")
     if layer_types is not None and not isinstance(layer_types, list):
         raise TypeError(f"layer_types must be a list, got {_brief(layer_types)}")
     rope_layers = (True,) * num_layers
-    if arch == "LlamaForCausalLM":
+    rule = family.windows
+    if rule == "none":
         sliding_window, layer_types = None, ["full_attention"] * num_layers
-    elif arch == "MistralForCausalLM":
-        # Every layer slides when the window is set; Mistral ignores layer_types.
-        sliding_window = get("sliding_window")
+    elif rule in ("every", "every_if_used"):
+        # Every layer slides when the window is set; these classes ignore layer_types.
+        used = rule == "every" or _check_bool("use_sliding_window",
+                                               hf.get("use_sliding_window", False))
+        sliding_window = get("sliding_window") if used else None
         layer_types = ["full_attention" if sliding_window is None else "sliding_attention"
                        ] * num_layers
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif rule == "qwen2":
         # The window exists only with use_sliding_window, and then only from max_window_layers.
         use_window = _check_bool("use_sliding_window", hf.get("use_sliding_window", False))
         sliding_window = get("sliding_window") if use_window else None
@@ -333,7 +414,17 @@ def _layer_rules(arch: str, hf: Mapping[str, Any], get, num_layers: int
                                        MAX_POSITIONS, low=0)
             layer_types = ["sliding_attention" if sliding_window is not None and i >= first_sliding
                            else "full_attention" for i in range(num_layers)]
-    else:  # SmolLM3
+    elif rule == "layer_types":
+        # Gemma: one full layer in every sliding_window_pattern, the others slide.
+        sliding_window = get("sliding_window")
+        if layer_types is None:
+            pattern = _check_int("sliding_window_pattern", get("sliding_window_pattern"),
+                                 MAX_POSITIONS)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(num_layers)]
+        if sliding_window is None and "sliding_attention" in layer_types:
+            raise ValueError("layer_types has sliding layers but sliding_window is null")
+    else:  # smollm3
         # no_rope_layers[i] == 1 means layer i *uses* RoPE (HF: use_rope = no_rope_layers[i]).
         no_rope_layers = hf.get("no_rope_layers")
         if no_rope_layers is None:

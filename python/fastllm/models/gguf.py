@@ -1,4 +1,4 @@
-"""Loads a llama.cpp GGUF checkpoint into a :class:`~fastllm.models.llama.DecoderLM`.
+"""Loads a llama.cpp GGUF checkpoint into a :class:`~fastllm.models.decoder.DecoderLM`.
 
 The file is memory-mapped with ``gguf.GGUFReader`` (:class:`fastllm.gguf_file.GGUFFileReader`).
 Its metadata (``{arch}.block_count``, ...) is translated into the HF ``config.json`` keys it came
@@ -39,7 +39,7 @@ from fastllm import ops
 from fastllm.gguf_file import GGUFFileReader
 from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
-from fastllm.models.llama import DecoderLM
+from fastllm.models.decoder import DecoderLM
 from fastllm.models.quantized import QuantizedWeight, check_quantization
 from fastllm.models.rope import rope_inv_freq
 from fastllm.models.tensor_parallel import ShardLayout, TensorParallel, TensorSlice
@@ -164,7 +164,10 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             hf[hf_key] = value
     rotary_dim = get("rope.dimension_count")
     if rotary_dim is not None and head_dim and rotary_dim != head_dim:
-        hf["partial_rotary_factor"] = rotary_dim / head_dim  # refused by from_hf_config
+        if arch == "llama":  # its q/k rows are permuted for whole-head rotation
+            raise ValueError(f"{path}: partial rotary embedding is not supported in a llama "
+                             f"file (rope.dimension_count={rotary_dim}, head_dim={head_dim})")
+        hf["partial_rotary_factor"] = rotary_dim / head_dim
     scaling = get("rope.scaling.type", str)
     if scaling is not None and scaling != "none":
         hf["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", float)}

@@ -1,4 +1,4 @@
-"""Loads a Hugging Face safetensors checkpoint into a :class:`~fastllm.models.llama.DecoderLM`.
+"""Loads a Hugging Face safetensors checkpoint into a :class:`~fastllm.models.decoder.DecoderLM`.
 
 The files are memory-mapped (``safetensors.safe_open``) and read tensor by tensor through an
 explicit HF name -> fastllm name map that also fuses q/k/v and gate/up. The model is built on
@@ -25,7 +25,7 @@ from torch import Tensor
 from fastllm.models.build import HFTensor, build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.gguf import load_gguf
-from fastllm.models.llama import DecoderLM
+from fastllm.models.decoder import DecoderLM
 from fastllm.models.quantized import check_quantization
 from fastllm.models.tensor_parallel import TensorParallel, TensorSlice
 

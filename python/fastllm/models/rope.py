@@ -1,12 +1,13 @@
-"""The RoPE cos|sin table of a model, default or frequency-scaled (linear, llama3).
+"""The RoPE cos|sin tables of a model, default or frequency-scaled (linear, llama3).
 
 Default RoPE is :func:`fastllm.ops.rope_cos_sin_cache`; the scaled variants compute HF's
 inverse frequencies (in float64, rounded once) and lay them out the same way,
-``[max_position, head_dim]`` with cos in the first half of each row and sin in the second.
+``[max_position, rotary_dim]`` with cos in the first half of each row and sin in the second.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -19,8 +20,9 @@ __all__ = ["build_cos_sin_cache", "cos_sin_cache_from_inv_freq", "rope_inv_freq"
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    """float64 ``[head_dim / 2]`` inverse frequencies, scaled as HF's ``ROPE_INIT_FUNCTIONS``."""
-    dim = config.head_dim
+    """float64 ``[rotary_dim / 2]`` inverse frequencies, scaled as HF's
+    ``ROPE_INIT_FUNCTIONS``."""
+    dim = config.rotary_dim
     inv_freq = config.rope_theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     scaling = config.rope_scaling
     if scaling is None:
@@ -48,8 +50,10 @@ def cos_sin_cache_from_inv_freq(inv_freq: Tensor, max_position: int, *,
 
 
 def build_cos_sin_cache(config: ModelConfig, max_positions: int, *,
-                        device: torch.device | str = "cpu") -> Tensor:
-    """The model's float32 ``[max_positions, head_dim]`` table: positions ``[0, max_positions)``.
+                        device: torch.device | str = "cpu", local: bool = False) -> Tensor:
+    """The model's float32 ``[max_positions, rotary_dim]`` table: positions ``[0,
+    max_positions)``; with ``local``, its sliding layers' own (default RoPE of base
+    ``rope_local_theta``, Gemma 3).
 
     float32 whatever the model dtype: the rotary kernel rotates in float32, and HF too computes
     cos/sin in float32. Each row depends on its position alone, so a longer table starts with
@@ -59,8 +63,11 @@ def build_cos_sin_cache(config: ModelConfig, max_positions: int, *,
     if not 1 <= max_positions <= config.max_position_embeddings:
         raise ValueError(f"max_positions must be in [1, {config.max_position_embeddings}] (the "
                          f"model's max_position_embeddings), got {max_positions}")
+    if local:
+        config = dataclasses.replace(config, rope_theta=config.rope_local_theta,
+                                     rope_scaling=None)
     if config.rope_scaling is None:
-        table = ops.rope_cos_sin_cache(max_positions, config.head_dim, config.rope_theta,
+        table = ops.rope_cos_sin_cache(max_positions, config.rotary_dim, config.rope_theta,
                                        device=device)
     else:
         table = cos_sin_cache_from_inv_freq(rope_inv_freq(config), max_positions, device=device)

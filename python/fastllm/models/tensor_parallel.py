@@ -104,6 +104,12 @@ class ShardLayout:
                             f"{tensor_parallel!r}")
         rank, size = tensor_parallel.rank, tensor_parallel.size
         where = f"tensor parallelism over {size} ranks"
+        if any(config.moe_layers):
+            raise ValueError(f"{where}: a mixture-of-experts model ({config.architecture}) does "
+                             "not split among ranks; run it on one")
+        if config.family.qk_norm == "full":
+            raise ValueError(f"{where}: {config.architecture} normalizes q and k over all heads, "
+                             "which would need the other ranks' heads; run it on one")
         if config.n_heads % size:
             raise ValueError(f"{where} needs the attention heads ({config.n_heads}) to be a "
                              f"multiple of {size}")

@@ -23,9 +23,11 @@ from torch import Tensor
 
 from fastllm import _C
 from fastllm.ops.collectives import all_gather, all_reduce
-from fastllm.ops.decoder_layers import DecoderLayers, DecoderLayerWeights, ProjectionPart
+from fastllm.ops.decoder_layers import (DecoderLayers, DecoderLayerWeights, ExpertWeights,
+                                       ProjectionPart)
 
-__all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ProjectionPart",
+__all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeights",
+           "ProjectionPart",
            "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
            "batch_invariant", "dequantize", "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
            "rope_cos_sin_cache", "rotary_and_cache", "rotary_embedding", "sample", "sample_with_logprobs",

@@ -345,7 +345,7 @@ def silu_and_mul(x: Tensor) -> Tensor:
 def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: Tensor | None, *,
                    positions: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens: Tensor,
                    block_tables: Tensor, slot_mapping: Tensor, keys_are_new: bool,
-                   k_cache: Tensor, v_cache: Tensor, cos_sin_cache: Tensor,
+                   k_cache: Tensor, v_cache: Tensor, cos_sin_caches: Sequence[Tensor],
                    pre_rope: bool, group_name: str | None = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Twin of :class:`fastllm.ops.DecoderLayers`, in float64 (K/V rounded to the caches'
@@ -364,26 +364,38 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
             if p.weight_type is None else quantized_linear(x, p.weight, p.weight_type, p.bias)
             for p in parts], dim=1)
 
+    def norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+        return x if weight is None else rms_norm(x, weight, eps)
+
+    def feed_forward(layer: DecoderLayerWeights, x: Tensor) -> Tensor:
+        return project(layer.down, silu_and_mul(project(layer.gate_up, x)))
+
     x = x.double()
     residual = None if residual is None else residual.double()
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     for i, layer in enumerate(layers):
-        if residual is None:
-            x, residual = rms_norm(x, layer.input_norm, layer.eps), x
-        else:
-            x, residual = add_rms_norm(x, residual, layer.input_norm, layer.eps)
+        # The pending branch output joins the residual stream; the branch reads it normalized.
+        residual = x if residual is None else residual + x
+        x = norm(residual, layer.input_norm, layer.eps)
         tokens = x.shape[0]
         q, k, v = project(layer.qkv, x).view(tokens, -1, layer.head_dim).split(
             [layer.n_heads, layer.n_kv_heads, layer.n_kv_heads], dim=1)
-        table = cos_sin_cache if layer.use_rope else None
+        q_norm, k_norm = layer.q_norm, layer.k_norm
+        if q_norm is not None and not layer.qk_norm_per_head:  # over all heads
+            q = rms_norm(q.reshape(tokens, -1), q_norm, layer.eps).view(q.shape)
+            k = rms_norm(k.reshape(tokens, -1), k_norm, layer.eps).view(k.shape)
+            q_norm = k_norm = None
+        table = cos_sin_caches[layer.rope_table] if layer.use_rope else None
         q, k, k_cache[i], v_cache[i] = rotary_and_cache(
-            positions, q, k, v, k_cache[i], v_cache[i], slot_mapping, table, layer.q_norm,
-            layer.k_norm, layer.eps, rotate_keys=not pre_rope)
+            positions, q, k, v, k_cache[i], v_cache[i], slot_mapping, table, q_norm,
+            k_norm, layer.eps, rotate_keys=not pre_rope)
         rotation = table if pre_rope else None
         out = paged_attention(q, k_cache[i], v_cache[i], block_tables, seq_lens, cu_seqlens_q,
-                              max_seqlen_q, window_left=layer.window_left,
+                              max_seqlen_q, scale=layer.scale, window_left=layer.window_left,
                               rotary_cos_sin_cache=rotation)
-        x, residual = add_rms_norm(reduce(project(layer.o, out.reshape(tokens, -1))), residual,
-                                   layer.post_attention_norm, layer.eps)
-        x = reduce(project(layer.down, silu_and_mul(project(layer.gate_up, x))))
+        x = norm(reduce(project(layer.o, out.reshape(tokens, -1))), layer.post_attention_norm,
+                 layer.eps)
+        residual = residual + x
+        x = norm(residual, layer.pre_feedforward_norm, layer.eps)
+        x = norm(reduce(feed_forward(layer, x)), layer.post_feedforward_norm, layer.eps)
     return x, residual, k_cache, v_cache

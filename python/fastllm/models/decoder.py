@@ -1,10 +1,12 @@
-"""The Llama decoder family: Llama, Mistral, Qwen2, Qwen3 and SmolLM3 in one model.
+"""The decoder of every family (:mod:`fastllm.models.families`) in one model.
 
 The forward pass runs on packed variable-length batches (sequences back to back, no padding)
 against a :class:`~fastllm.kv_cache.PagedKVCache`: every layer writes its new K/V rows into the
 cache, then attends over the cached keys through each sequence's block table. Prefill, chunked
 prefill and decode are the same call; only :class:`AttentionMetadata` differs. Projections are
-plain matmuls, with q/k/v fused into one and gate/up into another.
+plain matmuls, with q/k/v fused into one and gate/up into another (per expert in a
+mixture-of-experts MLP). The family's record says which norms a layer has, its activation,
+soft-caps and RoPE tables; the model code never branches on the architecture's name.
 
 The modules hold the weights; the layers run as :class:`fastllm.ops.DecoderLayers`, the same ops
 called from C++ (a decode step's ten small ops a layer cost more from Python than they compute).
@@ -75,51 +77,99 @@ class Attention(nn.Module):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias and shard.row_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
+        self.qk_norm = config.family.qk_norm
+        if self.qk_norm is not None:  # per head, or over all of q and all of k
+            per_head = self.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps)
         self.use_rope = config.rope_layers[layer]
+        # Table 1: the local RoPE of sliding layers, where theirs is their own (Gemma 3).
+        self.rope_table = int(config.rope_local_theta is not None
+                              and config.sliding_layers[layer])
         self.window_left = config.window_left(layer)
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matmul (run by
-    :class:`fastllm.ops.DecoderLayers`), over the intermediate features of ``shard``."""
+    """A gated MLP: ``down(act(gate(x)) * up(x))``, gate and up as one matmul (run by
+    :class:`fastllm.ops.DecoderLayers`), over ``intermediate_size`` features."""
 
-    def __init__(self, config: ModelConfig, shard: ShardLayout) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int, row_bias: bool) -> None:
         super().__init__()
-        self.intermediate_size = shard.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * shard.intermediate_size,
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size,
                                    bias=config.mlp_bias)
-        self.down_proj = Linear(shard.intermediate_size, config.hidden_size,
-                                bias=config.mlp_bias and shard.row_bias)
+        self.down_proj = Linear(intermediate_size, config.hidden_size,
+                                bias=config.mlp_bias and row_bias)
+
+    def weights(self) -> dict:
+        return dict(gate_up=self.gate_up_proj.projection_parts(),
+                    down=self.down_proj.projection_parts())
+
+
+class Experts(nn.Module):
+    """A mixture-of-experts MLP (run by :func:`fastllm.ops.moe`): the ``router`` scores the
+    experts, each token runs its ``num_experts_per_tok`` best. ``gate_up_proj`` ``[experts, 2 *
+    intermediate, hidden]`` (each expert's gate rows, then its up rows) and ``down_proj``
+    ``[experts, hidden, intermediate]`` are floats, or ggml blocks (uint8, last dim the row's
+    bytes) of ``gate_up_type`` / ``down_type``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts, inter, hidden = (config.num_experts, config.moe_intermediate_size,
+                                  config.hidden_size)
+        self.router = Linear(hidden, experts, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.gate_up_type: int | None = None
+        self.down_type: int | None = None
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+
+    def weights(self) -> dict:
+        return dict(experts=ops.ExpertWeights(
+            router=self.router.projection_parts(), gate_up=self.gate_up_proj,
+            down=self.down_proj,
+            top_k=self.top_k, renormalize=self.renormalize, gate_up_type=self.gate_up_type,
+            down_type=self.down_type))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, each residual add
-    fused into the norm after it (:class:`fastllm.ops.DecoderLayerWeights`)."""
+    """Attention, then the MLP, each a residual branch with the family's norms
+    (:data:`~fastllm.models.families.NORM_ROLES`: before and after each branch), each residual
+    add fused into the norm after it (:class:`fastllm.ops.DecoderLayerWeights`)."""
 
     def __init__(self, config: ModelConfig, layer: int, shard: ShardLayout) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_roles = tuple(config.family.norm_names)
+        for role in self.norm_roles:
+            self.add_module(role, RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.self_attn = Attention(config, layer, shard)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, shard)
+        if config.moe_layers[layer]:
+            self.mlp = Experts(config)
+        else:
+            self.mlp = MLP(config, shard.intermediate_size, shard.row_bias)
+        self.eps = config.rms_norm_eps
+        self.activation = config.activation
+        self.scale = config.attention_scale
+        self.softcap = config.attn_softcap or 0.0
 
     def weights(self) -> ops.DecoderLayerWeights:
         """This layer's current weights as :class:`fastllm.ops.DecoderLayers` runs them."""
         attn = self.self_attn
+        norms = {role: getattr(self, role).weight for role in self.norm_roles}
         return ops.DecoderLayerWeights(
-            input_norm=self.input_layernorm.weight,
-            post_attention_norm=self.post_attention_layernorm.weight,
+            input_norm=norms.get("input_layernorm"),
+            post_attention_norm=norms.get("post_attention_layernorm"),
+            pre_feedforward_norm=norms.get("pre_feedforward_layernorm"),
+            post_feedforward_norm=norms.get("post_feedforward_layernorm"),
             qkv=attn.qkv_proj.projection_parts(), o=attn.o_proj.projection_parts(),
-            gate_up=self.mlp.gate_up_proj.projection_parts(),
-            down=self.mlp.down_proj.projection_parts(),
+            **self.mlp.weights(), activation=self.activation,
             n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim,
-            eps=self.input_layernorm.eps, use_rope=attn.use_rope, window_left=attn.window_left,
+            eps=self.eps,
+            use_rope=attn.use_rope, rope_table=attn.rope_table, window_left=attn.window_left,
+            scale=self.scale, softcap=self.softcap,
             q_norm=attn.q_norm.weight if attn.qk_norm else None,
-            k_norm=attn.k_norm.weight if attn.qk_norm else None)
+            k_norm=attn.k_norm.weight if attn.qk_norm else None,
+            qk_norm_per_head=attn.qk_norm != "full")
 
 
 class DecoderLM(nn.Module):
@@ -160,23 +210,38 @@ class DecoderLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings else
                         Linear(config.hidden_size, shard.vocab_rows, bias=False))
         # Derived from the config, never loaded: non-persistent, rebuilt by init_rope_cache.
+        # The local table is the sliding layers' own (Gemma 3), empty for other families.
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.register_buffer("local_cos_sin_cache", torch.empty(0), persistent=False)
         # Tables reserve_positions replaced, kept alive: CUDA graphs captured before read them.
         self._replaced_rope_tables: list[Tensor] = []
         self.init_rope_cache()
         self.requires_grad_(False)
 
     def init_rope_cache(self, max_positions: int | None = None) -> None:
-        """(Re)builds the RoPE table on the parameters' device for positions below
+        """(Re)builds the RoPE tables on the parameters' device for positions below
         ``max_positions`` (default: the model's context, at most :data:`DEFAULT_ROPE_POSITIONS`),
         once per model, and again after materializing a model built on the meta device."""
         if max_positions is None:
             max_positions = min(self.config.max_position_embeddings, DEFAULT_ROPE_POSITIONS)
         device = self.embed_tokens.weight.device
+        local = self.config.rope_local_theta is not None
         if device.type == "meta":
-            self.cos_sin_cache = torch.empty((max_positions, self.config.head_dim), device=device)
+            shape = (max_positions, self.config.rotary_dim)
+            self.cos_sin_cache = torch.empty(shape, device=device)
+            self.local_cos_sin_cache = torch.empty(shape if local else 0, device=device)
         else:
             self.cos_sin_cache = build_cos_sin_cache(self.config, max_positions, device=device)
+            self.local_cos_sin_cache = (
+                build_cos_sin_cache(self.config, max_positions, device=device, local=True)
+                if local else torch.empty(0, device=device))
+
+    def rope_tables(self) -> list[Tensor]:
+        """The RoPE tables the layers index by their ``rope_table``: the model's, then the
+        sliding layers' own when they have one."""
+        if self.config.rope_local_theta is None:
+            return [self.cos_sin_cache]
+        return [self.cos_sin_cache, self.local_cos_sin_cache]
 
     def reserve_positions(self, max_model_len: int) -> None:
         """Makes the RoPE table cover positions below ``max_model_len`` (at most
@@ -188,9 +253,9 @@ class DecoderLM(nn.Module):
         """
         with _ROPE_TABLE_LOCK:
             if max_model_len > self.cos_sin_cache.shape[0]:
-                replaced = self.cos_sin_cache
+                replaced = self.rope_tables()
                 self.init_rope_cache(max_model_len)
-                self._replaced_rope_tables.append(replaced)
+                self._replaced_rope_tables.extend(replaced)
 
     def unbind_layers(self) -> None:
         """Forgets the bound layers: the next forward binds them to the weights
@@ -245,6 +310,9 @@ class DecoderLM(nn.Module):
             local, here = self._local_vocab(input_ids)
             x = self.embed_tokens(local).to(self.dtype).masked_fill(~here[:, None], 0)
             x = ops.all_reduce(x, tp.group_name)
+        if self.config.family.embedding_scale:
+            # Gemma: times sqrt(hidden) rounded to the activations' dtype, as HF does.
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         if self._bound_layers is None:
             self._bound_layers = ops.DecoderLayers([layer.weights() for layer in self.layers],
                                                    None if tp is None else tp.group_name)
@@ -253,13 +321,13 @@ class DecoderLM(nn.Module):
             max_seqlen_q=meta.max_seqlen_q, seq_lens=meta.seq_lens,
             block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
             keys_are_new=meta.keys_are_new, k_cache=kv_cache.k_cache, v_cache=kv_cache.v_cache,
-            cos_sin_cache=self.cos_sin_cache, pre_rope=kv_cache.pre_rope)
+            cos_sin_caches=self.rope_tables(), pre_rope=kv_cache.pre_rope)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or
         ``[n, len(token_ids)]``: only those tokens' rows of the head (a scorer that reads two
-        logits need not compute 151,936). A tensor-parallel rank computes its vocabulary
+        logits need not compute 151,936); soft-capped when the model says so. A tensor-parallel rank computes its vocabulary
         rows' logits and gathers the others' (or, for ``token_ids``, sums each rank's share,
         zeros elsewhere): every rank returns them all."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
@@ -273,6 +341,9 @@ class DecoderLM(nn.Module):
             logits = ops.quantized_linear(hidden, weight, head.weight_type)
         else:
             logits = ops.linear(hidden, weight)
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap), as HF computes it
+            logits = torch.tanh(logits / cap) * cap
         if tp is None:
             return logits
         if token_ids is not None:

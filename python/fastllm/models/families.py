@@ -1,0 +1,179 @@
+"""The decoder families fastllm runs, one record each.
+
+A :class:`Family` says how one HF architecture differs from the Llama decoder: where its norms
+sit and how they scale, its q/k norms, its activation, its embedding scale, which config keys
+give its soft-caps, attention scale and sliding windows, its mixture-of-experts block, and the
+names of its tensors in HF checkpoints and in llama.cpp's GGUF files. :class:`~fastllm.models.
+config.ModelConfig` reads a family's config keys, :mod:`fastllm.models.build` its tensor names,
+and one decoder (:class:`fastllm.ops.DecoderLayers` in C++, ``ops.reference.decoder_layers`` in
+float64) runs them all.
+
+Adding a family: a record here (its HF config class's defaults included), a parity test against
+HF transformers on a tiny random checkpoint (tests/models/test_parity.py), and, when llama.cpp
+converts it, its GGUF architecture name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FAMILIES", "Family", "MoeNames", "NORM_ROLES"]
+
+# Where a decoder layer's norms may sit, in order: before attention, on attention's output,
+# before the MLP, on the MLP's output. fastllm names its norm modules by role.
+NORM_ROLES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+              "post_feedforward_layernorm")
+
+# Norm placement -> {role: the HF checkpoint's module name}.
+_NORM_NAMES = {
+    # Llama: pre-norm; HF calls the MLP's input norm post_attention_layernorm.
+    "pre": {"input_layernorm": "input_layernorm",
+            "pre_feedforward_layernorm": "post_attention_layernorm"},
+    # Gemma 2/3: each sublayer's input and output normalized.
+    "sandwich": {role: role for role in NORM_ROLES},
+    # OLMo 2: the sublayers' outputs only; the residual stream is never normalized in a layer.
+    "post": {"post_attention_layernorm": "post_attention_layernorm",
+             "post_feedforward_layernorm": "post_feedforward_layernorm"},
+}
+# Role -> llama.cpp's tensor name (gguf.constants.TENSOR_NAMES), the same in every family.
+GGUF_NORM_NAMES = {"input_layernorm": "attn_norm",
+                   "post_attention_layernorm": "post_attention_norm",
+                   "pre_feedforward_layernorm": "ffn_norm",
+                   "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """A mixture-of-experts block's HF tensor names, after ``model.layers.{i}.``: the router
+    and each expert's gate, up and down projections (``{e}`` the expert)."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+    renormalize_key: str | None  # the config key that says whether top-k weights sum to 1
+    experts_keys: tuple[str, ...]  # the config keys of the expert count, the first one present
+
+
+@dataclass(frozen=True)
+class Family:
+    """One decoder architecture, as data.
+
+    Attributes:
+        architecture: HF's class name (``config.json``'s ``architectures[0]``).
+        model_types: ``config.json``'s ``model_type`` values that mean it.
+        defaults: the HF config class's defaults for keys a ``config.json`` may leave out.
+        gguf: llama.cpp's ``general.architecture`` for it, None if fastllm reads no GGUF of it.
+        norms: ``"pre"`` (Llama), ``"sandwich"`` (Gemma) or ``"post"`` (OLMo 2).
+        norm_offset: RMSNorm scales by ``norm_offset + weight`` (Gemma: 1), folded into the
+            weights at load (llama.cpp's converter does the same).
+        qk_norm: per-head RMSNorm of q and k (``"head"``: Qwen3, Gemma 3), over all of q and
+            all of k (``"full"``: OLMo 2), or none.
+        activation_key: the config key naming the MLP's activation.
+        embedding_scale: embeddings are multiplied by ``sqrt(hidden_size)`` (in their dtype).
+        windows: how layers slide: ``"none"``; ``"every"`` (every layer, when ``sliding_window``
+            is set); ``"every_if_used"`` (the same, when ``use_sliding_window`` too);
+            ``"qwen2"`` (layers from ``max_window_layers`` on, with ``use_sliding_window``);
+            ``"layer_types"`` (per ``layer_types``, else one full layer in
+            ``sliding_window_pattern``); ``"smollm3"`` (NoPE layers, with ``use_sliding_window``).
+        softcaps: reads ``attn_logit_softcapping`` and ``final_logit_softcapping``.
+        query_pre_attn_scalar: attention scales by ``query_pre_attn_scalar ** -0.5``.
+        local_rope: sliding layers rotate with their own RoPE base (Gemma 3).
+        qkv_bias, o_bias: fixed biases; None: as ``attention_bias`` says.
+        mlp_bias: reads ``mlp_bias``.
+        fused_checkpoint: the checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused (Phi-3).
+        moe: its mixture-of-experts block, None for a dense MLP.
+    """
+
+    architecture: str
+    model_types: tuple[str, ...]
+    defaults: Mapping[str, Any]
+    gguf: str | None = None
+    norms: str = "pre"
+    norm_offset: float = 0.0
+    qk_norm: str | None = None
+    activation_key: str = "hidden_act"
+    embedding_scale: bool = False
+    windows: str = "none"
+    softcaps: bool = False
+    query_pre_attn_scalar: bool = False
+    local_rope: bool = False
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    mlp_bias: bool = False
+    fused_checkpoint: bool = False
+    moe: MoeNames | None = None
+    norm_names: Mapping[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "norm_names", _NORM_NAMES[self.norms])
+
+
+_QWEN3_MOE = MoeNames(router="mlp.gate", gate="mlp.experts.{e}.gate_proj",
+                      up="mlp.experts.{e}.up_proj", down="mlp.experts.{e}.down_proj",
+                      renormalize_key="norm_topk_prob",
+                      experts_keys=("num_experts", "num_local_experts"))
+_MIXTRAL_MOE = MoeNames(router="block_sparse_moe.gate", gate="block_sparse_moe.experts.{e}.w1",
+                        up="block_sparse_moe.experts.{e}.w3",
+                        down="block_sparse_moe.experts.{e}.w2", renormalize_key=None,
+                        experts_keys=("num_local_experts",))
+
+_GEMMA_DEFAULTS = dict(tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+                       rms_norm_eps=1e-6, rope_theta=10000.0, head_dim=256,
+                       query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh")
+
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (
+    Family("LlamaForCausalLM", ("llama",), gguf="llama", mlp_bias=True, defaults=dict(
+        max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2)),
+    Family("MistralForCausalLM", ("mistral",), windows="every", qkv_bias=False, o_bias=False,
+           defaults=dict(max_position_embeddings=4096 * 32, rope_theta=10000.0,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         sliding_window=4096)),
+    # Qwen2 hard-codes q/k/v biases and no o_proj bias.
+    Family("Qwen2ForCausalLM", ("qwen2",), gguf="qwen2", windows="qwen2", qkv_bias=True,
+           o_bias=False, defaults=dict(max_position_embeddings=32768, rope_theta=10000.0,
+                                       tie_word_embeddings=False, bos_token_id=None,
+                                       eos_token_id=None, sliding_window=4096)),
+    Family("Qwen3ForCausalLM", ("qwen3",), gguf="qwen3", windows="qwen2", qk_norm="head",
+           defaults=dict(max_position_embeddings=32768, rope_theta=10000.0,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                         sliding_window=4096, head_dim=128)),
+    Family("SmolLM3ForCausalLM", ("smollm3",), windows="smollm3", mlp_bias=True, defaults=dict(
+        max_position_embeddings=32768, rope_theta=2000000.0, tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=128001, sliding_window=None)),
+    Family("Gemma2ForCausalLM", ("gemma2",), gguf="gemma2", norms="sandwich", norm_offset=1.0,
+           activation_key="hidden_activation", embedding_scale=True, windows="layer_types",
+           softcaps=True, query_pre_attn_scalar=True, defaults=dict(
+               _GEMMA_DEFAULTS, max_position_embeddings=8192, sliding_window=4096,
+               sliding_window_pattern=2, attn_logit_softcapping=50.0,
+               final_logit_softcapping=30.0)),
+    Family("Gemma3ForCausalLM", ("gemma3_text",), gguf="gemma3", norms="sandwich",
+           norm_offset=1.0, qk_norm="head", activation_key="hidden_activation",
+           embedding_scale=True, windows="layer_types", softcaps=True,
+           query_pre_attn_scalar=True, local_rope=True, defaults=dict(
+               _GEMMA_DEFAULTS, max_position_embeddings=131072, rope_theta=1000000.0,
+               rope_local_base_freq=10000.0, sliding_window=4096, sliding_window_pattern=6,
+               attn_logit_softcapping=None, final_logit_softcapping=None)),
+    Family("Phi3ForCausalLM", ("phi3",), gguf="phi3", windows="every", qkv_bias=False,
+           o_bias=False, fused_checkpoint=True, defaults=dict(
+               max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=32000, rms_norm_eps=1e-5, sliding_window=None)),
+    Family("Olmo2ForCausalLM", ("olmo2",), gguf="olmo2", norms="post", qk_norm="full",
+           defaults=dict(max_position_embeddings=2048, rope_theta=10000.0,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=50279,
+                         rms_norm_eps=1e-5)),
+    Family("Qwen3MoeForCausalLM", ("qwen3_moe",), gguf="qwen3moe", qk_norm="head",
+           windows="every_if_used", moe=_QWEN3_MOE, defaults=dict(
+               max_position_embeddings=32768, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=None, eos_token_id=None, sliding_window=4096, head_dim=128,
+               num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+               norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])),
+    Family("MixtralForCausalLM", ("mixtral",), windows="every", qkv_bias=False, o_bias=False,
+           moe=_MIXTRAL_MOE, defaults=dict(
+               max_position_embeddings=4096 * 32, rope_theta=1000000.0,
+               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, sliding_window=None,
+               num_local_experts=8, num_experts_per_tok=2)),
+)}
