@@ -96,7 +96,8 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
 
 def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
                 device: torch.device | str, quantization: str | None = None,
-                tensor_parallel: TensorParallel | None = None) -> DecoderLM:
+                tensor_parallel: TensorParallel | None = None,
+                norms_folded: bool = False) -> DecoderLM:
     """Builds a :class:`DecoderLM` on the meta device and materializes it once.
 
     ``read(hf_name, shape, part)`` returns the checkpoint's tensor ``hf_name``, already checked
@@ -122,6 +123,10 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     (:class:`~fastllm.models.tensor_parallel.ShardLayout`): only its parts are read, and its
     vocabulary rows past the end padded with zeros. A model whose heads or MLP features do not
     divide among the ranks is a ValueError naming the numbers.
+
+    A family whose norms scale by ``norm_offset + w`` (Gemma) has the offset added to its norm
+    weights here, in float32 as HF computes it, unless ``norms_folded`` says the checkpoint
+    already holds ``norm_offset + w`` (llama.cpp's converter adds it), which is then kept as is.
     """
     scheme = check_quantization(quantization)
     shard = ShardLayout.of(config, tensor_parallel)
@@ -149,7 +154,7 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
         fused = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if _EXPERTS.search(name):  # [experts * rows, cols] -> [experts, rows, cols]
             fused = fused.view(config.num_experts, -1, fused.shape[-1])
-        if config.family.norm_offset and _NORM.search(name):
+        if config.family.norm_offset and not norms_folded and _NORM.search(name):
             # Gemma scales by (1 + w): folded in float32, as HF computes it.
             fused = fused.float() + config.family.norm_offset
         weight_type = None if scheme is None else _quantized_type(name, scheme, config)
