@@ -1,7 +1,10 @@
 """GGUF loading: the llama.cpp fixture against transformers' own GGUF reader; round trips of tiny
-random HF models written as convert_hf_to_gguf.py writes them, in every supported tensor type
-(loaded onto each device present); Llama 3.1 RoPE scaling given as ``rope_freqs.weight``; and
-every refusal."""
+random HF models of each family written as convert_hf_to_gguf.py writes them (its tensor names,
+Gemma's 1 + w norms, Phi-3's fused tensors, each family's metadata keys; checked against
+transformers' GGUF reader where it reads the family), in every supported tensor type (loaded
+onto each device present); what llama.cpp fixes rather than stores (Gemma's attention scale,
+window pattern, local RoPE); Llama 3.1 RoPE scaling given as ``rope_freqs.weight``; and every
+refusal."""
 
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from fastllm import _C, ops
 from fastllm.engine.model_runner import run_step
 from fastllm.kv_cache import PagedKVCache
-from fastllm.models import DecoderLM, hf_weight_map, load_model
-from fastllm.models.gguf import gguf_tensor_name, load_gguf
+from fastllm.gguf_file import GGUFFileReader
+from fastllm.models import DecoderLM, ModelConfig, hf_weight_map, load_model
+from fastllm.models.families import FAMILIES
+from fastllm.models.gguf import config_from_gguf, gguf_tensor_name, load_gguf
 from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
 from fastllm.models.quantized import SegmentedQuantizedLinear
 from tiny_hf import randomize_
@@ -53,7 +58,31 @@ CASES = {
     "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
     # q/k norms; head_dim 128 != hidden / heads, written as attention.key_length.
     "qwen3": ("qwen3", dict(head_dim=128)),
+    # Sandwich norms, stored as 1 + w; tied embeddings; soft-caps below the defaults, so that
+    # they bite; layer 0 slides, layer 1 does not. head_dim 32 != hidden / heads: llama.cpp
+    # scales attention by head_dim ** -0.5 (query_pre_attn_scalar = head_dim).
+    "gemma2": ("gemma2", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                              attn_logit_softcapping=20.0, final_logit_softcapping=10.0,
+                              tie_word_embeddings=True)),
+    # Per-head q/k norms (1 + w too); five sliding layers with local RoPE, then a full one
+    # whose RoPE is linearly scaled (rope.scaling.*).
+    "gemma3": ("gemma3_text", dict(
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, num_hidden_layers=6,
+        tie_word_embeddings=True, rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=4.0, rope_theta=500.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0)))),
+    # test_parity's phi3-partial-rotary: q|k|v and gate|up fused (attn_qkv, ffn_up); half of
+    # each head rotated (rope.dimension_count); every layer slides.
+    "phi3": ("phi3", dict(sliding_window=8, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    # test_parity's olmo2: norms on the sublayers' outputs only; q/k norms over all heads.
+    "olmo2": ("olmo2", dict()),
 }
+# model_type -> general.architecture, as convert_hf_to_gguf.py's classes name them.
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+             "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2"}
+# The converter's Gemma2Model and Gemma3Model store every norm weight as 1 + w.
+NORMS_PLUS_ONE = ("gemma2", "gemma3_text")
 
 # Types gguf.quants can quantize are made from the HF weights; the K-quants, which it can only
 # dequantize, are random blocks with sane scales, and the HF twin takes what they encode.
@@ -62,10 +91,14 @@ RANDOM_BLOCKS = ("Q4_K", "Q5_K", "Q6_K")
 # A file of several types, as llama.cpp's Q4_K_M: each 2-D weight's type by its HF module.
 MIXED = {"Q4_K_M": lambda module: ("Q6_K" if module in ("v_proj", "down_proj") else
                                    "Q5_0" if module == "embed_tokens" else "Q4_K")}
-# Every type on llama (whose q/k rows the file permutes), a few on the others.
+# Every type on llama (whose q/k rows the file permutes), a few on the others. (Gemma's o_proj
+# rows of 4 * 32 values are too short for K-quant blocks.)
 ROUND_TRIPS = [*(("llama", qtype) for qtype in (*QUANTIZED_FROM_HF, *RANDOM_BLOCKS, *MIXED)),
                ("qwen2", "F32"), ("qwen2", "Q4_0"), ("qwen2", "Q6_K"),
-               ("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K")]
+               ("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K"),
+               ("gemma2", "F32"), ("gemma2", "Q8_0"), ("gemma3", "F32"), ("gemma3", "Q8_0"),
+               ("phi3", "F32"), ("phi3", "Q8_0"), ("phi3", "Q4_K"),
+               ("olmo2", "F32"), ("olmo2", "Q8_0")]
 # Loose bound when the file holds HF's weights rounded: the least cosine similarity of a
 # position's logits with HF's (measured: 1 - 1e-6, 1 - 3e-5, 1 - 2.3e-4, 0.93).
 MIN_COSINE = {"F16": 0.99999, "BF16": 0.9999, "Q8_0": 0.999, "Q4_0": 0.85}
@@ -105,16 +138,26 @@ def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> 
 def gguf_tensors(hf: torch.nn.Module, model_type: str, qtype: str, seed: int = 0
                  ) -> tuple[dict[str, tuple[np.ndarray, QT]], dict[str, torch.Tensor]]:
     """(llama.cpp name -> (stored array, type), HF name -> the float32 weight the file encodes),
-    as convert_hf_to_gguf.py writes ``hf``: llama q/k rows permuted, 1-D tensors kept F32."""
+    as convert_hf_to_gguf.py writes ``hf``: names by gguf-py's map for the architecture (the
+    converter's ``map_tensor_name``), llama q/k rows permuted, Gemma's norms stored as 1 + w
+    (in float32), 1-D tensors kept F32. A Gemma norm encodes the HF weight ``w`` itself."""
     rng = np.random.default_rng(seed)
     config = hf.config
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == GGUF_ARCH[model_type])
+    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     stored: dict[str, tuple[np.ndarray, QT]] = {}
     encoded: dict[str, torch.Tensor] = {}
     for hf_name, tensor in hf.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = tensor.float().numpy()
-        module = hf_name.rsplit(".", 2)[-2]
+        module, kind_name = hf_name.rsplit(".", 1)
+        gguf_name = f"{name_map.get_name(module)}.{kind_name}"
+        if model_type in NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
+            stored[gguf_name] = (w + np.float32(1), QT.F32)
+            encoded[hf_name] = torch.from_numpy(w.copy())
+            continue
+        module = module.rsplit(".", 1)[-1]
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
         permuted = model_type == "llama" and module in heads
         kind = QT.F32 if w.ndim == 1 else QT[MIXED[qtype](module) if qtype in MIXED else qtype]
@@ -127,38 +170,63 @@ def gguf_tensors(hf: torch.nn.Module, model_type: str, qtype: str, seed: int = 0
             # Blocks run along a row, so quantizing commutes with permuting rows: the file
             # encodes exactly dequantize(quantize(w)) in HF's row order.
             expected = gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind)
-        stored[gguf_tensor_name(hf_name)] = (data, kind)
+        stored[gguf_name] = (data, kind)
         encoded[hf_name] = torch.from_numpy(np.array(expected, dtype=np.float32))
     return stored, encoded
 
 
 def write_gguf(path: Path, model_type: str, config: transformers.PretrainedConfig,
                tensors: dict[str, tuple[np.ndarray, QT]], **metadata) -> Path:
-    """Writes a GGUF with convert_hf_to_gguf.py's metadata for ``config``; ``metadata`` adds or
-    replaces ``{arch}.``-relative keys or ``tokenizer.`` ones (``architecture`` replaces
-    general.architecture)."""
-    arch = metadata.pop("architecture", model_type)
+    """Writes a GGUF with the metadata convert_hf_to_gguf.py's class for ``model_type`` writes
+    for ``config``; ``metadata`` adds or replaces ``{arch}.``-relative keys or ``tokenizer.``
+    ones (a value of None drops the key; ``architecture`` replaces general.architecture).
+
+    The converter's classes: TextModel's common keys (LlamaModel adds rope.dimension_count);
+    Gemma2Model writes its own, without rope.freq_base, with key_length, the soft-caps and the
+    window; Gemma3Model adds to TextModel's the global layers' RoPE base and scaling, key_length,
+    a truthy final soft-cap, and the window unless sliding_window_pattern is 1; Phi3MiniModel
+    writes its own, with rope.dimension_count, the window (0 for none) and the original
+    context; Olmo2Model is TextModel's."""
+    arch = metadata.pop("architecture", GGUF_ARCH[model_type])
     writer = gguf.GGUFWriter(path, arch)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
     rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: its global layers'
     kv = {"block_count": config.num_hidden_layers,
           "context_length": config.max_position_embeddings,
-          "embedding_length": config.hidden_size,
+          "embedding_length": hidden,
           "feed_forward_length": config.intermediate_size,
-          "attention.head_count": config.num_attention_heads,
+          "attention.head_count": heads,
           "attention.head_count_kv": config.num_key_value_heads,
-          "attention.layer_norm_rms_epsilon": config.rms_norm_eps,
-          "rope.freq_base": rope["rope_theta"]}
+          "attention.layer_norm_rms_epsilon": config.rms_norm_eps}
+    if model_type != "gemma2":
+        kv["rope.freq_base"] = rope["rope_theta"]
     if model_type == "llama":
         kv["rope.dimension_count"] = head_dim
-    if head_dim != config.hidden_size // config.num_attention_heads:
+    if model_type in NORMS_PLUS_ONE or head_dim != hidden // heads:
         kv["attention.key_length"] = kv["attention.value_length"] = head_dim
-    if rope.get("rope_type") == "linear":
+    if rope.get("rope_type") == "linear" and model_type not in ("gemma2", "phi3"):
         kv["rope.scaling.type"], kv["rope.scaling.factor"] = "linear", rope["factor"]
+    if model_type == "gemma2":
+        kv["attn_logit_softcapping"] = config.attn_logit_softcapping
+        kv["final_logit_softcapping"] = config.final_logit_softcapping
+        kv["attention.sliding_window"] = config.sliding_window
+    if model_type == "gemma3_text":
+        if config.final_logit_softcapping:
+            kv["final_logit_softcapping"] = config.final_logit_softcapping
+        if getattr(config, "sliding_window_pattern", None) != 1:
+            kv["attention.sliding_window"] = config.sliding_window
+    if model_type == "phi3":
+        kv["rope.dimension_count"] = int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads
+        kv["attention.sliding_window"] = config.sliding_window or 0
+        kv["rope.scaling.original_context_length"] = config.original_max_position_embeddings
     kv["tokenizer.ggml.bos_token_id"] = config.bos_token_id
     kv["tokenizer.ggml.eos_token_id"] = config.eos_token_id
     for key, value in {**kv, **metadata}.items():
         key = key if key.startswith("tokenizer.") else f"{arch}.{key}"
+        if value is None:
+            continue
         if isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, float):
@@ -281,7 +349,8 @@ def test_round_trip(hf_models, tmp_path, case, qtype, device):
     """A tiny HF model written as llama.cpp's converter writes it, loaded back onto ``device``:
 
     - every parameter equals the file's dequantized tensors in HF's row order (for quantized
-      types, gguf.quants.dequantize(gguf.quants.quantize(w)) of the HF weight, exactly);
+      types, gguf.quants.dequantize(gguf.quants.quantize(w)) of the HF weight, exactly; Gemma's
+      norms 1 + w, as fastllm folds them);
     - logits equal those of an HF twin holding those weights (greedy tokens too, in F32);
     - logits stay close to the HF model's own when the file holds its weights rounded.
     """
@@ -294,6 +363,7 @@ def test_round_trip(hf_models, tmp_path, case, qtype, device):
     twin_state, state = twin.state_dict(), model.state_dict()
     if qtype not in ("F32", "F16", "BF16"):  # block formats stay in their blocks
         assert state[next(n for n in state if n.endswith("down_proj.weight"))].dtype == torch.uint8
+    offset = model.config.family.norm_offset
     for name, parts in hf_weight_map(model.config).items():
         module = model.get_submodule(name.rsplit(".", 1)[0])
         if isinstance(module, SegmentedQuantizedLinear) and name.endswith(".weight"):
@@ -304,7 +374,10 @@ def test_round_trip(hf_models, tmp_path, case, qtype, device):
             weight = state[name]
             if weight.dtype == torch.uint8:  # kept in its blocks
                 weight = ops.dequantize(weight, module.weight_type)
-        assert torch.equal(weight.cpu(), torch.cat([twin_state[n] for n, _ in parts])), name
+        expected = torch.cat([twin_state[n] for n, _ in parts])
+        if name.endswith("norm.weight"):
+            expected = expected + offset  # as the converter stored it (and fastllm folds it)
+        assert torch.equal(weight.cpu(), expected), name
     if qtype in MIXED:  # q and k in Q4_K, v in Q6_K: each part streams in its own format
         qkv = model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv, SegmentedQuantizedLinear)
@@ -337,16 +410,147 @@ def test_dtype_cast(hf_models, tmp_path):
 
 
 def test_name_map_agrees_with_gguf_package():
-    """gguf_tensor_name against gguf-py's own HF -> llama.cpp map, for every architecture."""
+    """gguf_tensor_name against gguf-py's own HF -> llama.cpp map, for every architecture; every
+    name is one of the architecture's tensors in gguf-py (gguf.MODEL_TENSORS)."""
     for model_type, overrides in CASES.values():
         config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
         with torch.device("meta"):
             hf = AutoModelForCausalLM.from_config(config)
-        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == model_type)
+        family = FAMILIES[type(hf).__name__]
+        arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items()
+                    if name == family.gguf.architecture)
         package_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        known = {gguf.TENSOR_NAMES[t].format(bid=i) for t in gguf.MODEL_TENSORS[arch]
+                 for i in range(config.num_hidden_layers)}
         for hf_name in hf.state_dict():
+            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # never written (gguf-py has no gemma2 output)
             module, kind = hf_name.rsplit(".", 1)
-            assert gguf_tensor_name(hf_name) == f"{package_map.get_name(module)}.{kind}"
+            name = gguf_tensor_name(family, hf_name)
+            assert name == f"{package_map.get_name(module)}.{kind}", hf_name
+            assert name.rsplit(".", 1)[0] in known, name
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f32_file_is_the_safetensors_model(hf_models, tmp_path, case):
+    """An F32 file loads into exactly the model fastllm loads from the HF folder: the same
+    config, and every parameter bit for bit (Gemma's stored 1 + w is the norm fastllm folds)."""
+    hf, model_type = hf_models[case], CASES[case][0]
+    path = write_gguf(tmp_path / "model.gguf", model_type, hf.config,
+                      gguf_tensors(hf, model_type, "F32")[0])
+    hf.save_pretrained(tmp_path / "hf")
+    expected, model = load_model(tmp_path / "hf"), load_model(path)
+    assert model.config == expected.config
+    assert model.config == ModelConfig.from_hf_config(hf.config.to_dict())
+    state, expected_state = model.state_dict(), expected.state_dict()
+    assert state.keys() == expected_state.keys()
+    for name, tensor in expected_state.items():
+        assert torch.equal(state[name], tensor), name
+
+
+# The architectures transformers' GGUF reader loads (it reads no olmo2).
+TRANSFORMERS_READS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+@pytest.mark.parametrize("case", TRANSFORMERS_READS)
+def test_transformers_reads_the_writer_s_files(hf_models, tmp_path, case):
+    """transformers' own GGUF reader (its metadata map, name map and tensor processors: llama's
+    q/k un-permutation, Gemma's - 1) reads what this module's writer writes back into the HF
+    model: an independent check of the writer's conventions. It reads neither llama's biases
+    nor Phi-3's rope.dimension_count and window, and gives Gemma's norms as (1 + w) - 1."""
+    hf, model_type = hf_models[case], CASES[case][0]
+    path = write_gguf(tmp_path / "model.gguf", model_type, hf.config,
+                      gguf_tensors(hf, model_type, "F32")[0])
+    parsed = load_gguf_checkpoint(str(path))["config"]
+    expected = hf.config.to_dict()
+    rope = hf.config.rope_parameters
+    expected["rope_theta"] = rope.get("full_attention", rope)["rope_theta"]
+    assert parsed.pop("model_type") == model_type
+    assert np.float32(parsed.pop("rms_norm_eps")) == np.float32(expected["rms_norm_eps"])
+    assert parsed == {key: expected[key] for key in parsed}
+    skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **parsed))
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True,
+                                   model_to_load=skeleton)["tensors"]
+    state = hf.state_dict()
+    unread = {name for name in state if name.endswith(".bias") and model_type == "llama"}
+    if hf.config.tie_word_embeddings:
+        unread.add("lm_head.weight")
+    assert tensors.keys() == state.keys() - unread
+    for name, tensor in tensors.items():
+        if model_type in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            assert torch.equal(tensor + 1, state[name] + 1), name  # the stored 1 + w
+        else:
+            assert torch.equal(tensor, state[name]), name
+
+
+def metadata_file(path: Path, case: str, **metadata) -> Path:
+    """A file of ``case``'s metadata (``metadata`` added or replaced) and only token_embd:
+    enough for config_from_gguf."""
+    model_type, overrides = CASES[case]
+    config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    embedding = np.zeros((config.vocab_size, config.hidden_size), np.float32)
+    return write_gguf(path, model_type, config, {"token_embd.weight": (embedding, QT.F32)},
+                      **metadata)
+
+
+@pytest.mark.parametrize("case, metadata, expected", [
+    # The 27B sizes (Gemma 2: 46 layers, Gemma 3: 62) scale attention by (hidden / heads) **
+    # -0.5, every other by head_dim ** -0.5.
+    ("gemma2", {}, dict(attention_scale=32 ** -0.5)),
+    ("gemma2", {"block_count": 46}, dict(attention_scale=64 ** -0.5)),
+    ("gemma3", {"block_count": 62}, dict(attention_scale=64 ** -0.5)),
+    ("gemma3", {"block_count": 46}, dict(attention_scale=32 ** -0.5)),
+    # Gemma 2's window defaults to llama.cpp's 4096, its soft-caps to 50 and 30.
+    ("gemma2", {"attention.sliding_window": None, "attn_logit_softcapping": None,
+                "final_logit_softcapping": None},
+     dict(sliding_window=4096, sliding_layers=(True, False), attn_softcap=50.0,
+          final_softcap=30.0)),
+    # Gemma 3 without a window (or with 0) has none: every layer is full.
+    ("gemma3", {"attention.sliding_window": None},
+     dict(sliding_window=None, sliding_layers=(False,) * 6, rope_local_theta=10000.0)),
+    ("gemma3", {"attention.sliding_window": 0}, dict(sliding_window=None,
+                                                      sliding_layers=(False,) * 6)),
+    ("gemma3", {"final_logit_softcapping": 30.0}, dict(final_softcap=30.0, attn_softcap=None)),
+    # Phi-4 writes a window of 0: none.
+    ("phi3", {"attention.sliding_window": 0}, dict(sliding_window=None,
+                                                    sliding_layers=(False, False))),
+    ("phi3", {}, dict(sliding_window=8, sliding_layers=(True, True), rotary_dim=32)),
+    # int(44 * (30 / 44)) is 29: the file's rotary size is taken as it is.
+    ("phi3", {"attention.key_length": 44, "attention.value_length": 44,
+              "rope.dimension_count": 30}, dict(head_dim=44, rotary_dim=30)),
+], ids=["gemma2-scale", "gemma2-27b-scale", "gemma3-27b-scale", "gemma3-46-layers",
+        "gemma2-defaults", "gemma3-no-window", "gemma3-window-0", "gemma3-final-softcap",
+        "phi4-window-0", "phi3-window", "phi3-rotary-30-of-44"])
+def test_what_llama_cpp_fixes(tmp_path, case, metadata, expected):
+    """Gemma's attention scale, window pattern and local RoPE base are not in the file:
+    llama.cpp fixes them per family, and so does fastllm."""
+    config = config_from_gguf(GGUFFileReader(metadata_file(tmp_path / "m.gguf", case,
+                                                           **metadata)))
+    assert {key: getattr(config, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize("case, edit, metadata, match", [
+    ("phi3", {"rope_factors_long.weight": (np.ones(16, np.float32), QT.F32),
+              "rope_factors_short.weight": (np.ones(16, np.float32), QT.F32)}, {},
+     r"rope_factors_long\.weight, Phi-3's longrope RoPE scaling .* not support"),
+    # an OLMo 3 file: olmo2, with sliding layers
+    ("olmo2", {}, {"attention.sliding_window": 4096},
+     r"olmo2\.attention\.sliding_window=4096 makes layers slide, which fastllm's "
+     "Olmo2ForCausalLM does not"),
+    ("phi3", {}, {"rope.dimension_count": 96},
+     r"partial_rotary_factor must be a number in \(0, 1\], got 1\.5"),
+], ids=["phi3-longrope", "olmo3", "phi3-rotary-past-head"])
+def test_family_refusals(tmp_path, case, edit, metadata, match):
+    path = metadata_file(tmp_path / "m.gguf", case, **metadata)
+    if edit:
+        reader = GGUFFileReader(path)
+        tensors = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
+        model_type, overrides = CASES[case]
+        config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+        path = write_gguf(tmp_path / "edited.gguf", model_type, config, {**tensors, **edit},
+                          **metadata)
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
 
 
 def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,

@@ -97,7 +97,7 @@ def write_tiny_gguf(path: Path, metadata: dict[str, tuple[VT, Any]]) -> Path:
     rng = np.random.default_rng(0)
     for parts in hf_weight_map(config).values():
         for hf_name, shape in parts:
-            writer.add_tensor(gguf_tensor_name(hf_name),
+            writer.add_tensor(gguf_tensor_name(config.family, hf_name),
                               rng.standard_normal(shape).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

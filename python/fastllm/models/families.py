@@ -10,7 +10,7 @@ float64) runs them all.
 
 Adding a family: a record here (its HF config class's defaults included), a parity test against
 HF transformers on a tiny random checkpoint (tests/models/test_parity.py), and, when llama.cpp
-converts it, its GGUF architecture name.
+converts it, its :class:`GGUFConventions` and a GGUF round trip (tests/models/test_gguf.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "MoeNames", "NORM_ROLES"]
+__all__ = ["FAMILIES", "Family", "GGUFConventions", "GGUF_GLOBAL_NAMES", "GGUF_LAYER_NAMES",
+           "GGUF_NORM_NAMES", "MoeNames", "NORM_ROLES"]
 
 # Where a decoder layer's norms may sit, in order: before attention, on attention's output,
 # before the MLP, on the MLP's output. fastllm names its norm modules by role.
@@ -42,6 +43,45 @@ GGUF_NORM_NAMES = {"input_layernorm": "attn_norm",
                    "post_attention_layernorm": "post_attention_norm",
                    "pre_feedforward_layernorm": "ffn_norm",
                    "post_feedforward_layernorm": "post_ffw_norm"}
+# HF module name -> llama.cpp's, for the tensors outside the layers.
+GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+                     "lm_head": "output"}
+# HF module name after "model.layers.{i}." -> llama.cpp's after "blk.{i}.", for every layer tensor
+# but the norms (named by role). A fused checkpoint's gate_up_proj is llama.cpp's ffn_up (Phi-3:
+# gate rows, then up rows).
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down"}
+
+
+@dataclass(frozen=True)
+class GGUFConventions:
+    """How llama.cpp stores a family: what ``convert_hf_to_gguf.py`` does to its tensors, and
+    what llama.cpp's loader (``llama-model.cpp``) fixes for it instead of reading it from the
+    file. The converter also adds a family's ``norm_offset`` to its norm weights, as fastllm
+    folds it.
+
+    Attributes:
+        architecture: ``general.architecture``.
+        permuted_qk: q/k rows are permuted to llama.cpp's interleaved RoPE pairs (``llama``).
+        window_pattern: one layer in this many attends to everything, the others slide.
+        default_window: ``sliding_window`` when the file has no ``attention.sliding_window``
+            (None: no layer slides).
+        local_rope_theta: the RoPE base of sliding layers.
+        hidden_scalar_layers: the layer count (of the 27B model) at which
+            ``query_pre_attn_scalar`` is ``hidden_size / heads``; at any other it is
+            ``head_dim``.
+    """
+
+    architecture: str
+    permuted_qk: bool = False
+    window_pattern: int | None = None
+    default_window: int | None = None
+    local_rope_theta: float | None = None
+    hidden_scalar_layers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +105,7 @@ class Family:
         architecture: HF's class name (``config.json``'s ``architectures[0]``).
         model_types: ``config.json``'s ``model_type`` values that mean it.
         defaults: the HF config class's defaults for keys a ``config.json`` may leave out.
-        gguf: llama.cpp's ``general.architecture`` for it, None if fastllm reads no GGUF of it.
+        gguf: how llama.cpp stores it, None if fastllm reads no GGUF of it.
         norms: ``"pre"`` (Llama), ``"sandwich"`` (Gemma) or ``"post"`` (OLMo 2).
         norm_offset: RMSNorm scales by ``norm_offset + weight`` (Gemma: 1), folded into the
             weights at load (llama.cpp's converter does the same).
@@ -90,7 +130,7 @@ class Family:
     architecture: str
     model_types: tuple[str, ...]
     defaults: Mapping[str, Any]
-    gguf: str | None = None
+    gguf: GGUFConventions | None = None
     norms: str = "pre"
     norm_offset: float = 0.0
     qk_norm: str | None = None
@@ -106,9 +146,14 @@ class Family:
     fused_checkpoint: bool = False
     moe: MoeNames | None = None
     norm_names: Mapping[str, str] = field(init=False)
+    gguf_names: Mapping[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "norm_names", _NORM_NAMES[self.norms])
+        # HF module after "model.layers.{i}." -> llama.cpp's name after "blk.{i}."
+        object.__setattr__(self, "gguf_names", {
+            **GGUF_LAYER_NAMES,
+            **{hf_name: GGUF_NORM_NAMES[role] for role, hf_name in self.norm_names.items()}})
 
 
 _QWEN3_MOE = MoeNames(router="mlp.gate", gate="mlp.experts.{e}.gate_proj",
@@ -125,48 +170,56 @@ _GEMMA_DEFAULTS = dict(tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
                        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh")
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
-    Family("LlamaForCausalLM", ("llama",), gguf="llama", mlp_bias=True, defaults=dict(
-        max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2)),
+    Family("LlamaForCausalLM", ("llama",), gguf=GGUFConventions("llama", permuted_qk=True),
+           mlp_bias=True, defaults=dict(
+               max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2)),
     Family("MistralForCausalLM", ("mistral",), windows="every", qkv_bias=False, o_bias=False,
            defaults=dict(max_position_embeddings=4096 * 32, rope_theta=10000.0,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                          sliding_window=4096)),
     # Qwen2 hard-codes q/k/v biases and no o_proj bias.
-    Family("Qwen2ForCausalLM", ("qwen2",), gguf="qwen2", windows="qwen2", qkv_bias=True,
-           o_bias=False, defaults=dict(max_position_embeddings=32768, rope_theta=10000.0,
-                                       tie_word_embeddings=False, bos_token_id=None,
-                                       eos_token_id=None, sliding_window=4096)),
-    Family("Qwen3ForCausalLM", ("qwen3",), gguf="qwen3", windows="qwen2", qk_norm="head",
-           defaults=dict(max_position_embeddings=32768, rope_theta=10000.0,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                         sliding_window=4096, head_dim=128)),
+    Family("Qwen2ForCausalLM", ("qwen2",), gguf=GGUFConventions("qwen2"), windows="qwen2",
+           qkv_bias=True, o_bias=False, defaults=dict(
+               max_position_embeddings=32768, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=None, eos_token_id=None, sliding_window=4096)),
+    Family("Qwen3ForCausalLM", ("qwen3",), gguf=GGUFConventions("qwen3"), windows="qwen2",
+           qk_norm="head", defaults=dict(
+               max_position_embeddings=32768, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=None, eos_token_id=None, sliding_window=4096, head_dim=128)),
     Family("SmolLM3ForCausalLM", ("smollm3",), windows="smollm3", mlp_bias=True, defaults=dict(
         max_position_embeddings=32768, rope_theta=2000000.0, tie_word_embeddings=True,
         bos_token_id=128000, eos_token_id=128001, sliding_window=None)),
-    Family("Gemma2ForCausalLM", ("gemma2",), gguf="gemma2", norms="sandwich", norm_offset=1.0,
+    Family("Gemma2ForCausalLM", ("gemma2",), norms="sandwich", norm_offset=1.0,
            activation_key="hidden_activation", embedding_scale=True, windows="layer_types",
+           # llama.cpp: layers 0, 2, ... slide; the 27B (46 layers) scales by hidden / heads.
+           gguf=GGUFConventions("gemma2", window_pattern=2, default_window=4096,
+                                hidden_scalar_layers=46),
            softcaps=True, query_pre_attn_scalar=True, defaults=dict(
                _GEMMA_DEFAULTS, max_position_embeddings=8192, sliding_window=4096,
                sliding_window_pattern=2, attn_logit_softcapping=50.0,
                final_logit_softcapping=30.0)),
-    Family("Gemma3ForCausalLM", ("gemma3_text",), gguf="gemma3", norms="sandwich",
+    Family("Gemma3ForCausalLM", ("gemma3_text",), norms="sandwich",
            norm_offset=1.0, qk_norm="head", activation_key="hidden_activation",
+           # llama.cpp: five sliding layers of RoPE base 10000, then a full one; the 27B (62
+           # layers) scales by hidden / heads.
+           gguf=GGUFConventions("gemma3", window_pattern=6, local_rope_theta=10000.0,
+                                hidden_scalar_layers=62),
            embedding_scale=True, windows="layer_types", softcaps=True,
            query_pre_attn_scalar=True, local_rope=True, defaults=dict(
                _GEMMA_DEFAULTS, max_position_embeddings=131072, rope_theta=1000000.0,
                rope_local_base_freq=10000.0, sliding_window=4096, sliding_window_pattern=6,
                attn_logit_softcapping=None, final_logit_softcapping=None)),
-    Family("Phi3ForCausalLM", ("phi3",), gguf="phi3", windows="every", qkv_bias=False,
-           o_bias=False, fused_checkpoint=True, defaults=dict(
+    Family("Phi3ForCausalLM", ("phi3",), gguf=GGUFConventions("phi3"), windows="every",
+           qkv_bias=False, o_bias=False, fused_checkpoint=True, defaults=dict(
                max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
                bos_token_id=1, eos_token_id=32000, rms_norm_eps=1e-5, sliding_window=None)),
-    Family("Olmo2ForCausalLM", ("olmo2",), gguf="olmo2", norms="post", qk_norm="full",
-           defaults=dict(max_position_embeddings=2048, rope_theta=10000.0,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=50279,
-                         rms_norm_eps=1e-5)),
-    Family("Qwen3MoeForCausalLM", ("qwen3_moe",), gguf="qwen3moe", qk_norm="head",
-           windows="every_if_used", moe=_QWEN3_MOE, defaults=dict(
+    Family("Olmo2ForCausalLM", ("olmo2",), gguf=GGUFConventions("olmo2"), norms="post",
+           qk_norm="full", defaults=dict(
+               max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=None, eos_token_id=50279, rms_norm_eps=1e-5)),
+    Family("Qwen3MoeForCausalLM", ("qwen3_moe",), gguf=GGUFConventions("qwen3moe"),
+           qk_norm="head", windows="every_if_used", moe=_QWEN3_MOE, defaults=dict(
                max_position_embeddings=32768, rope_theta=10000.0, tie_word_embeddings=False,
                bos_token_id=None, eos_token_id=None, sliding_window=4096, head_dim=128,
                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,

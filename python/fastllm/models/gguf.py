@@ -5,17 +5,31 @@ Its metadata (``{arch}.block_count``, ...) is translated into the HF ``config.js
 from, so :meth:`ModelConfig.from_hf_config` applies the same per-architecture rules as for a HF
 folder. Each tensor is dequantized to float32 with ``gguf.quants`` and handed to the safetensors
 loader's :func:`build_model` under its HF name, so the fused q/k/v and gate/up layout and the
-meta-device build are the same code.
+meta-device build are the same code. What differs by family (llama.cpp's tensor names, what
+llama.cpp fixes rather than stores) is read from its record
+(:class:`~fastllm.models.families.GGUFConventions`).
 
-Two conventions of llama.cpp's ``convert_hf_to_gguf.py`` are undone here:
+Conventions of llama.cpp's ``convert_hf_to_gguf.py`` undone here:
 
 - ggml lists a tensor's dimensions innermost first, so a torch ``[out, in]`` weight is ggml
   ``[in, out]``; the reader's ``tensor.data`` is already in numpy (torch) order.
+- Norms are named by where they sit (``attn_norm``, ``post_attention_norm``, ``ffn_norm``,
+  ``post_ffw_norm``: :data:`~fastllm.models.families.GGUF_NORM_NAMES`), whatever HF calls them.
 - For the ``llama`` architecture, q/k rows (weights and biases) are permuted from HF's
   half-split RoPE pairs ``(j, j + d/2)`` to interleaved pairs ``(2j, 2j + 1)``, because
   llama.cpp rotates llama with its "normal" (GPT-J) RoPE. fastllm rotates HF's way (neox), so
-  the rows are permuted back. Qwen2 and Qwen3 are converted without the permutation: llama.cpp
-  runs them with neox RoPE, which already is HF's layout.
+  the rows are permuted back. The other families are converted without the permutation:
+  llama.cpp runs them with neox RoPE, which already is HF's layout.
+- Gemma's norm weights are stored as ``1 + w``, the scale its RMSNorm applies: fastllm folds
+  the same offset at load, so they are kept as they are (``build_model(norms_folded=True)``).
+- Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are kept fused (``attn_qkv``, and ``ffn_up``
+  holding the gate rows, then the up rows), as in its HF checkpoint.
+
+What llama.cpp does not store, it fixes per family, and so does this reader: Gemma's attention
+scale (``query_pre_attn_scalar``: ``head_dim``, but ``hidden_size / heads`` for the 27B models),
+its window pattern and Gemma 3's local RoPE base. One difference is kept on purpose: llama.cpp
+runs Phi-3 without its sliding window, HF with it; this reader follows HF, as the safetensors
+loader does, so a model is the same from either file.
 
 A file is checked before any tensor is read: every read the reader makes lies within the file,
 each tensor's type, offset (aligned, relative to the data section) and extent agree with its
@@ -26,6 +40,7 @@ naming the file and the metadata key or the tensor.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +55,7 @@ from fastllm.gguf_file import GGUFFileReader
 from fastllm.models.build import build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.decoder import DecoderLM
+from fastllm.models.families import FAMILIES, GGUF_GLOBAL_NAMES, Family
 from fastllm.models.quantized import QuantizedWeight, check_quantization
 from fastllm.models.rope import rope_inv_freq
 from fastllm.models.tensor_parallel import ShardLayout, TensorParallel, TensorSlice
@@ -47,9 +63,12 @@ from fastllm.models.tensor_parallel import ShardLayout, TensorParallel, TensorSl
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",
            "load_gguf"]
 
-# general.architecture -> the HF architecture whose conventions the file keeps.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+# general.architecture -> the HF architecture whose conventions the file keeps: every dense
+# family with GGUF conventions (llama.cpp stacks a mixture of experts' weights, which fastllm
+# does not read yet).
+GGUF_ARCHITECTURES = {family.gguf.architecture: family.architecture
+                      for family in FAMILIES.values()
+                      if family.gguf is not None and family.moe is None}
 
 # The tensor types fastllm reads: weights in ops.BLOCK_FORMATS (all of these but F32, F16 and
 # BF16) stay quantized, the others are dequantized at load (through gguf.quants.dequantize).
@@ -63,56 +82,59 @@ _FLOAT_TYPES = tuple(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16
 # 16-bit tensor types, read exactly into these dtypes (build_model may keep them so).
 _SIXTEEN_BIT = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
 
-# HF module name -> llama.cpp's (gguf.constants.TENSOR_NAMES); ".weight" / ".bias" kept.
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                 "lm_head": "output"}
-_LAYER_NAMES = {  # after "model.layers.{i}." -> after "blk.{i}."
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down"}
-
 # Llama 3.1 RoPE scaling: convert_hf_to_gguf.py stores it as per-frequency divisors in this
 # tensor, [head_dim / 2] F32, rather than as metadata.
 _ROPE_FREQS = "rope_freqs.weight"
 # Llama 3.x's llama3 scaling parameters (also the converter's defaults), all but the factor.
 _LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
+# Phi-3's longrope scaling (the 128k-context models): per-frequency factors for long and short
+# contexts, which fastllm does not implement.
+_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """llama.cpp's name for the HF tensor ``hf_name``: ``model.layers.3.mlp.up_proj.weight``
-    -> ``blk.3.ffn_up.weight``."""
+def gguf_tensor_name(family: Family, hf_name: str) -> str:
+    """llama.cpp's name for the HF tensor ``hf_name`` of ``family``:
+    ``model.layers.3.mlp.up_proj.weight`` -> ``blk.3.ffn_up.weight``; Gemma's
+    ``model.layers.3.post_attention_layernorm.weight`` -> ``blk.3.post_attention_norm.weight``
+    but Llama's -> ``blk.3.ffn_norm.weight`` (norms are named by role)."""
     module, kind = hf_name.rsplit(".", 1)  # kind: weight or bias
-    if module in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[module]}.{kind}"
+    if module in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[module]}.{kind}"
     _, _, layer, rest = module.split(".", 3)  # "model", "layers", "{i}", rest
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}.{kind}"
+    return f"blk.{layer}.{family.gguf_names[rest]}.{kind}"
 
 
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     """The :class:`ModelConfig` of a GGUF file, from its metadata and its tensor list.
 
     The file's facts are written as the HF ``config.json`` keys llama.cpp's converter read them
-    from; what the metadata leaves out takes the HF config class's default, as for a HF folder.
-    The vocabulary size is ``token_embd``'s row count, tied embeddings mean no ``output.weight``,
-    biases are present when their tensors are, and the eos ids are llama.cpp's end-of-generation
-    set (``eos``, ``eot``, ``eom``). RoPE scaling is ``rope.scaling.*`` metadata (linear), or
-    Llama 3.1's ``rope_freqs.weight``, read as llama3 scaling and checked to reproduce it.
-    A bad value is a ValueError or TypeError naming the file and the key.
+    from; what the metadata leaves out takes what llama.cpp fixes for the family (its
+    :class:`~fastllm.models.families.GGUFConventions`), else the HF config class's default, as
+    for a HF folder. The vocabulary size is ``token_embd``'s row count, tied embeddings mean no
+    ``output.weight``, biases are present when their tensors are, and the eos ids are
+    llama.cpp's end-of-generation set (``eos``, ``eot``, ``eom``). RoPE scaling is
+    ``rope.scaling.*`` metadata (linear; Gemma 3: its global layers), or Llama 3.1's
+    ``rope_freqs.weight``, read as llama3 scaling and checked to reproduce it. Sliding windows,
+    soft-caps and Gemma's attention scale are read as the family's record says (see
+    :func:`_family_keys`). A bad value is a ValueError or TypeError naming the file and the key.
     """
     path = Path(reader.data.filename)
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r:.80}; fastllm loads "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
+    family = FAMILIES[GGUF_ARCHITECTURES[arch]]
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: the GGUF file lacks token_embd.weight")
     if len(tensors["token_embd.weight"].shape) != 2:
         raise ValueError(f"{path}: tensor token_embd.weight has ggml shape "
                          f"{tensors['token_embd.weight'].shape.tolist()}, not [hidden, vocab]")
+    longrope = [name for name in _LONGROPE if name in tensors]
+    if longrope:
+        raise ValueError(f"{path}: the GGUF file has {longrope[0]}, Phi-3's longrope RoPE "
+                         "scaling (its 128k-context models), which fastllm does not support")
 
     def get(key: str, kind: type = int) -> Any:
         """Metadata ``{arch}.{key}``, None when absent; a value not of ``kind`` (an int, a
@@ -141,7 +163,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             raise TypeError(f"{path}: metadata tokenizer.ggml.{kind}_token_id must be a GGUF "
                             f"integer, got {token!r:.80}")
     hf: dict[str, Any] = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "architectures": [family.architecture],
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ggml [hidden, vocab]
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
@@ -151,7 +173,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", float),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "attention_bias": any(f"blk.0.{name}.bias" in tensors for name in ("attn_q", "attn_qkv")),
         "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
         "bos_token_id": tokens["bos"],
         "eos_token_id": list(dict.fromkeys(  # llama.cpp's end-of-generation set
@@ -164,10 +186,13 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
             hf[hf_key] = value
     rotary_dim = get("rope.dimension_count")
     if rotary_dim is not None and head_dim and rotary_dim != head_dim:
-        if arch == "llama":  # its q/k rows are permuted for whole-head rotation
-            raise ValueError(f"{path}: partial rotary embedding is not supported in a llama "
+        if family.gguf.permuted_qk:  # its q/k rows are permuted for whole-head rotation
+            raise ValueError(f"{path}: partial rotary embedding is not supported in a {arch} "
                              f"file (rope.dimension_count={rotary_dim}, head_dim={head_dim})")
-        hf["partial_rotary_factor"] = rotary_dim / head_dim
+        # HF rotates int(head_dim * factor) channels: the float just above rotary_dim / head_dim
+        # gives rotary_dim back, where the quotient itself may give one less (30 of 44).
+        hf["partial_rotary_factor"] = math.nextafter(rotary_dim / head_dim, math.inf)
+    hf.update(_family_keys(path, family, get, hidden, n_heads, head_dim))
     scaling = get("rope.scaling.type", str)
     if scaling is not None and scaling != "none":
         hf["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", float)}
@@ -189,6 +214,43 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     if rope_divisors is not None:
         _check_llama3_divisors(path, config, rope_divisors)
     return config
+
+
+def _family_keys(path: Path, family: Family, get, hidden: int | None, n_heads: int | None,
+                 head_dim: int | None) -> dict[str, Any]:
+    """The HF config keys of ``family``'s sliding windows, soft-caps, attention scale and local
+    RoPE, from the file's metadata (``get``) and what llama.cpp fixes for the family.
+
+    ``attention.sliding_window`` 0 means no window (Phi-4 writes 0). Families whose layers all
+    slide (Phi-3) take it as is; Gemma's slide in its fixed pattern, with llama.cpp's default
+    window when the key is absent (Gemma 2: 4096; Gemma 3: none, every layer full). A family
+    without sliding layers refuses a window (an OLMo 3 file is ``olmo2`` with one), and the
+    others (Qwen2, Qwen3) ignore it, as llama.cpp does.
+    """
+    conventions, keys = family.gguf, {}
+    window = get("attention.sliding_window")
+    if family.windows == "none" and window:
+        raise ValueError(f"{path}: metadata {conventions.architecture}.attention.sliding_window="
+                         f"{window} makes layers slide, which fastllm's "
+                         f"{family.architecture} does not")
+    if family.windows == "every":
+        keys["sliding_window"] = window or None
+    elif family.windows == "layer_types":
+        window = conventions.default_window if window is None else window or None
+        keys["sliding_window"] = window
+        keys["sliding_window_pattern"] = conventions.window_pattern if window else 1
+    if family.softcaps:  # absent: the HF defaults, which are llama.cpp's
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if (value := get(key, float)) is not None:
+                keys[key] = value
+    if family.query_pre_attn_scalar and n_heads and hidden is not None:
+        # llama.cpp scales queries by 1 / sqrt(head_dim), but the 27B's by 1 / sqrt(hidden /
+        # heads), as Google's reference code does.
+        wide = get("block_count") == conventions.hidden_scalar_layers
+        keys["query_pre_attn_scalar"] = hidden // n_heads if wide else head_dim
+    if family.local_rope:
+        keys["rope_local_base_freq"] = conventions.local_rope_theta
+    return keys
 
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -228,20 +290,21 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
                              f"{quantization!r}, or quantize a float checkpoint")
     config = config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
-    shapes = {gguf_tensor_name(hf_name): shape
+    family = config.family
+    shapes = {gguf_tensor_name(family, hf_name): shape
               for parts in hf_weight_map(config).values() for hf_name, shape in parts}
     _check_tensors(path, config, tensors, shapes)
     shard = ShardLayout.of(config, tensor_parallel)
     if tensor_parallel is not None:
         for name, parts in hf_weight_map(config).items():
             for (hf_name, _), part in zip(parts, shard.slices(name, parts) or []):
-                _check_split(path, tensors[gguf_tensor_name(hf_name)], part,
+                _check_split(path, tensors[gguf_tensor_name(family, hf_name)], part,
                              tensor_parallel.size)
-    permuted = config.architecture == "LlamaForCausalLM"
+    permuted = family.gguf.permuted_qk
 
     def read(hf_name: str, shape: tuple[int, ...],
              part: TensorSlice | None) -> Tensor | QuantizedWeight:
-        tensor = tensors[gguf_tensor_name(hf_name)]
+        tensor = tensors[gguf_tensor_name(family, hf_name)]
         kept = int(tensor.tensor_type) in ops.BLOCK_FORMATS and len(shape) == 2
         encoded = tensor.data if part is None else _encoded_part(tensor, part)
         # np.array copies: the reader's arrays are read-only views of the memory-mapped file.
@@ -257,8 +320,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
             return torch.from_numpy(values).to(_SIXTEEN_BIT[tensor.tensor_type])
         return torch.from_numpy(values)
 
+    # The converter stored Gemma's norms as 1 + w, already folded.
     return build_model(config, read, dtype=dtype, device=device, quantization=quantization,
-                       tensor_parallel=tensor_parallel)
+                       tensor_parallel=tensor_parallel, norms_folded=True)
 
 
 def _check_split(path: Path, tensor: ReaderTensor, part: TensorSlice | None, size: int) -> None:
