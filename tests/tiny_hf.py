@@ -10,6 +10,38 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
+# The families beyond the Llama decoder's first ones, each as its own HF model_type with the
+# overrides that make its particulars matter in a tiny model: name -> (model_type, overrides of
+# a Llama-shaped base config). Shared by the model-level and the engine-level parity tests.
+FAMILY_CASES: dict[str, tuple[str, dict]] = {
+    # Sandwich norms of (1 + w), GELU-tanh, sqrt(hidden) embeddings, attention scaled by
+    # query_pre_attn_scalar, both soft-caps low enough to bite; layers 0 and 2 slide.
+    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=4.0, final_logit_softcapping=12.0,
+                              tie_word_embeddings=True)),
+    # Per-head q/k norms of (1 + w); sliding layers rotate with their own base, full ones with
+    # linear scaling of another.
+    "gemma3": ("gemma3_text", dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0,
+                                                rope_theta=1000000.0),
+                         "sliding_attention": dict(rope_type="default", rope_theta=100.0)})),
+    # q|k|v and gate|up fused in the checkpoint; half the head rotated; every layer slides.
+    "phi3-partial-rotary": ("phi3", dict(
+        sliding_window=8, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                               partial_rotary_factor=0.5))),
+    # Norms on the sublayers' outputs only; q/k norms over all heads.
+    "olmo2": ("olmo2", dict()),
+    # Top-2 of 8 experts, renormalized; layer 1 a dense MLP.
+    "qwen3-moe": ("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, norm_topk_prob=True,
+                                    mlp_only_layers=[1])),
+    "mixtral-sliding": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2,
+                                        sliding_window=8)),
+}
+
+
 def randomize_(model: torch.nn.Module, seed: int, *, scale: float = 0.15,
                bias_scale: float | None = None) -> None:
     """Weights ``scale * randn`` (biases ``bias_scale * randn``, default ``scale``), norms

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_logits_close, metadata_for, model_device, per_device
 import transformers
-from tiny_hf import randomize_
+from tiny_hf import FAMILY_CASES, randomize_
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fastllm.kv_cache import PagedKVCache
@@ -55,12 +55,7 @@ CASES = {
     "llama-rope-linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=2.0,
                                                              rope_theta=500.0),
                                         attention_bias=True, mlp_bias=True)),
-    # q|k|v and gate|up fused in the checkpoint; half the head rotated; every layer slides.
-    "phi3-partial-rotary": ("phi3", dict(
-        sliding_window=8, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                               partial_rotary_factor=0.5))),
-    # Norms on the sublayers' outputs only; q/k norms over all heads.
-    "olmo2": ("olmo2", dict()),
+    **FAMILY_CASES,
 }
 
 

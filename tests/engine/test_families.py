@@ -1,0 +1,87 @@
+"""Every model family through the engine: tiny random checkpoints of Gemma 2 and 3, Phi-3,
+OLMo-2, Qwen3-MoE and Mixtral (tests/tiny_hf.py's FAMILY_CASES) under the Qwen3 tokenizer,
+run by ``fastllm.LLM`` with chunked prefill, prefix caching, speculative decoding and
+structured output, against HF transformers' greedy tokens on the same weights.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import per_device
+from tiny_hf import FAMILY_CASES, random_hf_model, save_hf_model
+
+from fastllm import LLM, SamplingParams, StructuredOutputsParams
+
+NEW_TOKENS = 16
+# A llama-shaped base under the Qwen3 tokenizer's vocabulary; 3 layers, so a sliding pattern
+# has both kinds.
+BASE = dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+# The longest is longer than every case's sliding window (8) and than a prefill chunk.
+PROMPT_LENGTHS = [5, 12, 40]
+ENGINE = dict(max_model_len=128, block_size=4, max_num_batched_tokens=24,
+              enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CASES))
+def family(request, tmp_path_factory, model_path):
+    """(HF model, prompts, HF's greedy tokens, ``llm(device, **options)``) of one family."""
+    model_type, overrides = FAMILY_CASES[request.param]
+    hf = random_hf_model(model_type, seed=len(request.param), **{**BASE, **overrides})
+    folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 20000, (n,), generator=generator).tolist()
+               for n in PROMPT_LENGTHS]
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        expected.append(out[0, len(prompt):].tolist())
+    tokenizer = model_path("qwen3_tokenizer")
+
+    def make(device, speculative=None):
+        return LLM(folder, tokenizer=tokenizer, device=device, speculative=speculative,
+                   **ENGINE)
+
+    plain = per_device(make)
+    return prompts, expected, plain, make
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_greedy_tokens_match_hf_with_chunks_and_prefix_hits(family, device):
+    prompts, expected, plain, _ = family
+    llm = plain(device)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    got = llm.generate(batch, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    hits = llm.engine.stats.prefix_cache_hits
+    again = llm.generate(batch, greedy(), use_tqdm=False)  # the prompts' blocks reused
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert llm.engine.stats.prefix_cache_hits > hits
+
+
+def test_speculation_keeps_the_tokens(family, device):
+    prompts, expected, _, make = family
+    llm = make(device, speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_min": 1, "adaptive": False})
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert llm.engine.stats.num_draft_tokens > 0
+
+
+def test_structured_output(family, device):
+    prompts, _, plain, _ = family
+    pattern = r"(yes|no), [0-9]{2,4}\."
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    [out] = plain(device).generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
