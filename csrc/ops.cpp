@@ -83,6 +83,9 @@ constexpr const char* kSchemas[] = {
     "add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
     // SwiGLU's gate over a fused gate|up projection [rows, 2 * d]: silu(gate) * up, [rows, d].
     "silu_and_mul(Tensor x) -> Tensor",
+    // GeGLU's gate (Gemma) over a fused gate|up projection [rows, 2 * d]:
+    // gelu(gate, approximate="tanh") * up, [rows, d].
+    "gelu_tanh_and_mul(Tensor x) -> Tensor",
 };
 
 }  // namespace

@@ -76,7 +76,8 @@ def test_every_op_has_a_cuda_kernel(sim):
     op falls back to its ATen composition on a GPU; in a CUDA build, for the CUDA key itself."""
     names = sorted({schema.name.split("::")[1] for schema in torch._C._jit_get_all_schemas()
                     if schema.name.startswith("fastllm::")})
-    assert {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "linear"} <= set(names)
+    assert {"rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_and_cache",
+            "linear"} <= set(names)
     missing = [name for name in names
                if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fastllm_sim::{name}", "CPU")]
     assert not missing, f"no CUDA host file registers {missing}"

@@ -112,6 +112,7 @@ CASES = {
     "add_rms_norm": lambda dtype: ((torch.randn(3, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype),
                                     torch.randn(16, dtype=dtype), 1e-6), {}),
     "silu_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
+    "gelu_tanh_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
     "sample": lambda dtype: (sampling_args(dtype), {}),
     "sample_with_logprobs": lambda dtype: ((*sampling_args(dtype), 4), {}),
     "apply_penalties": lambda dtype: ((torch.randn(6, 50, dtype=dtype),

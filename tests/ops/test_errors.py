@@ -164,6 +164,34 @@ def test_attention_zero_heads_is_a_value_error():
                                f"least one head, got n_heads={n_heads}"), line
 
 
+# The gated activations share their checks (csrc/activation/activation_checks.cpp).
+GATED_ACTIVATIONS = ["silu_and_mul", "gelu_tanh_and_mul"]
+# id: (x, exception, pattern its message must match)
+GATED_ACTIVATION_ERRORS = {
+    "odd_last_dim": (lambda: torch.randn(2, 7), ValueError,
+                     r"x's last dim must be even \(gate \| up halves\), got 7"),
+    "rank_1": (lambda: torch.randn(8), ValueError,
+               r"x must be \[rows, 2 \* d\] \(gate \| up\), got shape \[8\]"),
+    "rank_3": (lambda: torch.randn(2, 3, 8), ValueError,
+               r"x must be \[rows, 2 \* d\] \(gate \| up\), got shape \[2, 3, 8\]"),
+    "float64": (lambda: torch.randn(2, 8, dtype=torch.float64), TypeError,
+                "x must be torch.float32, torch.bfloat16 or torch.float16, got torch.float64"),
+    "int": (lambda: torch.ones(2, 8, dtype=torch.int32), TypeError,
+            "x must be torch.float32, torch.bfloat16 or torch.float16, got torch.int32"),
+    "strided_last_dim": (lambda: torch.randn(8, 2).t(), ValueError,
+                         r"x's last dim must be contiguous, got strides \[1, 2\]"),
+}
+
+
+@pytest.mark.cpu_inputs
+@pytest.mark.parametrize("case", GATED_ACTIVATION_ERRORS)
+@pytest.mark.parametrize("op", GATED_ACTIVATIONS)
+def test_gated_activation_bad_input(backend, op, case):
+    make_x, error, match = GATED_ACTIVATION_ERRORS[case]
+    with pytest.raises(error, match=match):
+        getattr(backend.ops, op)(make_x())
+
+
 _QK = torch.randn(6, 4, 16)  # q, with k a view of its first heads
 _HEADS = torch.randn(6, 6, 16)  # q = heads 0-3, k = heads 3-4: head 3 in both
 

@@ -27,8 +27,9 @@ from fastllm.ops.decoder_layers import DecoderLayers, DecoderLayerWeights, Proje
 
 __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ProjectionPart",
            "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
-           "batch_invariant", "dequantize", "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
-           "rope_cos_sin_cache", "rotary_and_cache", "rotary_embedding", "sample", "sample_with_logprobs",
+           "batch_invariant", "dequantize", "gelu_tanh_and_mul", "linear", "paged_attention",
+           "quantized_linear", "reshape_and_cache", "rms_norm", "rope_cos_sin_cache",
+           "rotary_and_cache", "rotary_embedding", "sample", "sample_with_logprobs",
            "silu_and_mul", "trusted_inputs"]
 
 # The ggml block formats the quantized ops take (csrc/quantized/block_formats.h): type id ->
@@ -477,6 +478,14 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return torch.ops.fastllm.silu_and_mul.default(x)
 
 
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """GeGLU's gate (Gemma's MLP): ``gelu(x[:, :d], approximate="tanh") * x[:, d:]`` for a fused
+    gate|up projection ``x`` ``[rows, 2 * d]`` (unit stride in the last dim), with the eager
+    form's roundings (gelu rounded to x's dtype before the product), as :func:`silu_and_mul`.
+    Returns ``[rows, d]``."""
+    return torch.ops.fastllm.gelu_tanh_and_mul.default(x)
+
+
 # Fake kernels: output metadata for torch.compile. Metadata checks stay in C++ (one place for all
 # devices); the one check repeated here is the device check, because mixing in a meta tensor
 # routes the call to these functions instead of a real kernel.
@@ -602,4 +611,9 @@ def _add_rms_norm_fake(x, residual, weight, eps):
 
 @_register_fake("silu_and_mul")
 def _silu_and_mul_fake(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+@_register_fake("gelu_tanh_and_mul")
+def _gelu_tanh_and_mul_fake(x):
     return x.new_empty((x.shape[0], x.shape[1] // 2))

@@ -342,6 +342,14 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """``gelu(gate, approximate="tanh") * up`` over the halves of ``x`` ``[rows, 2 * d]``, in
+    float64: ``0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``."""
+    gate, up = x.double().chunk(2, dim=-1)
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    return 0.5 * gate * (1 + torch.tanh(inner)) * up
+
+
 def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: Tensor | None, *,
                    positions: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens: Tensor,
                    block_tables: Tensor, slot_mapping: Tensor, keys_are_new: bool,
