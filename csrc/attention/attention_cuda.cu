@@ -1,7 +1,7 @@
 // Varlen attention on CUDA: checks, device guard, stream and kernel choice; the kernels are in
 // attention_kernels.cuh. bfloat16/float16 with head_dim <= 256 run the tensor-core kernel (head_dim
 // padded up to 64, 80, 96, 128 or 256), float32 the SIMT kernel; head_dim > 256, which no kernel
-// is built for, runs the ATen composition.
+// is built for, runs the ATen composition, as does a soft-cap (softcap > 0) for now.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -99,9 +99,11 @@ bool launch_attention(const cuda::VarlenAttentionParams<T>& params, int64_t quer
 void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                         int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-                        std::optional<double> scale, int64_t window_left, at::Tensor& out) {
+                        std::optional<double> scale, int64_t window_left, at::Tensor& out,
+                        double softcap) {
   const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                    max_seqlen_q, max_seqlen_k, window_left);
+                                                    max_seqlen_q, max_seqlen_k, window_left,
+                                                    softcap);
   check_attention_out(out, q, k, v);
   if (can_check_values()) {
     check_cu_seqlens_values(host_copy(cu_seqlens_q), q.size(0), max_seqlen_q, "cu_seqlens_q");
@@ -112,9 +114,9 @@ void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK_VALUE(q.size(0) <= kMaxTokens && k.size(0) <= kMaxTokens, "attention takes at most ",
                     kMaxTokens, " packed tokens, got q with ", q.size(0), " and k with ",
                     k.size(0));
-  if (dims.head_dim > kMaxKernelHeadDim) {
+  if (dims.head_dim > kMaxKernelHeadDim || softcap > 0.0) {  // no kernel soft-caps yet
     attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            causal, scale, window_left, out);
+                            causal, scale, window_left, out, softcap);
     return;
   }
   // No sequence is longer than max_seqlen_q (checked above) nor than all of q.
@@ -160,7 +162,7 @@ void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   });
   if (!launched)  // no kernel configuration fits this device's shared memory
     attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            causal, scale, window_left, out);
+                            causal, scale, window_left, out, softcap);
 }
 
 }  // namespace

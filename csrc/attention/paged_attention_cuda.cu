@@ -110,21 +110,22 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                 int64_t max_seqlen_q, bool causal, std::optional<double> scale,
                                 int64_t window_left,
                                 const std::optional<at::Tensor>& rotary_cos_sin_cache,
-                                bool rotary_is_neox) {
-  const AttentionDims dims = check_paged_attention_inputs(
-      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+                                bool rotary_is_neox, double softcap) {
+  const AttentionDims dims =
+      check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                   max_seqlen_q, window_left, softcap);
   // The kernels stage K/V tiles in q's storage type; a cache of another dtype runs on the CPU
   // (and in the composite), not here.
   TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type(),
                    "paged_attention on CUDA needs caches of q's dtype, got k_cache ",
                    dtype_name(k_cache.scalar_type()), " and q ", dtype_name(q.scalar_type()),
                    "; caches of another dtype are read on the CPU only");
-  if (dims.head_dim > cuda::kPagedMaxHeadDim) {
-    // No kernel shape holds such rows; the ATen composition is exact, if slow (and reads
-    // seq_lens on the host, so it cannot be captured in a CUDA graph).
+  if (dims.head_dim > cuda::kPagedMaxHeadDim || softcap > 0.0) {
+    // No kernel shape holds such rows, nor soft-caps yet; the ATen composition is exact, if
+    // slow (and reads seq_lens on the host, so it cannot be captured in a CUDA graph).
     return paged_attention_composite(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                      max_seqlen_q, causal, scale, window_left,
-                                     rotary_cos_sin_cache, rotary_is_neox);
+                                     rotary_cos_sin_cache, rotary_is_neox, softcap);
   }
   const int64_t rotary_dim = check_key_rotary(rotary_cos_sin_cache, k_cache);
   // Before the value checks too: whether the stream is being captured is asked of the current

@@ -61,10 +61,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t window_left) {
   static const auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, int64_t, int64_t, bool, std::optional<double>,
-                    int64_t)>("fastllm::attention");
+                    const at::Tensor&, int64_t, int64_t, bool, std::optional<double>, int64_t,
+                    double)>("fastllm::attention");
   return handle.call(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, /*causal=*/true,
-                     std::nullopt, window_left);
+                     std::nullopt, window_left, /*softcap=*/0.0);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -73,10 +73,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   static const auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, const at::Tensor&, int64_t, bool, std::optional<double>,
-                    int64_t, const OptionalTensor&, bool)>("fastllm::paged_attention");
+                    int64_t, const OptionalTensor&, bool, double)>("fastllm::paged_attention");
   return handle.call(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q,
                      step.max_seqlen_q, /*causal=*/true, std::nullopt, window_left,
-                     key_rotation, /*rotary_is_neox=*/true);
+                     key_rotation, /*rotary_is_neox=*/true, /*softcap=*/0.0);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {

@@ -22,6 +22,10 @@ def attention_inputs():
                 max_seqlen_k=7)
 
 
+# The soft-cap is 0 (off) or a float32 normal number: the kernels use it and its reciprocal.
+SOFTCAP_ERROR = (r"softcap must be 0 \(no soft-capping\) or a positive number in float32's "
+                 r"normal range \[1.17549e-38, 3.40282e\+38\], got ")
+
 # id: (changes to the valid call, exception, pattern its message must match)
 ATTENTION_ERRORS = {
     "n_heads_not_multiple": (dict(k=torch.randn(12, 3, 16), v=torch.randn(12, 3, 16)),
@@ -85,6 +89,11 @@ ATTENTION_ERRORS = {
                              r"window_left must be -1 \(no window\) or >= 0, got -2"),
     "nan_scale": (dict(scale=math.nan), ValueError, "scale must be finite, got nan"),
     "inf_scale": (dict(scale=math.inf), ValueError, "scale must be finite, got inf"),
+    "negative_softcap": (dict(softcap=-1.0), ValueError, SOFTCAP_ERROR + "-1"),
+    "nan_softcap": (dict(softcap=math.nan), ValueError, SOFTCAP_ERROR + "nan"),
+    "inf_softcap": (dict(softcap=math.inf), ValueError, SOFTCAP_ERROR + "inf"),
+    "softcap_past_float32": (dict(softcap=1e39), ValueError, SOFTCAP_ERROR + r"1e\+39"),
+    "subnormal_softcap": (dict(softcap=1e-39), ValueError, SOFTCAP_ERROR + "1e-39"),
 }
 
 # Errors in the preallocated output (out= paths only).

@@ -27,8 +27,9 @@ def causal_mask(len_q: int, len_k: int, *, dtype: torch.dtype = torch.float32,
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
-              scale: float | None = None, window_left: int = -1) -> Tensor:
-    """Twin of :func:`fastllm.ops.attention`."""
+              scale: float | None = None, window_left: int = -1, softcap: float = 0.0) -> Tensor:
+    """Twin of :func:`fastllm.ops.attention`; the soft-cap as HF's Gemma 2 eager attention
+    applies it (scaled scores divided by ``softcap``, tanh, times ``softcap``, then the mask)."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     group = n_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -42,6 +43,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
         keys = k[k0:k1].repeat_interleave(group, dim=1)  # [len_k, n_heads, head_dim]
         values = v[k0:k1].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1], keys) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         diag = torch.arange(len_q, device=q.device)[:, None] + (len_k - len_q)
         key = torch.arange(len_k, device=q.device)[None, :]
         visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
@@ -70,7 +73,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                     seq_lens: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, *,
                     causal: bool = True, scale: float | None = None,
                     window_left: int = -1, rotary_cos_sin_cache: Tensor | None = None,
-                    rotary_is_neox: bool = True) -> Tensor:
+                    rotary_is_neox: bool = True, softcap: float = 0.0) -> Tensor:
     """Twin of :func:`fastllm.ops.paged_attention`: gather the keys (rotating pre-RoPE keys by
     their positions in their sequences), then :func:`attention` in q's dtype (a cache of
     another dtype converted to it)."""
@@ -86,7 +89,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     values = gather_paged(v_cache, block_tables, seq_lens)
     return attention(q, keys.to(q.dtype), values.to(q.dtype), cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, int(seq_lens.max()) if len(seq_lens) else 0, causal=causal,
-                     scale=scale, window_left=window_left)
+                     scale=scale, window_left=window_left, softcap=softcap)
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
