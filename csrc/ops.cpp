@@ -21,22 +21,24 @@ namespace {
 // runs) on any device (common/composite.h registers both).
 constexpr const char* kSchemas[] = {
     // Attention over packed variable-length sequences (flash-attention varlen layout), causal
-    // mask bottom-right aligned and computed from indices, GQA by index, optional sliding window.
+    // mask bottom-right aligned and computed from indices, GQA by index, optional sliding window,
+    // optional logit soft-cap (Gemma 2: softcap > 0 turns each scaled score s into
+    // softcap * tanh(s / softcap) before the mask and softmax; 0 is off).
     "attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
     "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
-    "int window_left=-1) -> Tensor",
+    "int window_left=-1, float softcap=0.0) -> Tensor",
     // The same, written into a preallocated `out` of q's shape (no allocation in a decode loop).
     "attention_out(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
     "int max_seqlen_q, int max_seqlen_k, *, bool causal=True, float? scale=None, "
-    "int window_left=-1, Tensor(a!) out) -> ()",
+    "int window_left=-1, Tensor(a!) out, float softcap=0.0) -> ()",
     // Attention of packed queries over K/V read through block tables from paged caches
     // [num_blocks, block_size, n_kv_heads, head_dim]: decode and chunked prefill, same
     // semantics. With a cos|sin table the cached keys are pre-RoPE and rotated on read by their
-    // position. Under float32 q the caches may be bfloat16 / float16.
+    // position. Under float32 q the caches may be bfloat16 / float16. softcap as in attention.
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor seq_lens, Tensor cu_seqlens_q, int max_seqlen_q, *, bool causal=True, "
     "float? scale=None, int window_left=-1, Tensor? rotary_cos_sin_cache=None, "
-    "bool rotary_is_neox=True) -> Tensor",
+    "bool rotary_is_neox=True, float softcap=0.0) -> Tensor",
     // Writes new tokens' K/V into their cache slots (block * block_size + offset; < 0 skips),
     // rounded to the caches' dtype where it is narrower.
     "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -83,6 +85,9 @@ constexpr const char* kSchemas[] = {
     "add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
     // SwiGLU's gate over a fused gate|up projection [rows, 2 * d]: silu(gate) * up, [rows, d].
     "silu_and_mul(Tensor x) -> Tensor",
+    // GeGLU's gate (Gemma) over a fused gate|up projection [rows, 2 * d]:
+    // gelu(gate, approximate="tanh") * up, [rows, d].
+    "gelu_tanh_and_mul(Tensor x) -> Tensor",
 };
 
 }  // namespace

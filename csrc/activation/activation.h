@@ -5,7 +5,8 @@
 
 namespace fastllm {
 
-// Checks x [rows, 2 * d] (gate | up halves) and returns d.
-int64_t check_silu_and_mul_inputs(const at::Tensor& x);
+// Checks the input of a gated activation (silu_and_mul, gelu_tanh_and_mul): x [rows, 2 * d]
+// (gate | up halves) with a contiguous last dim; returns d.
+int64_t check_gated_activation_inputs(const at::Tensor& x);
 
 }  // namespace fastllm

@@ -15,11 +15,12 @@ struct AttentionDims {
   int64_t head_dim;
 };
 
-// Checks q/k/v/cu_seqlens metadata (ranks, dtypes, devices, head counts) and returns the dims.
+// Checks q/k/v/cu_seqlens metadata (ranks, dtypes, devices, head counts), the window and the
+// soft-cap, and returns the dims.
 AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& cu_seqlens_q,
                                      const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                     int64_t max_seqlen_k, int64_t window_left);
+                                     int64_t max_seqlen_k, int64_t window_left, double softcap);
 
 // Metadata checks of paged attention: q as in attention, caches [num_blocks, block_size,
 // n_kv_heads, head_dim] of q's dtype or, under float32 q, of bfloat16 / float16 (read back as
@@ -29,7 +30,7 @@ AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& block_tables,
                                            const at::Tensor& seq_lens,
                                            const at::Tensor& cu_seqlens_q, int64_t max_seqlen_q,
-                                           int64_t window_left);
+                                           int64_t window_left, double softcap);
 
 // Checks CPU block tables against the sequence lengths: every block a sequence reads exists.
 void check_block_table_values(const at::Tensor& block_tables_cpu, const at::Tensor& seq_lens_cpu,
@@ -56,22 +57,28 @@ void check_attention_out(const at::Tensor& out, const at::Tensor& q, const at::T
 
 double resolve_attention_scale(std::optional<double> scale, int64_t head_dim);
 
+// Logit soft-capping (Gemma 2): with softcap > 0 a score s (q . k times the scale) becomes
+// softcap * tanh(s / softcap) before the mask and the softmax; 0 leaves scores as they are.
+// Checks that softcap is 0 or a positive float32 normal number (finite, with a finite
+// reciprocal).
+void check_softcap(double softcap);
+
 // A device's attention_out: checks its inputs and writes the result into `out`.
 using AttentionOutImpl = void (*)(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
                                   std::optional<double> scale, int64_t window_left,
-                                  at::Tensor& out);
+                                  at::Tensor& out, double softcap);
 
 // The attention op around a device's attention_out: allocates the output it writes.
 template <AttentionOutImpl impl>
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                         int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-                        std::optional<double> scale, int64_t window_left) {
+                        std::optional<double> scale, int64_t window_left, double softcap) {
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-       window_left, out);
+       window_left, out, softcap);
   return out;
 }
 
@@ -82,10 +89,11 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
                                      int64_t max_seqlen_q, bool causal,
                                      std::optional<double> scale, int64_t window_left,
                                      const std::optional<at::Tensor>& rotary_cos_sin_cache,
-                                     bool rotary_is_neox);
+                                     bool rotary_is_neox, double softcap);
 void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-                             std::optional<double> scale, int64_t window_left, at::Tensor& out);
+                             std::optional<double> scale, int64_t window_left, at::Tensor& out,
+                             double softcap);
 
 }  // namespace fastllm

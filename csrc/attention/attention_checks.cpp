@@ -1,6 +1,7 @@
 #include "attention/attention.h"
 
 #include <cmath>
+#include <limits>
 
 #include <ATen/MemoryOverlap.h>
 
@@ -13,7 +14,7 @@ namespace {
 // What q must satisfy against keys of n_kv_heads heads of key_head_dim channels: shared by the
 // packed and the paged layouts.
 void check_query_against_keys(const at::Tensor& q, int64_t n_kv_heads, int64_t key_head_dim,
-                              int64_t window_left) {
+                              int64_t window_left, double softcap) {
   check_float_storage(q, "q");
   TORCH_CHECK_VALUE(q.size(2) == key_head_dim, "q and k must have the same head_dim, got ",
                     q.size(2), " and ", key_head_dim);
@@ -25,6 +26,7 @@ void check_query_against_keys(const at::Tensor& q, int64_t n_kv_heads, int64_t k
                     " and n_kv_heads=", n_kv_heads);
   TORCH_CHECK_VALUE(window_left >= -1, "window_left must be -1 (no window) or >= 0, got ",
                     window_left);
+  check_softcap(softcap);
 }
 
 void check_int32_vector(const at::Tensor& t, const char* name, const char* layout,
@@ -39,7 +41,8 @@ void check_int32_vector(const at::Tensor& t, const char* name, const char* layou
 AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& cu_seqlens_q,
                                      const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                     int64_t max_seqlen_k, int64_t window_left) {
+                                     int64_t max_seqlen_k, int64_t window_left,
+                                     double softcap) {
   check_rank(q, 3, "q", "[total_q, n_heads, head_dim]");
   check_rank(k, 3, "k", "[total_k, n_kv_heads, head_dim]");
   check_rank(v, 3, "v", "[total_k, n_kv_heads, head_dim]");
@@ -56,7 +59,7 @@ AttentionDims check_attention_inputs(const at::Tensor& q, const at::Tensor& k, c
                     cu_seqlens_q.size(0), " and ", cu_seqlens_k.size(0));
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(),
                     " and ", v.sizes());
-  check_query_against_keys(q, k.size(1), k.size(2), window_left);
+  check_query_against_keys(q, k.size(1), k.size(2), window_left, softcap);
   TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got ", max_seqlen_q);
   TORCH_CHECK_VALUE(max_seqlen_k >= 0, "max_seqlen_k must be >= 0, got ", max_seqlen_k);
   return {cu_seqlens_q.size(0) - 1, q.size(1), k.size(1), q.size(2)};
@@ -67,7 +70,7 @@ AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& block_tables,
                                            const at::Tensor& seq_lens,
                                            const at::Tensor& cu_seqlens_q, int64_t max_seqlen_q,
-                                           int64_t window_left) {
+                                           int64_t window_left, double softcap) {
   check_rank(q, 3, "q", "[total_q, n_heads, head_dim]");
   check_float_storage(q, "q");
   for (const auto& [cache, name] :
@@ -77,7 +80,7 @@ AttentionDims check_paged_attention_inputs(const at::Tensor& q, const at::Tensor
     check_same_device(*cache, name, q, "q");
   }
   check_paged_caches(k_cache, v_cache);
-  check_query_against_keys(q, k_cache.size(2), k_cache.size(3), window_left);
+  check_query_against_keys(q, k_cache.size(2), k_cache.size(3), window_left, softcap);
   check_int32_vector(cu_seqlens_q, "cu_seqlens_q", "[batch + 1]", q);
   check_int32_vector(seq_lens, "seq_lens", "[batch]", q);
   check_same_device(block_tables, "block_tables", q, "q");
@@ -177,6 +180,15 @@ double resolve_attention_scale(std::optional<double> scale, int64_t head_dim) {
   if (!scale.has_value()) return 1.0 / std::sqrt(double(head_dim));
   TORCH_CHECK_VALUE(std::isfinite(*scale), "scale must be finite, got ", *scale);
   return *scale;
+}
+
+void check_softcap(double softcap) {
+  // The kernels compute in float32 with softcap and 1 / softcap: both finite and nonzero.
+  constexpr double kMin = std::numeric_limits<float>::min();
+  constexpr double kMax = std::numeric_limits<float>::max();
+  TORCH_CHECK_VALUE(softcap == 0.0 || (softcap >= kMin && softcap <= kMax),
+                    "softcap must be 0 (no soft-capping) or a positive number in float32's normal "
+                    "range [", kMin, ", ", kMax, "], got ", softcap);
 }
 
 }  // namespace fastllm

@@ -15,9 +15,11 @@ namespace fastllm {
 void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-                             std::optional<double> scale, int64_t window_left, at::Tensor& out) {
+                             std::optional<double> scale, int64_t window_left, at::Tensor& out,
+                             double softcap) {
   const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                    max_seqlen_q, max_seqlen_k, window_left);
+                                                    max_seqlen_q, max_seqlen_k, window_left,
+                                                    softcap);
   check_attention_out(out, q, k, v);
   const auto cu_q = cu_seqlens_q.to(at::kCPU);
   const auto cu_k = cu_seqlens_k.to(at::kCPU);
@@ -43,6 +45,8 @@ void attention_out_composite(const at::Tensor& q, const at::Tensor& k, const at:
     auto kb = k.narrow(0, ck[b], len_k).to(at::kFloat).permute({1, 2, 0});  // [Hkv, D, len_k]
     auto vb = v.narrow(0, ck[b], len_k).to(at::kFloat).permute({1, 0, 2});  // [Hkv, len_k, D]
     auto scores = at::matmul(qg, kb).mul_(sm_scale).view({Hkv, G, len_q, len_k});
+    // Gemma 2's soft-cap, HF's steps: divide, tanh, multiply, then the mask.
+    if (softcap > 0.0) scores.div_(softcap).tanh_().mul_(softcap);
 
     auto diag = at::arange(len_q, index_opts).add_(len_k - len_q).unsqueeze(1);  // [len_q, 1]
     auto key = at::arange(len_k, index_opts).unsqueeze(0);                      // [1, len_k]
@@ -63,9 +67,10 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
                                      int64_t max_seqlen_q, bool causal,
                                      std::optional<double> scale, int64_t window_left,
                                      const std::optional<at::Tensor>& rotary_cos_sin_cache,
-                                     bool rotary_is_neox) {
-  const AttentionDims dims = check_paged_attention_inputs(
-      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+                                     bool rotary_is_neox, double softcap) {
+  const AttentionDims dims =
+      check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                   max_seqlen_q, window_left, softcap);
   const bool rotate_keys = check_key_rotary(rotary_cos_sin_cache, k_cache) > 0;
   const auto tables = block_tables.to(at::kCPU).contiguous();
   const auto lens = seq_lens.to(at::kCPU).contiguous();
@@ -100,7 +105,7 @@ at::Tensor paged_attention_composite(const at::Tensor& q, const at::Tensor& k_ca
     return parts.empty() ? q.new_empty({0, dims.n_kv_heads, dims.head_dim}) : at::cat(parts);
   };
   attention_out_composite(q, cat(keys), cat(values), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, causal, scale, window_left, out);
+                          max_seqlen_k, causal, scale, window_left, out, softcap);
   return out;
 }
 

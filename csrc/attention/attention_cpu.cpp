@@ -6,10 +6,11 @@
 // and run two small GEMMs per key block on packed K/V; decode-like tiles (few rows per kv head)
 // take every kv head and read K/V rows in place, so memory is streamed in order. The causal
 // (bottom-right) and sliding-window masks are computed from positions; key blocks no row can see
-// are never visited. Few tiles with long key ranges are split over the keys (split-KV). Paged
-// caches may hold K/V in a narrower dtype than q (bfloat16 / float16 under float32 q): rows are
-// converted to float32 as they are read, like rows of q's dtype, so a decode step streams half
-// the bytes through the same code.
+// are never visited. With a soft-cap (Gemma 2) a row's visible scores become
+// softcap * tanh(score / softcap) before its online softmax. Few tiles with long key ranges are
+// split over the keys (split-KV). Paged caches may hold K/V in a narrower dtype than q
+// (bfloat16 / float16 under float32 q): rows are converted to float32 as they are read, like
+// rows of q's dtype, so a decode step streams half the bytes through the same code.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -55,6 +56,8 @@ struct Problem {
   bool causal;
   int64_t window_left;
   float scale;
+  float softcap;      // > 0: scores become softcap * tanh(score / softcap); 0: left as they are
+  float inv_softcap;  // 1 / softcap
   bool direct_ok;  // head_dim a whole number of vectors and unit dim strides on k and v
   // Pre-RoPE caches: key j of a sequence is rotated by position j as it is read.
   const float* rope_cos_sin = nullptr;  // [max_position, rope_dim], cos | sin halves
@@ -343,6 +346,11 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
           continue;
         }
         const int64_t n = c_hi - c_lo;
+        if (pb.softcap > 0.f) {  // Gemma 2's soft-cap, on the scaled scores, before the softmax
+          const VecF cap(pb.softcap), inv(pb.inv_softcap);
+          at::vec::map([cap, inv](VecF x) { return cap * (x * inv).tanh(); }, sr + c_lo,
+                       sr + c_lo, n);
+        }
         const float block_max = at::vec::reduce_all<float>(
             [](VecF& a, VecF& b) { return at::vec::maximum(a, b); }, sr + c_lo, n);
         const float m_new = std::max(m[r], block_max);
@@ -532,7 +540,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, bool in
 }
 
 Problem make_problem(const AttentionDims& dims, bool causal, std::optional<double> scale,
-                     int64_t window_left, bool unit_dim_strides) {
+                     int64_t window_left, double softcap, bool unit_dim_strides) {
   return {dims.n_heads,
           dims.n_kv_heads,
           dims.n_heads / dims.n_kv_heads,
@@ -541,6 +549,8 @@ Problem make_problem(const AttentionDims& dims, bool causal, std::optional<doubl
           causal,
           window_left,
           float(resolve_attention_scale(scale, dims.head_dim)),
+          float(softcap),
+          softcap > 0.0 ? float(1.0 / softcap) : 0.f,
           dims.head_dim % VecF::size() == 0 && unit_dim_strides};
 }
 
@@ -560,9 +570,11 @@ void run_attention(const Problem& pb, const at::Tensor& cu_seqlens_q,
 void attention_out_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-                       std::optional<double> scale, int64_t window_left, at::Tensor& out) {
+                       std::optional<double> scale, int64_t window_left, at::Tensor& out,
+                       double softcap) {
   const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                    max_seqlen_q, max_seqlen_k, window_left);
+                                                    max_seqlen_q, max_seqlen_k, window_left,
+                                                    softcap);
   check_attention_out(out, q, k, v);
   check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
   check_cu_seqlens_values(cu_seqlens_k, k.size(0), max_seqlen_k, "cu_seqlens_k");
@@ -572,8 +584,9 @@ void attention_out_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   for (int64_t b = 0; b < dims.batch; ++b) key_lens[b] = ck[b + 1] - ck[b];
   const KeyLayout kl{k.stride(1), k.stride(2), ck, k.stride(0)};
   const KeyLayout vl{v.stride(1), v.stride(2), ck, v.stride(0)};
-  run_attention(make_problem(dims, causal, scale, window_left, kl.dim == 1 && vl.dim == 1),
-                cu_seqlens_q, key_lens, q, k, kl, v, vl, out);
+  run_attention(
+      make_problem(dims, causal, scale, window_left, softcap, kl.dim == 1 && vl.dim == 1),
+      cu_seqlens_q, key_lens, q, k, kl, v, vl, out);
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
@@ -582,9 +595,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                int64_t max_seqlen_q, bool causal, std::optional<double> scale,
                                int64_t window_left,
                                const std::optional<at::Tensor>& rotary_cos_sin_cache,
-                               bool rotary_is_neox) {
-  const AttentionDims dims = check_paged_attention_inputs(
-      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+                               bool rotary_is_neox, double softcap) {
+  const AttentionDims dims =
+      check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                   max_seqlen_q, window_left, softcap);
   const int64_t rope_dim = check_key_rotary(rotary_cos_sin_cache, k_cache);
   check_cu_seqlens_values(cu_seqlens_q, q.size(0), max_seqlen_q, "cu_seqlens_q");
   const auto tables = block_tables.contiguous();
@@ -602,7 +616,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                      tables.size(1), cache.size(1), cache.stride(0), cache.stride(1)};
   };
   const KeyLayout kl = paged(k_cache), vl = paged(v_cache);
-  Problem pb = make_problem(dims, causal, scale, window_left, kl.dim == 1 && vl.dim == 1);
+  Problem pb =
+      make_problem(dims, causal, scale, window_left, softcap, kl.dim == 1 && vl.dim == 1);
   if (rope_dim > 0) {
     pb.rope_cos_sin = rope_table.const_data_ptr<float>();
     pb.rope_dim = rope_dim;

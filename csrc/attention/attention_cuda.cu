@@ -1,7 +1,8 @@
 // Varlen attention on CUDA: checks, device guard, stream and kernel choice; the kernels are in
 // attention_kernels.cuh. bfloat16/float16 with head_dim <= 256 run the tensor-core kernel (head_dim
 // padded up to 64, 80, 96, 128 or 256), float32 the SIMT kernel; head_dim > 256, which no kernel
-// is built for, runs the ATen composition.
+// is built for, runs the ATen composition. A soft-cap (softcap > 0) runs the kernels' kSoftcap
+// instantiations.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -57,51 +58,53 @@ void launch(void (*kernel)(Params), Params params, int block_m, int smem_bytes,
 
 // Launches the tensor-core kernel padded to kHeadDim if head_dim fits it and its shared memory
 // fits the device.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kSoftcap>
 bool launch_tensor_core(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows,
                         int max_smem) {
   using Shape = cuda::TensorCoreShape<kHeadDim>;
   if (params.head_dim > kHeadDim || Shape::kSmemBytes > max_smem) return false;
-  launch(cuda::attention_tensor_core_kernel<T, kHeadDim>, params, Shape::kBlockM,
+  launch(cuda::attention_tensor_core_kernel<T, kHeadDim, kSoftcap>, params, Shape::kBlockM,
          Shape::kSmemBytes, query_rows);
   return true;
 }
 
-template <typename T, int kDimsPerLane>
+template <typename T, int kDimsPerLane, bool kSoftcap>
 bool launch_simt(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows, int max_smem) {
   using Shape = cuda::SimtShape<kDimsPerLane>;
   if (params.head_dim > Shape::kDims || Shape::kSmemBytes > max_smem) return false;
-  launch(cuda::attention_simt_kernel<T, kDimsPerLane>, params, Shape::kBlockM, Shape::kSmemBytes,
-         query_rows);
+  launch(cuda::attention_simt_kernel<T, kDimsPerLane, kSoftcap>, params, Shape::kBlockM,
+         Shape::kSmemBytes, query_rows);
   return true;
 }
 
 // The smallest kernel configuration that takes head_dim; false when none fits the device.
-template <typename T>
+template <typename T, bool kSoftcap>
 bool launch_attention(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows) {
   const int max_smem = max_shared_memory_per_block();
   if constexpr (!std::is_same_v<T, float>) {
-    if (launch_tensor_core<T, 64>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 80>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 96>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 128>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 256>(params, query_rows, max_smem))
+    if (launch_tensor_core<T, 64, kSoftcap>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 80, kSoftcap>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 96, kSoftcap>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 128, kSoftcap>(params, query_rows, max_smem) ||
+        launch_tensor_core<T, 256, kSoftcap>(params, query_rows, max_smem))
       return true;
   }
-  return launch_simt<T, 1>(params, query_rows, max_smem) ||
-         launch_simt<T, 2>(params, query_rows, max_smem) ||
-         launch_simt<T, 3>(params, query_rows, max_smem) ||
-         launch_simt<T, 4>(params, query_rows, max_smem) ||
-         launch_simt<T, 6>(params, query_rows, max_smem) ||
-         launch_simt<T, 8>(params, query_rows, max_smem);
+  return launch_simt<T, 1, kSoftcap>(params, query_rows, max_smem) ||
+         launch_simt<T, 2, kSoftcap>(params, query_rows, max_smem) ||
+         launch_simt<T, 3, kSoftcap>(params, query_rows, max_smem) ||
+         launch_simt<T, 4, kSoftcap>(params, query_rows, max_smem) ||
+         launch_simt<T, 6, kSoftcap>(params, query_rows, max_smem) ||
+         launch_simt<T, 8, kSoftcap>(params, query_rows, max_smem);
 }
 
 void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                         int64_t max_seqlen_q, int64_t max_seqlen_k, bool causal,
-                        std::optional<double> scale, int64_t window_left, at::Tensor& out) {
+                        std::optional<double> scale, int64_t window_left, at::Tensor& out,
+                        double softcap) {
   const AttentionDims dims = check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                    max_seqlen_q, max_seqlen_k, window_left);
+                                                    max_seqlen_q, max_seqlen_k, window_left,
+                                                    softcap);
   check_attention_out(out, q, k, v);
   if (can_check_values()) {
     check_cu_seqlens_values(host_copy(cu_seqlens_q), q.size(0), max_seqlen_q, "cu_seqlens_q");
@@ -114,7 +117,7 @@ void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
                     k.size(0));
   if (dims.head_dim > kMaxKernelHeadDim) {
     attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            causal, scale, window_left, out);
+                            causal, scale, window_left, out, softcap);
     return;
   }
   // No sequence is longer than max_seqlen_q (checked above) nor than all of q.
@@ -156,11 +159,14 @@ void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
         has_16_byte_rows(q_rows) && has_16_byte_rows(k_rows) && has_16_byte_rows(v_rows);
     params.vector_stores = has_16_byte_rows(out);
     params.scale_log2 = float(softmax_scale * kLog2e);
-    launched = launch_attention<T>(params, query_rows);
+    params.softcap = float(softcap);
+    params.softcap_inv_log2 = softcap > 0.0 ? float(1.0 / (softcap * kLog2e)) : 0.f;
+    launched = softcap > 0.0 ? launch_attention<T, true>(params, query_rows)
+                             : launch_attention<T, false>(params, query_rows);
   });
   if (!launched)  // no kernel configuration fits this device's shared memory
     attention_out_composite(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            causal, scale, window_left, out);
+                            causal, scale, window_left, out, softcap);
 }
 
 }  // namespace

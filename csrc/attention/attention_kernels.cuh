@@ -1,6 +1,11 @@
 // Varlen (packed) prefill attention on CUDA, free of torch headers (nvcc compiles it alone in the
 // tests). Same semantics as attention_cpu.cpp: bottom-right causal mask, optional sliding window,
-// GQA by index, float32 softmax and accumulation, queries that see no key give exactly 0.
+// optional logit soft-cap, GQA by index, float32 softmax and accumulation, queries that see no
+// key give exactly 0.
+//
+// Soft-cap (Gemma 2): kernels instantiated with kSoftcap turn each scaled score s into
+// softcap * tanh(s / softcap) (attention_detail::soft_cap, on the log2-domain scores) before the
+// mask; the kSoftcap = false instantiations are the kernels without it, unchanged.
 //
 // Work split. One thread block of 4 warps per (query tile, head, sequence), flattened into
 // blockIdx.x as ((reversed query tile * batch) + sequence) * n_heads + head: the last query tiles
@@ -82,6 +87,8 @@ struct VarlenAttentionParams {
   bool vector_loads;   // q/k/v rows and strides allow 16-byte copies (tensor-core kernel)
   bool vector_stores;  // out rows and strides allow 16-byte stores (tensor-core kernel)
   float scale_log2;    // softmax scale * log2(e): probabilities are exp2(score * scale_log2 - max)
+  float softcap;           // > 0 in kSoftcap kernels: the soft-cap
+  float softcap_inv_log2;  // 1 / (softcap * log2(e)): log2-domain score -> score / softcap
 };
 
 // Tile shape of the tensor-core kernel for a padded head_dim; the host reads it too.
@@ -123,6 +130,13 @@ template <>
 __device__ __forceinline__ uint32_t pack_pair<__half>(float low, float high) {
   const __half2 pair = __floats2half2_rn(low, high);
   return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// A log2-domain score s * log2(e), soft-capped: softcap * tanh(s / softcap) * log2(e), in this
+// order (softcap * log2(e) itself would overflow for a softcap above FLT_MAX / log2(e)).
+__device__ __forceinline__ float soft_cap(float score_log2, float softcap,
+                                          float softcap_inv_log2) {
+  return softcap * tanhf(score_log2 * softcap_inv_log2) * CUDART_L2E_F;
 }
 
 // Keys [begin, end) that query position i of a sequence sees: causal keys j <= i + len_k - len_q
@@ -238,7 +252,7 @@ __device__ __forceinline__ void load_tile(scalar_t* smem, const scalar_t* src,
 
 }  // namespace attention_detail
 
-template <typename scalar_t, int kHeadDim>
+template <typename scalar_t, int kHeadDim, bool kSoftcap>
 __global__ void __launch_bounds__(kAttentionThreads)
     attention_tensor_core_kernel(const VarlenAttentionParams<scalar_t> params) {
   using namespace attention_detail;
@@ -362,6 +376,15 @@ __global__ void __launch_bounds__(kAttentionThreads)
         for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][nt][e] *= scale_log2;
+      if constexpr (kSoftcap) {
+#pragma unroll
+        for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              s[mt][nt][e] = soft_cap(s[mt][nt][e], params.softcap, params.softcap_inv_log2);
+      }
       if (masked) {
         // Lane-relative thresholds, so each element compares compile-time offsets with three
         // registers: block column c of row offset o (query position lane_row + o) is key
@@ -482,7 +505,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
   }
 }
 
-template <typename scalar_t, int kDimsPerLane>
+template <typename scalar_t, int kDimsPerLane, bool kSoftcap>
 __global__ void __launch_bounds__(kAttentionThreads)
     attention_simt_kernel(const VarlenAttentionParams<scalar_t> params) {
   using namespace attention_detail;
@@ -570,6 +593,7 @@ __global__ void __launch_bounds__(kAttentionThreads)
       for (int r = 0; r < kRowsPerWarp; ++r) {
         const int row = tile.first_row + warp * kRowsPerWarp + r;
         const KeySpan span = visible_keys(row, tile.len_q, tile.len_k, causal, window_left);
+        if constexpr (kSoftcap) s[r] = soft_cap(s[r], params.softcap, params.softcap_inv_log2);
         const float score = key >= span.begin && key < span.end ? s[r] : -CUDART_INF_F;
         float block_max = score;
 #pragma unroll
@@ -626,11 +650,15 @@ __global__ void __launch_bounds__(kAttentionThreads)
 
 #ifdef FASTLLM_KERNEL_COMPILE_CHECK
 // Every configuration attention_cuda.cu launches.
-#define FASTLLM_INSTANTIATE_TENSOR_CORE(T, D)                           \
-  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D>( \
+#define FASTLLM_INSTANTIATE_TENSOR_CORE(T, D)                                        \
+  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, false>( \
+      const fastllm::cuda::VarlenAttentionParams<T>);                                \
+  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, true>(  \
       const fastllm::cuda::VarlenAttentionParams<T>);
-#define FASTLLM_INSTANTIATE_SIMT(T, N)                           \
-  template __global__ void fastllm::cuda::attention_simt_kernel<T, N>( \
+#define FASTLLM_INSTANTIATE_SIMT(T, N)                                        \
+  template __global__ void fastllm::cuda::attention_simt_kernel<T, N, false>( \
+      const fastllm::cuda::VarlenAttentionParams<T>);                         \
+  template __global__ void fastllm::cuda::attention_simt_kernel<T, N, true>(  \
       const fastllm::cuda::VarlenAttentionParams<T>);
 #define FASTLLM_INSTANTIATE_TENSOR_CORE_DIMS(T) \
   FASTLLM_INSTANTIATE_TENSOR_CORE(T, 64)        \

@@ -47,11 +47,11 @@ int choose_split_target(int64_t base_blocks, int64_t slots) {
   return 1;
 }
 
-template <typename T, int kHeadDim, int kRows>
+template <typename T, int kHeadDim, int kRows, bool kSoftcap>
 void launch_paged_attention(cuda::PagedAttentionParams<T> params, int64_t max_queries,
                             int64_t n_kv_heads, int64_t max_keys, const at::Tensor& q) {
   using Shape = cuda::PagedShape<T, kHeadDim, kRows>;
-  const auto kernel = &cuda::paged_attention_kernel<T, kHeadDim, kRows>;
+  const auto kernel = &cuda::paged_attention_kernel<T, kHeadDim, kRows, kSoftcap>;
   const int device = q.get_device();
   int max_smem = 0, sm_count = 0, blocks_per_sm = 0;
   C10_CUDA_CHECK(
@@ -104,15 +104,44 @@ void launch_paged_attention(cuda::PagedAttentionParams<T> params, int64_t max_qu
   }
 }
 
+// The shape for head_dim (padded to 64 / 128 / 256) and the rows per sequence: decode, or
+// prefill (head_dim <= 128 only) where the queries times the group exceed two decode tiles.
+template <typename T, bool kSoftcap>
+void launch_paged_shape(const cuda::PagedAttentionParams<T>& params, int64_t query_rows,
+                        int64_t n_kv_heads, int64_t max_keys, const at::Tensor& q) {
+  const int64_t head_dim = params.head_dim;
+  const bool prefill_shape = head_dim <= 128 && query_rows * params.group > kMaxDecodeShapeRows;
+  constexpr int kDecodeRows = cuda::kPagedDecodeRows;
+  if (head_dim <= 64) {
+    if (prefill_shape)
+      launch_paged_attention<T, 64, cuda::paged_prefill_rows(64), kSoftcap>(
+          params, query_rows, n_kv_heads, max_keys, q);
+    else
+      launch_paged_attention<T, 64, kDecodeRows, kSoftcap>(params, query_rows, n_kv_heads,
+                                                           max_keys, q);
+  } else if (head_dim <= 128) {
+    if (prefill_shape)
+      launch_paged_attention<T, 128, cuda::paged_prefill_rows(128), kSoftcap>(
+          params, query_rows, n_kv_heads, max_keys, q);
+    else
+      launch_paged_attention<T, 128, kDecodeRows, kSoftcap>(params, query_rows, n_kv_heads,
+                                                            max_keys, q);
+  } else {
+    launch_paged_attention<T, 256, kDecodeRows, kSoftcap>(params, query_rows, n_kv_heads,
+                                                          max_keys, q);
+  }
+}
+
 at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                                 int64_t max_seqlen_q, bool causal, std::optional<double> scale,
                                 int64_t window_left,
                                 const std::optional<at::Tensor>& rotary_cos_sin_cache,
-                                bool rotary_is_neox) {
-  const AttentionDims dims = check_paged_attention_inputs(
-      q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, window_left);
+                                bool rotary_is_neox, double softcap) {
+  const AttentionDims dims =
+      check_paged_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                   max_seqlen_q, window_left, softcap);
   // The kernels stage K/V tiles in q's storage type; a cache of another dtype runs on the CPU
   // (and in the composite), not here.
   TORCH_CHECK_TYPE(k_cache.scalar_type() == q.scalar_type(),
@@ -124,7 +153,7 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     // seq_lens on the host, so it cannot be captured in a CUDA graph).
     return paged_attention_composite(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                      max_seqlen_q, causal, scale, window_left,
-                                     rotary_cos_sin_cache, rotary_is_neox);
+                                     rotary_cos_sin_cache, rotary_is_neox, softcap);
   }
   const int64_t rotary_dim = check_key_rotary(rotary_cos_sin_cache, k_cache);
   // Before the value checks too: whether the stream is being captured is asked of the current
@@ -200,27 +229,12 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     params.causal = causal;
     params.window_left = window_left;
     params.scale_log2 = float(sm_scale * kLog2e);
-
-    const bool prefill_shape = head_dim <= 128 && query_rows * group > kMaxDecodeShapeRows;
-    constexpr int kDecodeRows = cuda::kPagedDecodeRows;
-    if (head_dim <= 64) {
-      if (prefill_shape)
-        launch_paged_attention<T, 64, cuda::paged_prefill_rows(64)>(
-            params, query_rows, dims.n_kv_heads, max_keys, q);
-      else
-        launch_paged_attention<T, 64, kDecodeRows>(params, query_rows, dims.n_kv_heads,
-                                                   max_keys, q);
-    } else if (head_dim <= 128) {
-      if (prefill_shape)
-        launch_paged_attention<T, 128, cuda::paged_prefill_rows(128)>(
-            params, query_rows, dims.n_kv_heads, max_keys, q);
-      else
-        launch_paged_attention<T, 128, kDecodeRows>(params, query_rows, dims.n_kv_heads,
-                                                    max_keys, q);
-    } else {
-      launch_paged_attention<T, 256, kDecodeRows>(params, query_rows, dims.n_kv_heads,
-                                                  max_keys, q);
-    }
+    params.softcap = float(softcap);
+    params.softcap_inv_log2 = softcap > 0.0 ? float(1.0 / (softcap * kLog2e)) : 0.f;
+    if (softcap > 0.0)
+      launch_paged_shape<T, true>(params, query_rows, dims.n_kv_heads, max_keys, q);
+    else
+      launch_paged_shape<T, false>(params, query_rows, dims.n_kv_heads, max_keys, q);
   });
   return out;
 }

@@ -5,6 +5,8 @@
 // len_q of them; bottom-right causal mask, optional sliding window, GQA by index, float32 softmax
 // and accumulation, queries that see no key give exactly 0; with a cos|sin table the cached keys
 // are pre-RoPE and key j is rotated by position j as it is read (the queries are not rotated).
+// Soft-cap (Gemma 2): the kSoftcap instantiations turn each scaled score s into
+// softcap * tanh(s / softcap) as the softmax reads it; kSoftcap = false is the kernel without.
 //
 // Work split. One thread block of 4 warps per (row tile, kv head, key split). The rows of a
 // (sequence, kv head) are its query positions times the GQA group's heads, position-major: row
@@ -100,6 +102,8 @@ struct PagedAttentionParams {
   bool causal;
   int64_t window_left;  // -1: no window
   float scale_log2;     // softmax scale * log2(e)
+  float softcap;           // > 0 in kSoftcap kernels: the soft-cap
+  float softcap_inv_log2;  // 1 / (softcap * log2(e)): log2-domain score -> score / softcap
 };
 
 constexpr int paged_clamp(int value, int low, int high) {
@@ -388,8 +392,9 @@ __device__ __forceinline__ void rotate_key_tile(const PagedAttentionParams<scala
 
 // One block per (row tile, kv head, key split); see the top comment. Grid: x = (reversed row
 // tile) * batch + sequence (the last rows, which see the most keys, start first), y = kv head,
-// z = split. kHeadDim is head_dim padded to 64 / 128 / 256, kRows the rows per block.
-template <typename scalar_t, int kHeadDim, int kRows>
+// z = split. kHeadDim is head_dim padded to 64 / 128 / 256, kRows the rows per block, kSoftcap
+// whether scores are soft-capped.
+template <typename scalar_t, int kHeadDim, int kRows, bool kSoftcap>
 __global__ void __launch_bounds__(kPagedThreads)
     paged_attention_kernel(const PagedAttentionParams<scalar_t> p) {
   using namespace paged_detail;
@@ -589,6 +594,8 @@ __global__ void __launch_bounds__(kPagedThreads)
 #pragma unroll
         for (int ds = 0; ds < Shape::kScoreDimSplits; ++ds)
           v += scores[(ds * kKeys + c) * kRowStride + soft_row];
+        // Soft-capped as attention_kernels.cuh's soft_cap: softcap * tanh(s / softcap) * log2(e).
+        if constexpr (kSoftcap) v = p.softcap * tanhf(v * p.softcap_inv_log2) * CUDART_L2E_F;
         const int key = tile_start + c;
         const bool visible = c < tile_keys && key >= soft_keys.begin && key < soft_keys.end;
         vals[i] = visible ? v : kNegInf;
@@ -740,8 +747,10 @@ __global__ void __launch_bounds__(kPagedCombineWarps * 32)
 #ifdef FASTLLM_KERNEL_COMPILE_CHECK
 // Every configuration paged_attention_cuda.cu launches: the decode shape for head_dim padded to
 // 64 / 128 / 256, the prefill shape for 64 / 128, and the merge of splits.
-#define FASTLLM_INSTANTIATE_PAGED(T, D, R)                                      \
-  template __global__ void fastllm::cuda::paged_attention_kernel<T, D, R>(     \
+#define FASTLLM_INSTANTIATE_PAGED(T, D, R)                                        \
+  template __global__ void fastllm::cuda::paged_attention_kernel<T, D, R, false>( \
+      const fastllm::cuda::PagedAttentionParams<T>);                              \
+  template __global__ void fastllm::cuda::paged_attention_kernel<T, D, R, true>(  \
       const fastllm::cuda::PagedAttentionParams<T>);
 #define FASTLLM_INSTANTIATE_PAGED_ALL(T)                                                \
   FASTLLM_INSTANTIATE_PAGED(T, 64, fastllm::cuda::kPagedDecodeRows)                     \

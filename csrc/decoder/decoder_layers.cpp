@@ -61,10 +61,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const at::Tensor& cu_seqlens, int64_t max_seqlen, const DecoderLayer& layer) {
   static const auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, int64_t, int64_t, bool, std::optional<double>,
-                    int64_t)>("fastllm::attention");
+                    const at::Tensor&, int64_t, int64_t, bool, std::optional<double>, int64_t,
+                    double)>("fastllm::attention");
   return handle.call(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, /*causal=*/true,
-                     layer.scale, layer.window_left);
+                     layer.scale, layer.window_left, layer.softcap);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -73,10 +73,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   static const auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, const at::Tensor&, int64_t, bool, std::optional<double>,
-                    int64_t, const OptionalTensor&, bool)>("fastllm::paged_attention");
+                    int64_t, const OptionalTensor&, bool, double)>("fastllm::paged_attention");
   return handle.call(q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q,
                      step.max_seqlen_q, /*causal=*/true, layer.scale, layer.window_left,
-                     key_rotation, /*rotary_is_neox=*/true);
+                     key_rotation, /*rotary_is_neox=*/true, layer.softcap);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -205,7 +205,6 @@ std::pair<at::Tensor, at::Tensor> run_decoder_layers(const std::vector<DecoderLa
   at::Tensor res = residual.has_value() ? *residual : at::Tensor();
   for (size_t i = 0; i < layers.size(); ++i) {
     const DecoderLayer& layer = layers[i];
-    TORCH_CHECK_VALUE(layer.softcap == 0, "attention soft-capping is not supported yet");
     x = attend(layer, branch_input(x, res, layer.input_norm, layer.eps),
                step.k_cache.select(0, int64_t(i)), step.v_cache.select(0, int64_t(i)), step);
     if (group_name.has_value()) x = ops::all_reduce(x, *group_name);  // o's partial sums

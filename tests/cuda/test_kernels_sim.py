@@ -38,6 +38,8 @@ pytestmark = pytest.mark.skipif(cuda_sim.cuda_include_dir() is None,
 
 F32_TOL = 2e-5
 SMS = 132  # the simulated device's SMs (an H100/H200)
+# Logit soft-cap: off (the kernels' kSoftcap = false instantiations) and on (their kSoftcap ones).
+SOFTCAPS = [0.0, 5.0]
 BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
@@ -76,7 +78,8 @@ def test_every_op_has_a_cuda_kernel(sim):
     op falls back to its ATen composition on a GPU; in a CUDA build, for the CUDA key itself."""
     names = sorted({schema.name.split("::")[1] for schema in torch._C._jit_get_all_schemas()
                     if schema.name.startswith("fastllm::")})
-    assert {"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_and_cache", "linear"} <= set(names)
+    assert {"rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_and_cache",
+            "linear"} <= set(names)
     missing = [name for name in names
                if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fastllm_sim::{name}", "CPU")]
     assert not missing, f"no CUDA host file registers {missing}"
@@ -106,13 +109,13 @@ ATTENTION = [
 ]
 
 
-def run_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal, window_left):
+def run_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal, window_left, softcap=0.0):
     n_kv = 2
     q = torch.randn(sum(lens_q), n_kv * group, head_dim, dtype=dtype)
     k = torch.randn(sum(lens_k), n_kv, head_dim, dtype=dtype)
     v = torch.randn_like(k)
     args = (q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k))
-    kwargs = dict(causal=causal, scale=None, window_left=window_left)
+    kwargs = dict(causal=causal, scale=None, window_left=window_left, softcap=softcap)
     # A strided view of a poisoned buffer: only the view may be written.
     buffer = torch.full((q.shape[0], q.shape[1], head_dim + 8), math.nan, dtype=dtype)
     out = buffer[..., 4:head_dim + 4]
@@ -121,10 +124,11 @@ def run_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal, window_le
     return args, kwargs, out
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("dtype, head_dim, group, lens_q, lens_k, causal, window_left", ATTENTION)
-def test_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal, window_left):
+def test_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal, window_left, softcap):
     args, kwargs, out = run_attention(sim, dtype, head_dim, group, lens_q, lens_k, causal,
-                                      window_left)
+                                      window_left, softcap)
     assert not out.isnan().any(), "some output elements were never written"
     with num_threads(1):
         blind = blind_rows(lens_q, lens_k, causal, window_left)
@@ -149,14 +153,15 @@ PAGED = [
 ]
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("sm_count", [SMS, 1], ids=["132_sms", "1_sm"])
 @pytest.mark.parametrize("dtype, head_dim, n_heads, n_kv, block, lens_q, seq_lens, causal, window",
                          PAGED)
 def test_paged_attention(sim, sm_count, dtype, head_dim, n_heads, n_kv, block, lens_q, seq_lens,
-                         causal, window):
+                         causal, window, softcap):
     sim.configure(sm_count, False, False)
     case = make_case(lens_q, seq_lens, n_heads, n_kv, head_dim, block, dtype=dtype)
-    kwargs = dict(causal=causal, scale=None, window_left=window)
+    kwargs = dict(causal=causal, scale=None, window_left=window, softcap=softcap)
     out = sim.paged_attention(*case.args(), **kwargs, rotary_cos_sin_cache=None,
                               rotary_is_neox=True)
     assert not out.isnan().any(), "NaN in the output: unowned slots or blocks were read"
@@ -166,7 +171,8 @@ def test_paged_attention(sim, sm_count, dtype, head_dim, n_heads, n_kv, block, l
         judge(out, lambda: reference.paged_attention(*case.args(), **kwargs), expected, dtype)
 
 
-def test_long_decode_splits_keys_and_combines(sim):
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_long_decode_splits_keys_and_combines(sim, softcap):
     """Few sequences with many keys: the grid splits each sequence's keys (grid.z) and a
     combine kernel merges them; one SM's worth of blocks does not split. Both agree."""
     case = make_case([1, 1], [3000, 700], 32, 8, 128, 16, dtype=BF16)
@@ -174,22 +180,25 @@ def test_long_decode_splits_keys_and_combines(sim):
     for sm_count in (SMS, 1):
         sim.configure(sm_count, False, False)
         outs.append(sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
-                                        rotary_cos_sin_cache=None, rotary_is_neox=True))
+                                        rotary_cos_sin_cache=None, rotary_is_neox=True,
+                                        softcap=softcap))
         grids.append(sim.take_launch_log())
     assert grids[0].shape[0] == 2 and grids[0][0, 2] > 1, f"no key split: {grids[0].tolist()}"
     assert grids[1].shape[0] == 1 and grids[1][0, 2] == 1, f"split on one SM: {grids[1]}"
     with num_threads(1):
-        expected = reference.paged_attention(*as_float64(case.args()))
+        expected = reference.paged_attention(*as_float64(case.args()), softcap=softcap)
         for out in outs:
-            judge(out, lambda: reference.paged_attention(*case.args()), expected, BF16)
+            judge(out, lambda: reference.paged_attention(*case.args(), softcap=softcap),
+                  expected, BF16)
 
 
-@pytest.mark.parametrize("dtype, is_neox, rotary_dim", [(F32, True, 64), (BF16, False, 32)])
-def test_pre_rope_paged_attention(sim, dtype, is_neox, rotary_dim):
+@pytest.mark.parametrize("dtype, is_neox, rotary_dim, softcap",
+                         [(F32, True, 64, 0.0), (BF16, False, 32, 0.0), (BF16, True, 64, 5.0)])
+def test_pre_rope_paged_attention(sim, dtype, is_neox, rotary_dim, softcap):
     case = make_case([1, 5], [300, 40], 8, 2, 64, 16, dtype=dtype)
     cos_sin = ops.rope_cos_sin_cache(400, rotary_dim)
     kwargs = dict(causal=True, scale=None, window_left=-1, rotary_cos_sin_cache=cos_sin,
-                  rotary_is_neox=is_neox)
+                  rotary_is_neox=is_neox, softcap=softcap)
     out = sim.paged_attention(*case.args(), **kwargs)
     with num_threads(1):
         expected = reference.paged_attention(*as_float64(case.args()), **kwargs)

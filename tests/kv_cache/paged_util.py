@@ -13,6 +13,7 @@ from torch import Tensor
 from conftest import num_threads
 
 F32_TOL = 2e-5  # float32 kernel vs the float64 reference, atol and rtol
+SOFTCAPS = [0.0, 5.0]  # logit soft-cap: off, and a cap that bends the scores (test_attention.py)
 
 # Block table entries past a sequence's blocks are never read: fill them with ids that would
 # crash (out of range) or poison (a NaN block of the pool) any kernel that did.

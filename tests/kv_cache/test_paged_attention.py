@@ -21,7 +21,7 @@ from conftest import num_threads
 from fastllm import ops
 from fastllm.ops import reference
 from conftest import assert_within_twice_plain_error, blind_rows
-from paged_util import F32_TOL, cu_seqlens, i32, make_case, slots
+from paged_util import F32_TOL, SOFTCAPS, cu_seqlens, i32, make_case, slots
 
 
 def check(backend, case, *, exact=True, **kwargs):
@@ -65,33 +65,38 @@ def check(backend, case, *, exact=True, **kwargs):
     return out
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("group", [1, 2, 4, 7])
-def test_block_sizes_and_gqa(backend, block_size, group):
+def test_block_sizes_and_gqa(backend, block_size, group, softcap):
     device = backend.device
     # Per sequence: decode against 9 keys, a 17-token prefill, 0 queries against 3 cached keys,
     # a chunk of 7 against 33 cached + itself, and a 1-token prefill.
     check(backend, make_case([1, 17, 0, 7, 1], [9, 17, 3, 40, 1], group * 2, 2, 64, block_size,
-                          device=device))
+                          device=device), softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("head_dim", [64, 128, 67])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_head_dims(backend, head_dim, block_size):
+def test_head_dims(backend, head_dim, block_size, softcap):
     device = backend.device
-    check(backend, make_case([1, 5, 0], [33, 21, 0], 8, 2, head_dim, block_size, device=device))
+    check(backend, make_case([1, 5, 0], [33, 21, 0], 8, 2, head_dim, block_size, device=device),
+          softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_decode(backend, block_size, batch):
+def test_decode(backend, block_size, batch, softcap):
     device = backend.device
     # One query per sequence; lengths from 1 (the query's own key only) to a few hundred, with
     # 1 and a multiple of the block size (a full last block) in every batch of several.
     seq_lens = torch.randint(1, 300, (batch,)).tolist()
     if batch > 1:
         seq_lens[:2] = [1, 2 * block_size]
-    check(backend, make_case([1] * batch, seq_lens, 8, 2, 64, block_size, device=device))
+    check(backend, make_case([1] * batch, seq_lens, 8, 2, 64, block_size, device=device),
+          softcap=softcap)
 
 
 CHUNKED = {  # (lens_q, seq_lens)
@@ -105,14 +110,15 @@ CHUNKED = {  # (lens_q, seq_lens)
 
 
 @pytest.mark.cuda_sim
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("shape", CHUNKED)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window_left", [-1, 0, 5, 64])
-def test_chunked_prefill_and_masks(backend, shape, causal, window_left):
+def test_chunked_prefill_and_masks(backend, shape, causal, window_left, softcap):
     device = backend.device
     lens_q, seq_lens = CHUNKED[shape]
     out = check(backend, make_case(lens_q, seq_lens, 4, 2, 40, 16, device=device), causal=causal,
-                window_left=window_left)
+                window_left=window_left, softcap=softcap)
     assert out.shape == (sum(lens_q), 4, 40)
 
 
@@ -128,22 +134,25 @@ def test_window_zero_copies_the_diagonal_value_of_the_kv_head(backend):
 
 
 @pytest.mark.cuda_sim
+@pytest.mark.parametrize("softcap", [*SOFTCAPS, 0.5])
 @pytest.mark.parametrize("scale", [0.0, 0.5, -0.3])
-def test_custom_scale(backend, scale):
+def test_custom_scale(backend, scale, softcap):
     device = backend.device
-    check(backend, make_case([5, 1], [20, 30], 4, 2, 64, 16, device=device), scale=scale)
+    check(backend, make_case([5, 1], [20, 30], 4, 2, 64, 16, device=device), scale=scale,
+          softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens_q, seq_lens, head_dim", [
     ([1, 1, 1], [300, 1, 77], 128),
     ([7, 0, 20], [57, 9, 20], 67),
 ], ids=["decode", "chunked_prefill"])
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
-def test_low_precision(backend, dtype, lens_q, seq_lens, head_dim, causal, window_left):
+def test_low_precision(backend, dtype, lens_q, seq_lens, head_dim, causal, window_left, softcap):
     device = backend.device
     check(backend, make_case(lens_q, seq_lens, 4, 2, head_dim, 16, dtype=dtype, device=device),
-          causal=causal, window_left=window_left)
+          causal=causal, window_left=window_left, softcap=softcap)
 
 
 @pytest.mark.cuda_sim
@@ -238,8 +247,9 @@ def test_chunked_prefill_through_reshape_and_cache_equals_one_shot(backend, bloc
     torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("window_left", [-1, 1500])
-def test_long_decode_splits_keys_across_threads(backend, window_left):
+def test_long_decode_splits_keys_across_threads(backend, window_left, softcap):
     device = backend.device
     # One sequence, one query, 3000 keys in blocks of 16: few (sequence, kv head) tiles, so the
     # native CPU kernel splits the keys across threads and merges partial softmaxes. The result
@@ -249,7 +259,7 @@ def test_long_decode_splits_keys_across_threads(backend, window_left):
     outs = {}
     for threads in [1, None, 4] if backend.name == "cpu" else [None]:
         with num_threads(threads):
-            outs[threads] = check(backend, case, window_left=window_left)
+            outs[threads] = check(backend, case, window_left=window_left, softcap=softcap)
     for threads, out in outs.items():
         torch.testing.assert_close(out, outs[None], atol=F32_TOL, rtol=F32_TOL,
                                    msg=lambda m: f"{threads} threads vs the default: {m}")
@@ -264,9 +274,10 @@ NARROWER_CACHE = {  # (lens_q, seq_lens, head_dim): decode tiles read rows in pl
 
 
 @pytest.mark.cuda_sim
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", NARROWER_CACHE)
-def test_narrower_cache(backend, cache_dtype, shape):
+def test_narrower_cache(backend, cache_dtype, shape, softcap):
     device = backend.device
     # float32 q over bfloat16 / float16 caches (kv_cache_dtype): the result is float32 attention
     # on the stored values (check: bit-equal to attention on them converted, float32-tight
@@ -276,12 +287,12 @@ def test_narrower_cache(backend, cache_dtype, shape):
                      device=device)
     if backend.name in ("cuda", "cuda_sim"):
         with pytest.raises(TypeError, match="paged_attention on CUDA needs caches of q's dtype"):
-            backend.ops.paged_attention(*case.args())
+            backend.ops.paged_attention(*case.args(), softcap=softcap)
         return
     outs = {}
     for threads in [1, 2] if backend.name == "cpu" else [None]:
         with num_threads(threads):
-            outs[threads] = check(backend, case)
+            outs[threads] = check(backend, case, softcap=softcap)
     if len(outs) == 2:
         torch.testing.assert_close(outs[1], outs[2], atol=F32_TOL, rtol=F32_TOL)
 
@@ -296,6 +307,9 @@ OPCHECK_CASES = {
     "f16_cache_decode": ([1, 1], [40, 3], 4, 2, 32, 16, (torch.float32, torch.float16), {}),
     "bf16_cache_chunked": ([4, 2], [9, 2], 4, 1, 16, 4, (torch.float32, torch.bfloat16),
                            dict(window_left=5)),
+    "softcap_chunked_window": ([4, 1], [9, 30], 4, 2, 16, 4, torch.float32,
+                               dict(window_left=5, softcap=5.0)),
+    "bf16_softcap_decode": ([1, 1], [40, 3], 8, 4, 32, 16, torch.bfloat16, dict(softcap=2.0)),
 }
 
 
@@ -324,7 +338,7 @@ def test_compile_fullgraph_cache_write_then_paged_attention(device):
     def step(q, key, value, k_cache, v_cache):
         ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
         return ops.paged_attention(q, k_cache, v_cache, case.block_tables, case.seq_lens,
-                                   case.cu_seqlens_q, 3, window_left=5)
+                                   case.cu_seqlens_q, 3, window_left=5, softcap=5.0)
 
     eager_k, eager_v = case.k_cache.clone(), case.v_cache.clone()
     expected = step(case.q, key, value, eager_k, eager_v)
@@ -345,6 +359,9 @@ def paged_inputs():
                 v_cache=torch.randn(8, 16, 2, 16), block_tables=i32([0, 1], [2, 3]),
                 seq_lens=i32(20, 30), cu_seqlens_q=i32(0, 1, 4), max_seqlen_q=3)
 
+
+SOFTCAP_ERROR = (r"softcap must be 0 \(no soft-capping\) or a positive number in float32's "
+                 r"normal range \[1.17549e-38, 3.40282e\+38\], got ")
 
 # id: (changes to the valid call, exception, pattern its message must match)
 PAGED_ERRORS = {
@@ -423,6 +440,11 @@ PAGED_ERRORS = {
                      ValueError, "block_size must be positive, got 0"),
     "window_below_minus_1": (dict(window_left=-2), ValueError,
                              r"window_left must be -1 \(no window\) or >= 0, got -2"),
+    "softcap_negative": (dict(softcap=-1.0), ValueError, SOFTCAP_ERROR + "-1"),
+    "softcap_nan": (dict(softcap=math.nan), ValueError, SOFTCAP_ERROR + "nan"),
+    "softcap_inf": (dict(softcap=math.inf), ValueError, SOFTCAP_ERROR + "inf"),
+    "softcap_past_float32": (dict(softcap=1e39), ValueError, SOFTCAP_ERROR + r"1e\+39"),
+    "softcap_subnormal": (dict(softcap=1e-39), ValueError, SOFTCAP_ERROR + "1e-39"),
     "k_cache_on_meta": (dict(k_cache=torch.randn(8, 16, 2, 16, device="meta")), ValueError,
                         "k_cache is on meta but q is on cpu"),
     "v_cache_on_meta": (dict(v_cache=torch.randn(8, 16, 2, 16, device="meta")), ValueError,

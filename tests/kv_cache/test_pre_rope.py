@@ -15,7 +15,7 @@ import torch
 from conftest import assert_within_twice_plain_error, num_threads
 from fastllm import ops
 from fastllm.ops import reference
-from paged_util import F32_TOL, make_case, slots
+from paged_util import F32_TOL, SOFTCAPS, make_case, slots
 
 
 def post_rope_caches(case, cos_sin, is_neox):
@@ -68,20 +68,24 @@ def test_pre_rope_equals_post_rope(backend, shape, head_dim, rotary_dim, is_neox
 
 
 @pytest.mark.cuda_sim
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", ["decode", "chunked_prefill"])
-def test_pre_rope_low_precision(backend, dtype, shape):
+def test_pre_rope_low_precision(backend, dtype, shape, softcap):
     device = backend.device
     lens_q, seq_lens = SHAPES[shape]
     case = make_case(lens_q, seq_lens, 4, 2, 128, 16, dtype=dtype, device=device)
     cos_sin = ops.rope_cos_sin_cache(512, 128, base=1e6, device=device)
     with num_threads(1 if backend.name == "composite" else None):
-        got = backend.ops.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin)
+        got = backend.ops.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin,
+                                          softcap=softcap)
     with num_threads(1):
-        plain = reference.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin)
+        plain = reference.paged_attention(*case.args(), rotary_cos_sin_cache=cos_sin,
+                                          softcap=softcap)
         doubled = [t.double() if t.is_floating_point() else t for t in case.args()[:6]]
         oracle = reference.paged_attention(*doubled, case.max_seqlen_q,
-                                           rotary_cos_sin_cache=cos_sin.double())
+                                           rotary_cos_sin_cache=cos_sin.double(),
+                                           softcap=softcap)
     assert_within_twice_plain_error(got.double(), plain.double(), oracle)
 
 
@@ -108,7 +112,8 @@ def test_pre_rope_narrower_cache(backend, cache_dtype, shape):
     torch.testing.assert_close(got.double(), oracle, atol=F32_TOL, rtol=F32_TOL)
 
 
-def test_pre_rope_with_window_and_long_split_decode(backend):
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_pre_rope_with_window_and_long_split_decode(backend, softcap):
     device = backend.device
     # 3000 keys, one query: the native kernel splits the keys over threads; each split must
     # rotate its keys by their own positions. A window skips the early keys altogether.
@@ -117,9 +122,10 @@ def test_pre_rope_with_window_and_long_split_decode(backend):
     post_k, post_v = post_rope_caches(case, cos_sin, True)
     op = backend.ops.paged_attention
     for window_left in [-1, 700]:
+        kwargs = dict(window_left=window_left, softcap=softcap)
         with num_threads(1 if backend.name == "composite" else None):
-            got = op(*case.args(), window_left=window_left, rotary_cos_sin_cache=cos_sin)
-            expected = op(case.q, post_k, post_v, *case.args()[3:], window_left=window_left)
+            got = op(*case.args(), rotary_cos_sin_cache=cos_sin, **kwargs)
+            expected = op(case.q, post_k, post_v, *case.args()[3:], **kwargs)
         torch.testing.assert_close(got, expected, atol=F32_TOL, rtol=F32_TOL)
 
 

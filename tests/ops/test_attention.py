@@ -17,6 +17,9 @@ from fastllm import ops
 from fastllm.ops import reference
 
 F32_TOL = 2e-5  # float32 kernel vs the float64 reference, atol and rtol
+# Logit soft-cap: off, and Gemma 2's tanh cap at a value that bends the scores of unit-variance
+# q and k (the scaled scores reach 3-5; with scale 0.5 well past the cap).
+SOFTCAPS = [0.0, 5.0]
 
 
 def make_inputs(lens_q, lens_k, n_heads, n_kv_heads, head_dim, dtype=torch.float32,
@@ -65,12 +68,13 @@ def check(backend, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
     return out
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256, 67])
 @pytest.mark.parametrize("group", [1, 2, 4, 7])
-def test_head_dims_and_gqa(backend, head_dim, group):
+def test_head_dims_and_gqa(backend, head_dim, group, softcap):
     # Per sequence: 1 query against 9 keys (decode), 17 and 40 (prefill), 0 queries, 3 keys.
     check(backend, *make_inputs([1, 17, 0, 40], [9, 17, 3, 40], group * 2, 2, head_dim,
-                                device=backend.device))
+                                device=backend.device), softcap=softcap)
 
 
 MASK_SHAPES = {  # (lens_q, lens_k)
@@ -82,13 +86,14 @@ MASK_SHAPES = {  # (lens_q, lens_k)
 }
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("shape", MASK_SHAPES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window_left", [-1, 0, 5, 64])
-def test_causal_and_window_masks(backend, shape, causal, window_left):
+def test_causal_and_window_masks(backend, shape, causal, window_left, softcap):
     lens_q, lens_k = MASK_SHAPES[shape]
     check(backend, *make_inputs(lens_q, lens_k, 4, 2, 40, device=backend.device), causal=causal,
-          window_left=window_left)
+          window_left=window_left, softcap=softcap)
 
 
 @pytest.mark.cuda_sim
@@ -112,20 +117,51 @@ def test_queries_above_the_diagonal_are_zero(backend):
     assert torch.equal(out[2], v[0].expand(2, 8))
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 64)])
-def test_mixed_lengths_up_to_513(backend, causal, window_left):
+def test_mixed_lengths_up_to_513(backend, causal, window_left, softcap):
     check(backend, *make_inputs([513, 0, 17, 1], [513, 1, 17, 513], 4, 2, 128,
-                                device=backend.device), causal=causal, window_left=window_left)
+                                device=backend.device), causal=causal, window_left=window_left,
+          softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", [*SOFTCAPS, 0.5])
 @pytest.mark.parametrize("scale", [0.0, 0.05, 0.5, -0.3])
-def test_custom_scale(backend, scale):
-    check(backend, *make_inputs([17, 30], [20, 30], 4, 2, 64, device=backend.device), scale=scale)
+def test_custom_scale(backend, scale, softcap):
+    check(backend, *make_inputs([17, 30], [20, 30], 4, 2, 64, device=backend.device), scale=scale,
+          softcap=softcap)
 
 
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
+def test_tiny_softcap_averages_the_visible_values(backend, causal, window_left):
+    # Independent of the reference: softcap * tanh(s / softcap) is within softcap of 0, so with
+    # a softcap of 1e-30 every visible key weighs the same and each query's output is the mean
+    # of the value rows it sees (of kv head h // group).
+    lens_q, lens_k = [5, 1, 3], [9, 1, 70]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(lens_q, lens_k, 6, 2, 32,
+                                                    device=backend.device)
+    out = run(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window_left=window_left,
+              softcap=1e-30, scale=3.0, out=torch.full_like(q, math.nan))
+    expected = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    for b, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
+        k0 = int(cu_k[b])
+        for i in range(len_q):
+            diag = i + len_k - len_q
+            last = min(len_k - 1, diag) if causal else len_k - 1
+            first = max(0, diag - window_left) if window_left >= 0 else 0
+            if first <= last:
+                mean = v[k0 + first:k0 + last + 1].cpu().double().mean(0)  # [n_kv, head_dim]
+                expected[row] = mean.repeat_interleave(3, dim=0)
+            row += 1
+    torch.testing.assert_close(out.cpu().double(), expected, atol=F32_TOL, rtol=F32_TOL)
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["fused_qkv", "strided_head_dim", "heads_major"])
-def test_strided_inputs(backend, dtype, layout):
+def test_strided_inputs(backend, dtype, layout, softcap):
     lens = [17, 1, 0, 40]
     n_heads, n_kv_heads, head_dim, tokens = 8, 2, 64, sum(lens)
 
@@ -145,7 +181,7 @@ def test_strided_inputs(backend, dtype, layout):
         v = randn(n_kv_heads, tokens, head_dim).transpose(0, 1)
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     cu = cu_seqlens(lens, backend.device)
-    check(backend, q, k, v, cu, cu, max(lens), max(lens))
+    check(backend, q, k, v, cu, cu, max(lens), max(lens), softcap=softcap)
 
 
 # (buffer shape, view of the buffer) given the output's shape (tokens, heads, head_dim)
@@ -185,12 +221,13 @@ EMPTY = {  # (lens_q, lens_k)
 
 
 @pytest.mark.cuda_sim
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("case", EMPTY)
 @pytest.mark.parametrize("causal", [True, False])
-def test_empty(backend, case, causal):
+def test_empty(backend, case, causal, softcap):
     lens_q, lens_k = EMPTY[case]
     out = check(backend, *make_inputs(lens_q, lens_k, 4, 2, 32, device=backend.device),
-                causal=causal)
+                causal=causal, softcap=softcap)
     assert out.shape == (sum(lens_q), 4, 32)
 
 
@@ -199,21 +236,24 @@ def test_empty(backend, case, causal):
                                             ([40], [3000])],
                          ids=["decode_batch1", "decode_batch3", "chunk40"])
 @pytest.mark.parametrize("window_left", [-1, 1500])
-def test_long_keys_few_tiles(backend, threads, lens_q, lens_k, window_left):
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+def test_long_keys_few_tiles(backend, threads, lens_q, lens_k, window_left, softcap):
     # Few (sequence, kv head) tiles with thousands of keys: the CPU kernel splits the keys across
     # threads and merges partial softmaxes, in a way that depends on the thread count.
     with num_threads(threads):
         check(backend, *make_inputs(lens_q, lens_k, 4, 1, 64, device=backend.device),
-              window_left=window_left)
+              window_left=window_left, softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 100)])
-def test_prefill_spanning_several_tiles(backend, causal, window_left):
+def test_prefill_spanning_several_tiles(backend, causal, window_left, softcap):
     # 600 positions x 2 heads: several query tiles, each against several key tiles.
     check(backend, *make_inputs([600], [600], 2, 1, 64, device=backend.device), causal=causal,
-          window_left=window_left)
+          window_left=window_left, softcap=softcap)
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lens_q, lens_k, head_dim", [
     ([0, 1, 17, 100], [0, 1, 17, 100], 64),
@@ -221,19 +261,21 @@ def test_prefill_spanning_several_tiles(backend, causal, window_left):
     ([1, 1], [3000, 700], 128),
 ], ids=["prefill", "chunked_and_above_diagonal", "decode"])
 @pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
-def test_low_precision(backend, dtype, lens_q, lens_k, head_dim, causal, window_left):
+def test_low_precision(backend, dtype, lens_q, lens_k, head_dim, causal, window_left, softcap):
     check(backend, *make_inputs(lens_q, lens_k, 4, 2, head_dim, dtype=dtype,
-                                device=backend.device), causal=causal, window_left=window_left)
+                                device=backend.device), causal=causal, window_left=window_left,
+          softcap=softcap)
 
 
-@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, window_left, dtype", [
-    (9, 3, 64, -1, torch.bfloat16),     # SmolLM2's heads
-    (16, 8, 128, 100, torch.float32),   # Qwen3's, a sliding window
-    (4, 4, 64, -1, torch.float16),
-    (4, 2, 8, 37, torch.bfloat16),      # head_dim below a vector: the GEMM tiles
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, window_left, dtype, softcap", [
+    (9, 3, 64, -1, torch.bfloat16, 0.0),     # SmolLM2's heads
+    (16, 8, 128, 100, torch.float32, 0.0),   # Qwen3's, a sliding window
+    (4, 4, 64, -1, torch.float16, 0.0),
+    (4, 2, 8, 37, torch.bfloat16, 0.0),      # head_dim below a vector: the GEMM tiles
+    (8, 4, 256, 50, torch.bfloat16, 5.0),    # Gemma 2's heads: a window and a soft-cap
 ], ids=str)
 def test_batch_invariant_rows_equal_prefill_batch_and_decode(n_heads, n_kv_heads, head_dim,
-                                                             window_left, dtype):
+                                                             window_left, dtype, softcap):
     """Under ops.batch_invariant() a query row's output is bit for bit the same whether its
     sequence is prefilled in one call, sits in a batch with others, or the row is decoded alone
     (its one query against its keys so far); and the batch is still reference-close."""
@@ -241,7 +283,7 @@ def test_batch_invariant_rows_equal_prefill_batch_and_decode(n_heads, n_kv_heads
     q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(lens, lens, n_heads, n_kv_heads, head_dim,
                                                     dtype)
     cpu = Backend("cpu", torch.ops.fastllm, torch.device("cpu"))
-    kwargs = dict(causal=True, window_left=window_left)
+    kwargs = dict(causal=True, window_left=window_left, softcap=softcap)
     with ops.batch_invariant():
         batch = check(cpu, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
         for b, length in enumerate(lens):

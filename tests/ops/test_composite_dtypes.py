@@ -78,11 +78,11 @@ def quantized_weight(rows, in_features, weight_type):
 
 # op name: inputs (args, kwargs) for a dtype, built outside the mode.
 CASES = {
-    "attention": lambda dtype: (attention_args(dtype), dict(window_left=3)),
+    "attention": lambda dtype: (attention_args(dtype), dict(window_left=3, softcap=5.0)),
     "attention_out": lambda dtype: (attention_args(dtype),
                                     dict(causal=False, out=torch.empty(8, 4, 16, dtype=dtype))),
     "paged_attention": lambda dtype: (paged_args(dtype), dict(
-        rotary_cos_sin_cache=ops.rope_cos_sin_cache(16, 16), rotary_is_neox=False)),
+        rotary_cos_sin_cache=ops.rope_cos_sin_cache(16, 16), rotary_is_neox=False, softcap=5.0)),
     "reshape_and_cache": lambda dtype: ((torch.randn(3, 2, 16, dtype=dtype),
                                          torch.randn(3, 2, 16, dtype=dtype),
                                          torch.zeros(4, 4, 2, 16, dtype=dtype),
@@ -112,6 +112,7 @@ CASES = {
     "add_rms_norm": lambda dtype: ((torch.randn(3, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype),
                                     torch.randn(16, dtype=dtype), 1e-6), {}),
     "silu_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
+    "gelu_tanh_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
     "sample": lambda dtype: (sampling_args(dtype), {}),
     "sample_with_logprobs": lambda dtype: ((*sampling_args(dtype), 4), {}),
     "apply_penalties": lambda dtype: ((torch.randn(6, 50, dtype=dtype),

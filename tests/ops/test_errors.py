@@ -22,6 +22,10 @@ def attention_inputs():
                 max_seqlen_k=7)
 
 
+# The soft-cap is 0 (off) or a float32 normal number: the kernels use it and its reciprocal.
+SOFTCAP_ERROR = (r"softcap must be 0 \(no soft-capping\) or a positive number in float32's "
+                 r"normal range \[1.17549e-38, 3.40282e\+38\], got ")
+
 # id: (changes to the valid call, exception, pattern its message must match)
 ATTENTION_ERRORS = {
     "n_heads_not_multiple": (dict(k=torch.randn(12, 3, 16), v=torch.randn(12, 3, 16)),
@@ -85,6 +89,11 @@ ATTENTION_ERRORS = {
                              r"window_left must be -1 \(no window\) or >= 0, got -2"),
     "nan_scale": (dict(scale=math.nan), ValueError, "scale must be finite, got nan"),
     "inf_scale": (dict(scale=math.inf), ValueError, "scale must be finite, got inf"),
+    "negative_softcap": (dict(softcap=-1.0), ValueError, SOFTCAP_ERROR + "-1"),
+    "nan_softcap": (dict(softcap=math.nan), ValueError, SOFTCAP_ERROR + "nan"),
+    "inf_softcap": (dict(softcap=math.inf), ValueError, SOFTCAP_ERROR + "inf"),
+    "softcap_past_float32": (dict(softcap=1e39), ValueError, SOFTCAP_ERROR + r"1e\+39"),
+    "subnormal_softcap": (dict(softcap=1e-39), ValueError, SOFTCAP_ERROR + "1e-39"),
 }
 
 # Errors in the preallocated output (out= paths only).
@@ -162,6 +171,34 @@ def test_attention_zero_heads_is_a_value_error():
     for (namespace, n_heads, n_kv_heads), line in zip(ZERO_HEADS_CASES, lines):
         assert line.startswith(f"{namespace} {n_heads} {n_kv_heads} ValueError q and k need at "
                                f"least one head, got n_heads={n_heads}"), line
+
+
+# The gated activations share their checks (csrc/activation/activation_checks.cpp).
+GATED_ACTIVATIONS = ["silu_and_mul", "gelu_tanh_and_mul"]
+# id: (x, exception, pattern its message must match)
+GATED_ACTIVATION_ERRORS = {
+    "odd_last_dim": (lambda: torch.randn(2, 7), ValueError,
+                     r"x's last dim must be even \(gate \| up halves\), got 7"),
+    "rank_1": (lambda: torch.randn(8), ValueError,
+               r"x must be \[rows, 2 \* d\] \(gate \| up\), got shape \[8\]"),
+    "rank_3": (lambda: torch.randn(2, 3, 8), ValueError,
+               r"x must be \[rows, 2 \* d\] \(gate \| up\), got shape \[2, 3, 8\]"),
+    "float64": (lambda: torch.randn(2, 8, dtype=torch.float64), TypeError,
+                "x must be torch.float32, torch.bfloat16 or torch.float16, got torch.float64"),
+    "int": (lambda: torch.ones(2, 8, dtype=torch.int32), TypeError,
+            "x must be torch.float32, torch.bfloat16 or torch.float16, got torch.int32"),
+    "strided_last_dim": (lambda: torch.randn(8, 2).t(), ValueError,
+                         r"x's last dim must be contiguous, got strides \[1, 2\]"),
+}
+
+
+@pytest.mark.cpu_inputs
+@pytest.mark.parametrize("case", GATED_ACTIVATION_ERRORS)
+@pytest.mark.parametrize("op", GATED_ACTIVATIONS)
+def test_gated_activation_bad_input(backend, op, case):
+    make_x, error, match = GATED_ACTIVATION_ERRORS[case]
+    with pytest.raises(error, match=match):
+        getattr(backend.ops, op)(make_x())
 
 
 _QK = torch.randn(6, 4, 16)  # q, with k a view of its first heads

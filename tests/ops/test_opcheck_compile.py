@@ -23,6 +23,8 @@ ATTENTION_CASES = {
     "non_causal_empty_sequence": ([4, 0, 3], [6, 2, 3], 2, 2, 8, torch.float32,
                                   dict(causal=False)),
     "bf16_odd_head_dim": ([5, 4], [5, 4], 6, 3, 24, torch.bfloat16, {}),
+    "softcap_window": ([2, 5], [6, 9], 4, 2, 16, torch.float32, dict(window_left=3, softcap=5.0)),
+    "bf16_softcap_scale": ([5, 4], [5, 4], 6, 3, 24, torch.bfloat16, dict(scale=0.5, softcap=2.0)),
 }
 
 
@@ -92,7 +94,7 @@ def test_compile_fullgraph_rotary_then_attention(device):
 
     def step(positions, q, k, v, out):
         ops.rotary_embedding(positions, q, k, cache)  # in place on q and k
-        functional = ops.attention(q, k, v, cu, cu, 9, 9)
+        functional = ops.attention(q, k, v, cu, cu, 9, 9, softcap=5.0)
         ops.attention(q, k, v, cu, cu, 9, 9, window_left=2, out=out)
         return functional
 

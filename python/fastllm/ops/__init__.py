@@ -29,8 +29,9 @@ from fastllm.ops.decoder_layers import (DecoderLayers, DecoderLayerWeights, Expe
 __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeights",
            "ProjectionPart",
            "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
-           "batch_invariant", "dequantize", "linear", "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
-           "rope_cos_sin_cache", "rotary_and_cache", "rotary_embedding", "sample", "sample_with_logprobs",
+           "batch_invariant", "dequantize", "gelu_tanh_and_mul", "linear", "paged_attention",
+           "quantized_linear", "reshape_and_cache", "rms_norm", "rope_cos_sin_cache",
+           "rotary_and_cache", "rotary_embedding", "sample", "sample_with_logprobs",
            "silu_and_mul", "trusted_inputs"]
 
 # The ggml block formats the quantized ops take (csrc/quantized/block_formats.h): type id ->
@@ -97,6 +98,7 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     window_left: int = -1,
+    softcap: float = 0.0,
     out: Tensor | None = None,
 ) -> Tensor:
     """Attention over packed variable-length sequences (flash-attention's varlen layout).
@@ -114,6 +116,10 @@ def attention(
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         window_left: ``>= 0`` restricts query ``i`` to keys ``j >= i + len_k - len_q - window_left``
             (sliding window); ``-1`` disables it.
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``): ``> 0`` turns each
+            scaled score ``s = scale * q . k`` into ``softcap * tanh(s / softcap)`` before the
+            mask and the softmax; ``0`` (the default) disables it. Other values must lie in
+            float32's normal range: negative, NaN or infinite ones are a ``ValueError``.
         out: optional preallocated result (q's shape, dtype and device; any strides), written
             in place and returned, so a decode loop allocates nothing.
 
@@ -124,7 +130,7 @@ def attention(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     kwargs = dict(causal=bool(causal), scale=None if scale is None else float(scale),
-                  window_left=int(window_left))
+                  window_left=int(window_left), softcap=float(softcap))
     if out is None:
         return torch.ops.fastllm.attention.default(*args, **kwargs)
     torch.ops.fastllm.attention_out.default(*args, **kwargs, out=out)
@@ -145,6 +151,7 @@ def paged_attention(
     window_left: int = -1,
     rotary_cos_sin_cache: Tensor | None = None,
     rotary_is_neox: bool = True,
+    softcap: float = 0.0,
 ) -> Tensor:
     """:func:`attention` with each sequence's keys read from paged caches through its block table.
 
@@ -169,16 +176,17 @@ def paged_attention(
             queries must come already rotated by their own positions. Cached keys then carry no
             position, so a cached chunk can be placed at any offset of any sequence.
         rotary_is_neox: the pairing of rotated channels, as in :func:`rotary_embedding`.
+        softcap: logit soft-capping, as in :func:`attention` (``0``: off).
 
     Decode is one query per sequence; chunked prefill is many queries against a cached prefix
-    plus themselves; the bottom-right causal mask, sliding window and GQA are those of
-    :func:`attention`.
+    plus themselves; the bottom-right causal mask, sliding window, soft-cap and GQA are those
+    of :func:`attention`.
     """
     return torch.ops.fastllm.paged_attention.default(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, int(max_seqlen_q),
         causal=bool(causal), scale=None if scale is None else float(scale),
         window_left=int(window_left), rotary_cos_sin_cache=rotary_cos_sin_cache,
-        rotary_is_neox=bool(rotary_is_neox))
+        rotary_is_neox=bool(rotary_is_neox), softcap=float(softcap))
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -479,6 +487,14 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return torch.ops.fastllm.silu_and_mul.default(x)
 
 
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """GeGLU's gate (Gemma's MLP): ``gelu(x[:, :d], approximate="tanh") * x[:, d:]`` for a fused
+    gate|up projection ``x`` ``[rows, 2 * d]`` (unit stride in the last dim), with the eager
+    form's roundings (gelu rounded to x's dtype before the product), as :func:`silu_and_mul`.
+    Returns ``[rows, d]``."""
+    return torch.ops.fastllm.gelu_tanh_and_mul.default(x)
+
+
 # Fake kernels: output metadata for torch.compile. Metadata checks stay in C++ (one place for all
 # devices); the one check repeated here is the device check, because mixing in a meta tensor
 # routes the call to these functions instead of a real kernel.
@@ -505,14 +521,14 @@ def _check_one_device(**tensors: Tensor | None) -> None:
 
 @_register_fake("attention")
 def _attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                    causal=True, scale=None, window_left=-1):
+                    causal=True, scale=None, window_left=-1, softcap=0.0):
     _check_one_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return q.new_empty(q.shape)
 
 
 @_register_fake("attention_out")
 def _attention_out_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                        causal=True, scale=None, window_left=-1, out):
+                        causal=True, scale=None, window_left=-1, out, softcap=0.0):
     _check_one_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
 
 
@@ -578,7 +594,7 @@ def _apply_penalties_fake(logits, prompt_mask, output_counts, repetition_penalty
 @_register_fake("paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                           max_seqlen_q, *, causal=True, scale=None, window_left=-1,
-                          rotary_cos_sin_cache=None, rotary_is_neox=True):
+                          rotary_cos_sin_cache=None, rotary_is_neox=True, softcap=0.0):
     _check_one_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                       seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
                       rotary_cos_sin_cache=rotary_cos_sin_cache)
@@ -604,4 +620,9 @@ def _add_rms_norm_fake(x, residual, weight, eps):
 
 @_register_fake("silu_and_mul")
 def _silu_and_mul_fake(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+@_register_fake("gelu_tanh_and_mul")
+def _gelu_tanh_and_mul_fake(x):
     return x.new_empty((x.shape[0], x.shape[1] // 2))

@@ -27,8 +27,9 @@ def causal_mask(len_q: int, len_k: int, *, dtype: torch.dtype = torch.float32,
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
               max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
-              scale: float | None = None, window_left: int = -1) -> Tensor:
-    """Twin of :func:`fastllm.ops.attention`."""
+              scale: float | None = None, window_left: int = -1, softcap: float = 0.0) -> Tensor:
+    """Twin of :func:`fastllm.ops.attention`; the soft-cap as HF's Gemma 2 eager attention
+    applies it (scaled scores divided by ``softcap``, tanh, times ``softcap``, then the mask)."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     group = n_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
@@ -42,6 +43,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
         keys = k[k0:k1].repeat_interleave(group, dim=1)  # [len_k, n_heads, head_dim]
         values = v[k0:k1].repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q0:q1], keys) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         diag = torch.arange(len_q, device=q.device)[:, None] + (len_k - len_q)
         key = torch.arange(len_k, device=q.device)[None, :]
         visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device)
@@ -70,7 +73,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                     seq_lens: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, *,
                     causal: bool = True, scale: float | None = None,
                     window_left: int = -1, rotary_cos_sin_cache: Tensor | None = None,
-                    rotary_is_neox: bool = True) -> Tensor:
+                    rotary_is_neox: bool = True, softcap: float = 0.0) -> Tensor:
     """Twin of :func:`fastllm.ops.paged_attention`: gather the keys (rotating pre-RoPE keys by
     their positions in their sequences), then :func:`attention` in q's dtype (a cache of
     another dtype converted to it)."""
@@ -86,7 +89,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     values = gather_paged(v_cache, block_tables, seq_lens)
     return attention(q, keys.to(q.dtype), values.to(q.dtype), cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, int(seq_lens.max()) if len(seq_lens) else 0, causal=causal,
-                     scale=scale, window_left=window_left)
+                     scale=scale, window_left=window_left, softcap=softcap)
 
 
 def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -342,6 +345,14 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """``gelu(gate, approximate="tanh") * up`` over the halves of ``x`` ``[rows, 2 * d]``, in
+    float64: ``0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))``."""
+    gate, up = x.double().chunk(2, dim=-1)
+    inner = math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)
+    return 0.5 * gate * (1 + torch.tanh(inner)) * up
+
+
 def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: Tensor | None, *,
                    positions: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens: Tensor,
                    block_tables: Tensor, slot_mapping: Tensor, keys_are_new: bool,
@@ -368,7 +379,8 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
         return x if weight is None else rms_norm(x, weight, eps)
 
     def feed_forward(layer: DecoderLayerWeights, x: Tensor) -> Tensor:
-        return project(layer.down, silu_and_mul(project(layer.gate_up, x)))
+        activation = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[layer.activation]
+        return project(layer.down, activation(project(layer.gate_up, x)))
 
     x = x.double()
     residual = None if residual is None else residual.double()
@@ -392,7 +404,7 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
         rotation = table if pre_rope else None
         out = paged_attention(q, k_cache[i], v_cache[i], block_tables, seq_lens, cu_seqlens_q,
                               max_seqlen_q, scale=layer.scale, window_left=layer.window_left,
-                              rotary_cos_sin_cache=rotation)
+                              rotary_cos_sin_cache=rotation, softcap=layer.softcap)
         x = norm(reduce(project(layer.o, out.reshape(tokens, -1))), layer.post_attention_norm,
                  layer.eps)
         residual = residual + x
