@@ -8,4 +8,8 @@ namespace fastllm {
 // Checks x [rows, 2 * d] (gate | up halves) and returns d.
 int64_t check_silu_and_mul_inputs(const at::Tensor& x);
 
+// The CUDA implementation (activation_cuda.cu; CUDA builds only), for other CUDA host files
+// (moe's experts).
+at::Tensor silu_and_mul_cuda(const at::Tensor& x);
+
 }  // namespace fastllm

@@ -17,6 +17,8 @@ namespace {
 
 constexpr int64_t kMaxGridY = 65535;
 
+}  // namespace
+
 at::Tensor silu_and_mul_cuda(const at::Tensor& x) {
   const int64_t d = check_silu_and_mul_inputs(x);
   auto out = at::empty({x.size(0), d}, x.options());
@@ -34,8 +36,6 @@ at::Tensor silu_and_mul_cuda(const at::Tensor& x) {
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(fastllm, CUDA, m) { m.impl("silu_and_mul", &silu_and_mul_cuda); }
 
