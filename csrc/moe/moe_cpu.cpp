@@ -75,8 +75,35 @@ int64_t stream_limit(const at::Tensor& x, const Projection& p) {
   return max_stream_rows(x.scalar_type());
 }
 
+// Runs f(e, begin, end) over the weight rows of every expert e in `streamed` in one parallel
+// region, each task taking the same share of every expert's weight rows (whole tiles of 8): the
+// threads finish together whatever each expert's row count, and they read one expert's
+// activations at the same time (cores that share a cache share them). Splitting the
+// (expert, row) range into contiguous chunks instead gave each thread its own experts: 64
+// float32 tokens of a Qwen3-30B-A3B-shaped layer (16 experts, top 8) took 52 ms on 2 threads
+// against 44 for one linear call per expert, 38 this way.
+template <typename F>
+void for_streamed_rows(const std::vector<int64_t>& streamed, int64_t n_out, int64_t grain,
+                       const F& f) {
+  constexpr int64_t kTile = 8;
+  const int64_t total = int64_t(streamed.size()) * n_out;
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / grain));
+  const auto share = [&](int64_t part) {  // where part `part`'s rows begin
+    if (part == parts) return n_out;
+    return std::min(n_out, (part * n_out / parts + kTile / 2) / kTile * kTile);
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      const int64_t n0 = share(part), n1 = share(part + 1);
+      if (n0 < n1)
+        for (const int64_t e : streamed) f(e, n0, n1);
+    }
+  });
+}
+
 // y's rows of the experts in `streamed` = their rows of x (dense [pairs, k_len]) times their
-// float weights transposed, in one parallel region over (expert, weight row).
+// float weights transposed, in one parallel region.
 template <typename x_t, typename w_t, typename out_t>
 void stream_float_experts(const x_t* x, int64_t k_len, const at::Tensor& weight,
                           const std::vector<int64_t>& streamed, const ExpertRows& first,
@@ -84,15 +111,11 @@ void stream_float_experts(const x_t* x, int64_t k_len, const at::Tensor& weight,
   const w_t* w = weight.const_data_ptr<w_t>();
   const int64_t expert_stride = weight.stride(0), ldw = weight.stride(1);
   const out_t* no_bias = nullptr;
-  at::parallel_for(0, int64_t(streamed.size()) * n_out, stream_grain(k_len, sizeof(w_t)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end;) {  // a task's range may end in one expert, go on in the next
-      const int64_t e = streamed[i / n_out], n = i % n_out;
-      const int64_t stop = std::min(n_out, n + (end - i)), row = first[e];
-      stream_weight_rows(x + row * k_len, first[e + 1] - row, w + e * expert_stride, ldw, no_bias,
-                         y + row * n_out, n_out, n, stop, k_len);
-      i += stop - n;
-    }
+  for_streamed_rows(streamed, n_out, stream_grain(k_len, sizeof(w_t)),
+                    [&](int64_t e, int64_t begin, int64_t end) {
+    const int64_t row = first[e];
+    stream_weight_rows(x + row * k_len, first[e + 1] - row, w + e * expert_stride, ldw, no_bias,
+                       y + row * n_out, n_out, begin, end, k_len);
   });
 }
 
@@ -146,18 +169,13 @@ void stream_quantized(const at::Tensor& x, const at::Tensor& weight, int64_t typ
   const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
   FASTLLM_DISPATCH_FLOAT_TYPES(y.scalar_type(), "fastllm::moe_cpu", [&] {
     scalar_t* out = y.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, int64_t(streamed.size()) * n_out, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end;) {
-        const int64_t e = streamed[i / n_out], n = i % n_out;
-        const int64_t stop = std::min(n_out, n + (end - i)), row = first[e];
-        const int64_t rows = first[e + 1] - row;
-        decode_rows(xq.view(row, rows), w + e * expert_stride, ldw, n, stop, nullptr,
-                    sums + row * n_out, n_out);
-        if (!direct)  // this task's block of sums, rounded to y's dtype
-          for (int64_t r = row; r < row + rows; ++r)
-            for (int64_t j = n; j < stop; ++j) out[r * n_out + j] = scalar_t(sums[r * n_out + j]);
-        i += stop - n;
-      }
+    for_streamed_rows(streamed, n_out, grain, [&](int64_t e, int64_t begin, int64_t end) {
+      const int64_t row = first[e], rows = first[e + 1] - row;
+      decode_rows(xq.view(row, rows), w + e * expert_stride, ldw, begin, end, nullptr,
+                  sums + row * n_out, n_out);
+      if (!direct)  // this task's block of sums, rounded to y's dtype
+        for (int64_t r = row; r < row + rows; ++r)
+          for (int64_t j = begin; j < end; ++j) out[r * n_out + j] = scalar_t(sums[r * n_out + j]);
     });
   });
 }
@@ -223,9 +241,9 @@ void combine(const scalar_t* y, const int64_t* experts, const scalar_t* weights,
       for (; h + W <= hidden; h += W) {
         VecF acc(0.f);
         for (const int64_t j : order) {
-          const VecF term = round_to<scalar_t>(VecF(float(weights[t * top_k + j])) *
-                                               load_as_float(y + position[t * top_k + j] * hidden + h));
-          acc = round_to<scalar_t>(acc + term);
+          const scalar_t* row = y + position[t * top_k + j] * hidden;
+          const VecF w(float(weights[t * top_k + j]));
+          acc = round_to<scalar_t>(acc + round_to<scalar_t>(w * load_as_float(row + h)));
         }
         store_from_float(acc, dst + h);
       }
