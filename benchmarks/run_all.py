@@ -27,6 +27,8 @@ import bench_generate
 import bench_gguf
 import bench_kv_cache
 import bench_mask_cache
+import bench_moe
+import bench_moe_decode
 import bench_rerank
 import bench_sampling
 import bench_serve
@@ -34,6 +36,7 @@ import bench_spec
 
 BENCHMARKS = {"mask_cache": bench_mask_cache.main, "attention": bench_attention.main,
               "kv_cache": bench_kv_cache.main, "sampling": bench_sampling.main,
+              "moe": bench_moe.main, "moe_decode": bench_moe_decode.main,
               "generate": bench_generate.main, "engine": bench_engine.main,
               "rerank": bench_rerank.main, "gguf": bench_gguf.main, "serve": bench_serve.main,
               "spec": bench_spec.main}

@@ -38,8 +38,10 @@ at::Tensor gated_and_mul_cuda(const at::Tensor& x) {
 
 }  // namespace
 
+at::Tensor silu_and_mul_cuda(const at::Tensor& x) { return gated_and_mul_cuda<cuda::Silu>(x); }
+
 TORCH_LIBRARY_IMPL(fastllm, CUDA, m) {
-  m.impl("silu_and_mul", &gated_and_mul_cuda<cuda::Silu>);
+  m.impl("silu_and_mul", &silu_and_mul_cuda);
   m.impl("gelu_tanh_and_mul", &gated_and_mul_cuda<cuda::GeluTanh>);
 }
 

@@ -3,159 +3,24 @@
 // here reads each weight row once for all the activation rows and keeps the activations in L1,
 // where a general GEMM call reaches about half the memory bandwidth for one row. Many rows
 // (prefill) are compute-bound and go to ATen's GEMM.
-#include <cmath>
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define FASTLLM_BF16_DOT 1
-#endif
-
 #include "common/batch_invariant.h"
 #include "common/dispatch.h"
-#include "common/vec.h"
 #include "linear/linear.h"
+#include "linear/linear_cpu_kernel.h"
 
 namespace fastllm {
 namespace {
-
-// Up to this many activation rows the kernel below beats ATen's GEMM (measured on AVX-512 with
-// Qwen3-0.6B's matrices); past it the product is compute-bound and GEMM's blocking wins. Halves
-// convert every weight vector, so they switch over early; bfloat16 does too without the BF16
-// dot-product instruction.
-int64_t max_stream_rows(at::ScalarType dtype) {
-  if (dtype == at::kFloat) return 64;
-#ifdef FASTLLM_BF16_DOT
-  if (dtype == at::kBFloat16) return 8;
-#endif
-  return 4;
-}
-
-// float32 activations with 16-bit weights convert every weight vector on each pass over the
-// activation rows, so they switch to GEMM (on an upcast copy) earlier.
-constexpr int64_t kMaxUpcastStreamRows = 16;
-
-// A tile: kActRows activation rows x kTileRows weight rows of float32 sums. Eight weight rows
-// keep eight streams in flight, which the hardware prefetchers need to approach the memory
-// bandwidth (four reached about 80% of it).
-constexpr int kActRows = 4;
-constexpr int kTileRows = 8;
-// The float path asks for the next tile's weights as it reads this one's (as the quantized
-// kernel does), into L2 (more misses in flight than L1 takes): SmolLM2's F16 projections, 2
-// threads, 15.8 -> 18.3 GB/s into L1, 22 into L2.
-constexpr int kPrefetchRows = 8;
-constexpr int kPrefetchIntoL2 = 2;  // __builtin_prefetch's locality for _MM_HINT_T1
-
-// out[m][r] = dot(x[m], w[r]) for M activation rows and R weight rows, float32 sums.
-template <int M, int R, typename scalar_t>
-inline void dot_tile(const float* x, const scalar_t* w, int64_t ldw, int64_t k_len,
-                     float (&out)[M][R]) {
-  constexpr int64_t W = VecF::size();
-  VecF acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = VecF(0.f);
-  int64_t k = 0;
-  for (; k + W <= k_len; k += W) {
-    VecF wv[R];
-    for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(w + (r + kPrefetchRows) * ldw + k, 0, kPrefetchIntoL2);
-      wv[r] = load_as_float(w + r * ldw + k);
-    }
-    for (int m = 0; m < M; ++m) {
-      const VecF xv = VecF::loadu(x + m * k_len + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = at::vec::fmadd(xv, wv[r], acc[m][r]);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float sum = at::vec::vec_reduce_all<float>(
-          [](const VecF& a, const VecF& b) { return a + b; }, acc[m][r]);
-      // An explicit fused multiply-add: left to the compiler, tiles of other heights could be
-      // contracted differently, and a row's result would depend on the rows beside it.
-      for (int64_t j = k; j < k_len; ++j)
-        sum = std::fma(x[m * k_len + j], float(w[r * ldw + j]), sum);
-      out[m][r] = sum;
-    }
-  }
-}
-
-#ifdef FASTLLM_BF16_DOT
-// bfloat16 activations and weights: AVX512-BF16 multiplies bf16 pairs exactly and sums them in
-// float32, 32 elements (one cache line) per instruction, with no conversion of the weights.
-template <int M, int R>
-inline void dot_tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t ldw, int64_t k_len,
-                     float (&out)[M][R]) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= k_len; k += 32) {
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * k_len + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[m][r]);
-      for (int64_t j = k; j < k_len; ++j)
-        sum = std::fma(float(x[m * k_len + j]), float(w[r * ldw + j]), sum);
-      out[m][r] = sum;
-    }
-  }
-}
-#endif
-
-template <int M, int R, typename out_t>
-inline void store_tile(const float (&sums)[M][R], const out_t* bias, out_t* y, int64_t ldy,
-                       int64_t n) {
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r)
-      y[m * ldy + n + r] = out_t(sums[m][r] + (bias ? float(bias[n + r]) : 0.f));
-}
-
-// y[rows, R tile at n] for every activation row, kActRows rows at a time: the tile's weights
-// come from memory for the first group and from L1/L2 for the others.
-template <int R, typename x_t, typename w_t, typename out_t>
-inline void tile_all_rows(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
-                          const out_t* bias, out_t* y, int64_t ldy, int64_t n,
-                          int64_t k_len) {
-  int64_t m = 0;
-  for (; m + kActRows <= rows; m += kActRows) {
-    float sums[kActRows][R];
-    dot_tile<kActRows, R>(x + m * k_len, w, ldw, k_len, sums);
-    store_tile<kActRows, R>(sums, bias, y + m * ldy, ldy, n);
-  }
-  const x_t* xm = x + m * k_len;
-  out_t* ym = y + m * ldy;
-  switch (rows - m) {
-    case 3: { float sums[3][R]; dot_tile<3, R>(xm, w, ldw, k_len, sums);
-              store_tile<3, R>(sums, bias, ym, ldy, n); break; }
-    case 2: { float sums[2][R]; dot_tile<2, R>(xm, w, ldw, k_len, sums);
-              store_tile<2, R>(sums, bias, ym, ldy, n); break; }
-    case 1: { float sums[1][R]; dot_tile<1, R>(xm, w, ldw, k_len, sums);
-              store_tile<1, R>(sums, bias, ym, ldy, n); break; }
-    default: break;
-  }
-}
 
 // y[rows, N] = x[rows, K] * w[N, K]^T (+ bias), output features split across threads.
 template <typename x_t, typename w_t, typename out_t>
 void stream_weights(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
                     const out_t* bias, out_t* y, int64_t n_out, int64_t k_len) {
-  // Grain: enough rows per task that a task's weights (>= 64 KiB) dwarf its scheduling cost.
-  const int64_t grain = std::max<int64_t>(kTileRows, (64 << 10) / std::max<int64_t>(
-      1, k_len * int64_t(sizeof(w_t))));
-  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    for (; n + kTileRows <= end; n += kTileRows)
-      tile_all_rows<kTileRows>(x, rows, w + n * ldw, ldw, bias, y, n_out, n, k_len);
-    for (; n < end; ++n) tile_all_rows<1>(x, rows, w + n * ldw, ldw, bias, y, n_out, n, k_len);
+  at::parallel_for(0, n_out, stream_grain(k_len, sizeof(w_t)), [&](int64_t begin, int64_t end) {
+    stream_weight_rows(x, rows, w, ldw, bias, y, n_out, begin, end, k_len);
   });
 }
 

@@ -27,4 +27,10 @@ at::Tensor dequantize_composite(const at::Tensor& weight, int64_t weight_type,
 at::Tensor quantized_linear_composite(const at::Tensor& x, const at::Tensor& weight,
                                       int64_t weight_type, const std::optional<at::Tensor>& bias);
 
+// The CUDA implementations (quantized_cuda.cu; CUDA builds only), for other CUDA host files:
+// moe runs its quantized experts through them.
+at::Tensor dequantize_cuda(const at::Tensor& weight, int64_t weight_type, at::ScalarType dtype);
+at::Tensor quantized_linear_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                 int64_t weight_type, const std::optional<at::Tensor>& bias);
+
 }  // namespace fastllm

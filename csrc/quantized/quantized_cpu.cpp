@@ -22,31 +22,10 @@
 namespace fastllm {
 namespace {
 
-// Up to this many activation rows the integer kernel streams the weights once for all of them;
-// past it the product is compute-bound and the dequantize + GEMM path wins (decode rows and
-// prefill rows differ in their last bits: int16 activations against a GEMM's). The GEMM path
-// pays for dequantizing the whole weight, so it wins only past 44-64 rows (SmolLM2's Q8_0 and
-// Q4_0, the Qwen3 shape's Q4_K, 2 threads); at 17-32 rows streaming took 1.3-2.8x less time,
-// which is a draft model's catch-up chunk, a verification step or a batch of 32 decodes.
-constexpr int64_t kMaxStreamRows = 32;
 // Weight rows dequantized at a time on the GEMM path (a tile of a few hundred KiB stays in L2).
 constexpr int64_t kGemmTileRows = 128;
 
-// Activations quantized per row and block of 32 to integers of at most `max` with one float
-// scale (amax / max): int16 (kActivationMax) is exact to about 1e-5 of the block's largest
-// value, where ggml's int8 activations (1/127) flip near-tied logits; Q4_0 and the K-quants
-// take bytes (quantized_cpu.h). Each block keeps its scaled sum too, for the weights' offsets:
-// sum_j (s q_j + o) x_j = s sum_j q_j x_j + o sum_j x_j.
-struct QuantizedActivations {
-  int64_t rows = 0, blocks = 0;
-  std::vector<int16_t> values;
-  std::vector<int8_t> high, low;
-  std::vector<float> scales, sums;
-
-  ActivationBlocks view() const {
-    return {rows, blocks, values.data(), high.data(), low.data(), scales.data(), sums.data()};
-  }
-};
+}  // namespace
 
 QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t k_len,
                                           int max_value) {
@@ -97,7 +76,6 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   return q;
 }
 
-// The kernels of the instruction set in use.
 CpuKernels isa_kernels(BlockFormat format) {
   CpuKernels kernels{};
   switch (cpu_isa()) {
@@ -109,6 +87,8 @@ CpuKernels isa_kernels(BlockFormat format) {
                         cpu_isa_name(cpu_isa()), " kernels in this build");
   return kernels;
 }
+
+namespace {
 
 at::Tensor dequantize_cpu(const at::Tensor& weight, int64_t weight_type, at::ScalarType dtype) {
   int64_t in_features = 0;

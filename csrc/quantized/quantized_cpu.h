@@ -1,10 +1,13 @@
 // The CPU's kernels for a format, one set per instruction set, each compiled in its own
 // translation unit with that set's flags (quantized_cpu_<isa>.cpp) and picked at run time
 // (common/cpu_isa.h): the decode path (a few activation rows against streamed weight rows) and
-// the dequantization of weight rows (the prefill path's tiles, ops.dequantize). Torch-free.
+// the dequantization of weight rows (the prefill path's tiles, ops.dequantize); and what the
+// CPU ops that run them share (quantized_cpu.cpp, moe_cpu.cpp): the choice between them and the
+// activations' quantization. Torch-free.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "quantized/block_formats.h"
 
@@ -63,5 +66,43 @@ struct CpuKernels {
 CpuKernels cpu_kernels_avx512(BlockFormat format);
 CpuKernels cpu_kernels_avx2(BlockFormat format);
 CpuKernels cpu_kernels_scalar(BlockFormat format);
+
+// The kernels of the instruction set in use (common/cpu_isa.h).
+CpuKernels isa_kernels(BlockFormat format);
+
+// Up to this many activation rows the integer kernel streams the weights once for all of them;
+// past it the product is compute-bound and the dequantize + GEMM path wins (decode rows and
+// prefill rows differ in their last bits: int16 activations against a GEMM's). The GEMM path
+// pays for dequantizing the whole weight, so it wins only past 44-64 rows (SmolLM2's Q8_0 and
+// Q4_0, the Qwen3 shape's Q4_K, 2 threads); at 17-32 rows streaming took 1.3-2.8x less time,
+// which is a draft model's catch-up chunk, a verification step or a batch of 32 decodes.
+constexpr int64_t kMaxStreamRows = 32;
+
+// Activations quantized per row and block of 32 to integers of at most `max` with one float
+// scale (amax / max): int16 (kActivationMax) is exact to about 1e-5 of the block's largest
+// value, where ggml's int8 activations (1/127) flip near-tied logits; Q4_0 and the K-quants
+// take bytes (kByteActivations). Each block keeps its scaled sum too, for the weights' offsets:
+// sum_j (s q_j + o) x_j = s sum_j q_j x_j + o sum_j x_j.
+struct QuantizedActivations {
+  int64_t rows = 0, blocks = 0;
+  std::vector<int16_t> values;
+  std::vector<int8_t> high, low;
+  std::vector<float> scales, sums;
+
+  ActivationBlocks view() const {
+    return {rows, blocks, values.data(), high.data(), low.data(), scales.data(), sums.data()};
+  }
+  // Rows [first, first + count) alone.
+  ActivationBlocks view(int64_t first, int64_t count) const {
+    const int64_t values_at = first * blocks * kSubBlockValues, blocks_at = first * blocks;
+    return {count, blocks, values.data() + values_at, high.data() + values_at,
+            low.data() + values_at, scales.data() + blocks_at, sums.data() + blocks_at};
+  }
+};
+
+// x [rows, k_len] (float32, dense, k_len a multiple of 32) quantized for decode rows, with
+// integers of at most max_value (activation_max of the weight's format).
+QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t k_len,
+                                          int max_value);
 
 }  // namespace fastllm

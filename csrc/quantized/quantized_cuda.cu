@@ -15,7 +15,6 @@
 #include "quantized/quantized_kernels.cuh"
 
 namespace fastllm {
-namespace {
 
 at::Tensor dequantize_cuda(const at::Tensor& weight, int64_t weight_type, at::ScalarType dtype) {
   int64_t in_features = 0;
@@ -72,8 +71,6 @@ at::Tensor quantized_linear_cuda(const at::Tensor& x_in, const at::Tensor& weigh
   });
   return y;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(fastllm, CUDA, m) {
   m.impl("quantized_linear", &quantized_linear_cuda);

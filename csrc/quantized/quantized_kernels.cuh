@@ -134,26 +134,21 @@ void visit_gemv_rows(int64_t rows, Visitor&& f) {
   f(std::integral_constant<int, kRows>());
 }
 
-// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for the kRows activation rows m (x rows dense,
-// x_stride apart; y dense [kRows, n_out]). One warp per
-// weight row n: lane l takes parts l, l + 32, ... of the row (consecutive lanes read consecutive
-// bytes), decodes each once for all kRows rows, and adds scale * sum_j q_j x_j
-// (+ offset * sum_j x_j) to a float32 accumulator per row; the 32 lanes' sums then meet in a
-// fixed butterfly. Every y[m, n] is the same sequence of operations whatever kRows is and
-// whatever the other rows hold (explicit fmaf, no contraction left to the compiler), so a row's
-// result does not depend on the batch around it.
+// acc[m] = sum_k x[m, k] w[k] for the kRows activation rows m (dense, x_stride apart) and one
+// weight row, computed by a whole warp: lane l takes parts l, l + 32, ... of the row
+// (consecutive lanes read consecutive bytes), decodes each once for all kRows rows, and adds
+// scale * sum_j q_j x_j (+ offset * sum_j x_j) to a float32 accumulator per row; the 32 lanes'
+// sums then meet in a fixed butterfly, so every lane ends with the sums. Every acc[m] is the
+// same sequence of operations whatever kRows is and whatever the other rows hold (explicit
+// fmaf, no contraction left to the compiler), so a row's result does not depend on the batch
+// around it.
 template <BlockFormat F, int kRows, typename scalar_t>
-__global__ void __launch_bounds__(kGemvWarps * 32)
-    quantized_gemv_kernel(const scalar_t* __restrict__ x, int64_t x_stride,
-                          const uint8_t* __restrict__ w, int64_t w_stride,
-                          const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
-                          int64_t n_out, int64_t k_len) {
+__device__ __forceinline__ void quantized_row_dots(const scalar_t* __restrict__ x,
+                                                   int64_t x_stride,
+                                                   const uint8_t* __restrict__ row,
+                                                   int64_t k_len, float (&acc)[kRows]) {
   using Decoder = BlockDecoder<F>;
   const int lane = threadIdx.x % 32;
-  const int64_t n = int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
-  if (n >= n_out) return;  // the whole warp: n is the same in all its lanes
-  const uint8_t* row = w + n * w_stride;
-  float acc[kRows];
   for (int m = 0; m < kRows; ++m) acc[m] = 0.f;
   const int64_t parts = k_len / kPartValues;
   for (int64_t p = lane; p < parts; p += 32) {
@@ -175,7 +170,21 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   for (int m = 0; m < kRows; ++m)
     for (int offset = 16; offset > 0; offset /= 2)
       acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], offset);  // a + b == b + a: lanes agree
-  if (lane == 0) {
+}
+
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for the kRows activation rows m (x rows dense,
+// x_stride apart; y dense [kRows, n_out]): one warp per weight row n (quantized_row_dots).
+template <BlockFormat F, int kRows, typename scalar_t>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    quantized_gemv_kernel(const scalar_t* __restrict__ x, int64_t x_stride,
+                          const uint8_t* __restrict__ w, int64_t w_stride,
+                          const scalar_t* __restrict__ bias, scalar_t* __restrict__ y,
+                          int64_t n_out, int64_t k_len) {
+  const int64_t n = int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  if (n >= n_out) return;  // the whole warp: n is the same in all its lanes
+  float acc[kRows];
+  quantized_row_dots<F, kRows>(x, x_stride, w + n * w_stride, k_len, acc);
+  if (threadIdx.x % 32 == 0) {
     const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
     for (int m = 0; m < kRows; ++m) y[m * n_out + n] = from_float<scalar_t>(acc[m] + b);
   }

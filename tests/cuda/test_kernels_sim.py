@@ -305,6 +305,74 @@ def test_quantized_linear_takes_the_gemv_up_to_8_rows(sim):
                                    atol=F32_TOL, rtol=F32_TOL)
 
 
+# --- mixture of experts ---------------------------------------------------------------------
+
+def moe_inputs(tokens, num_experts=8, dtype=F32, logits=None):
+    x = torch.randn(tokens, 64, dtype=dtype)
+    logits = torch.randn(tokens, num_experts) if logits is None else logits
+    gate_up = (torch.randn(num_experts, 64, 64) / 8).to(dtype)
+    down = (torch.randn(num_experts, 64, 32) / 6).to(dtype)
+    return x, logits, gate_up, down
+
+
+def test_moe_paths_agree(sim):
+    """Up to 8 tokens, or while a CUDA graph is captured: the routing, one GEMV launch per
+    projection over every (token, expert) pair (a warp per pair and weight row), silu_and_mul and
+    the combine, with no grouping. More tokens: the routing, the pairs grouped by expert (a count
+    and a scatter launch, a block per expert), a matmul per expert (ATen's here, cuBLAS on a
+    GPU), silu_and_mul and the combine. Both agree with the float64 block."""
+    x, logits, gate_up, down = moe_inputs(20)
+    grouped = sim.moe(x, logits, gate_up, down, 2, True)
+    launches = sim.take_launch_log().tolist()
+    route, count, scatter, silu, combine = launches
+    assert route == [5, 1, 1, 128, 1, 1, 0] and count == scatter == [8, 1, 1, 256, 1, 1, 0]
+    assert combine == [1, 20, 1, 256, 1, 1, 0]
+    sim.configure(SMS, False, True)  # capturing: no wait for the device
+    gemv = sim.moe(x, logits, gate_up, down, 2, True)
+    launches = sim.take_launch_log().tolist()
+    assert launches[1] == [16, 40, 1, 128, 1, 1, 0] and launches[3] == [16, 40, 1, 128, 1, 1, 0]
+    with num_threads(1):
+        expected = reference.moe(x.double(), logits, gate_up.double(), down.double(), 2, True)
+    for got in (grouped, gemv):
+        torch.testing.assert_close(got.double(), expected, atol=F32_TOL, rtol=F32_TOL)
+
+
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_moe_ties_go_to_the_lower_expert(sim, tokens):
+    """Tied probabilities rank by expert id (torch.topk's own order for ties differs between
+    its CPU and CUDA kernels and is not documented): the reference, whose logits are nudged
+    down by 1e-6 per expert id to break the ties that way, picks the same experts."""
+    logits = torch.randint(-2, 3, (tokens, 16)).float()
+    x, logits, gate_up, down = moe_inputs(tokens, 16, logits=logits)
+    got = sim.moe(x, logits, gate_up, down, 4, True)
+    nudged = logits - 1e-6 * torch.arange(16)
+    with num_threads(1):
+        expected = reference.moe(x.double(), nudged, gate_up.double(), down.double(), 4, True)
+    torch.testing.assert_close(got.double(), expected, atol=F32_TOL, rtol=F32_TOL)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+def test_moe_quantized_grouped_path_runs_quantized_linear(sim, type_name):
+    """Past 8 tokens each expert's rows go through quantized_linear's CUDA path (its GEMV for an
+    expert with up to 8 rows, dequantize + matmul past them: expert 0 has all 12 tokens)."""
+    weight_type = {"Q4_K": 12, "Q8_0": 8}[type_name]
+    values, block_bytes = ops.BLOCK_FORMATS[weight_type][1:]
+    gate_up = torch.randint(0, 256, (4, 64, 256 // values * block_bytes), dtype=torch.uint8)
+    blocks = gate_up.view(4, 64, -1, block_bytes)
+    blocks[..., 1] = 0x14  # d's high byte: a finite fp16 in [2^-10, 2^-9)
+    if type_name == "Q4_K":
+        blocks[..., 3] = 0x14  # dmin's
+    x = torch.randn(12, 256)
+    logits = torch.randn(12, 4)
+    logits[:, 0] += 4  # expert 0 has every token (12 rows), the others a few
+    down = torch.randn(4, 256, 32) / 6
+    got = sim.moe(x, logits, gate_up, down, 2, True, gate_up_type=weight_type)
+    with num_threads(1):
+        expected = reference.moe(x.double(), logits, gate_up, down.double(), 2, True,
+                                 gate_up_type=weight_type)
+    torch.testing.assert_close(got.double(), expected, atol=F32_TOL, rtol=F32_TOL)
+
+
 # --- scheduling order -----------------------------------------------------------------------
 
 def test_results_do_not_depend_on_the_threads_order(sim):
@@ -314,6 +382,7 @@ def test_results_do_not_depend_on_the_threads_order(sim):
     case = make_case([1, 9], [900, 60], 16, 2, 64, 16, dtype=BF16)
     logits = torch.randn(4, 4096)
     args = row_args(ROWS[2:])
+    moe = moe_inputs(300, dtype=BF16)
     runs = []
     for reverse in (False, True):
         sim.configure(SMS, reverse, False)
@@ -321,9 +390,11 @@ def test_results_do_not_depend_on_the_threads_order(sim):
         runs.append((run_attention(sim, *attention)[2],
                      sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
                                          rotary_cos_sin_cache=None, rotary_is_neox=True),
-                     sim.sample_with_logprobs(logits, *args, 3)))
-    (attn_f, paged_f, sample_f), (attn_r, paged_r, sample_r) = runs
+                     sim.sample_with_logprobs(logits, *args, 3),
+                     sim.moe(*moe, 2, True)))
+    (attn_f, paged_f, sample_f, moe_f), (attn_r, paged_r, sample_r, moe_r) = runs
     assert torch.equal(attn_f, attn_r)
     assert torch.equal(paged_f, paged_r)
+    assert torch.equal(moe_f, moe_r)
     for a, b in zip(sample_f, sample_r):
         assert torch.equal(a, b)

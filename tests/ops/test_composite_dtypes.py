@@ -113,6 +113,11 @@ CASES = {
                                     torch.randn(16, dtype=dtype), 1e-6), {}),
     "silu_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
     "gelu_tanh_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
+    # Q4_K gate|up experts (random blocks), float down experts.
+    "moe": lambda dtype: ((torch.randn(5, 256, dtype=dtype), torch.randn(5, 4),
+                           quantized_weight(4 * 64, 256, 12).view(4, 64, -1),
+                           torch.randn(4, 256, 32, dtype=dtype), 2, True),
+                          dict(gate_up_type=12)),
     "sample": lambda dtype: (sampling_args(dtype), {}),
     "sample_with_logprobs": lambda dtype: ((*sampling_args(dtype), 4), {}),
     "apply_penalties": lambda dtype: ((torch.randn(6, 50, dtype=dtype),

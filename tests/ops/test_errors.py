@@ -192,6 +192,83 @@ GATED_ACTIVATION_ERRORS = {
 }
 
 
+def moe_inputs():
+    """A valid call: 5 tokens of hidden size 64, 8 experts of intermediate size 32, top 2."""
+    return dict(x=torch.randn(5, 64), router_logits=torch.randn(5, 8),
+                gate_up=torch.randn(8, 64, 64), down=torch.randn(8, 64, 32), top_k=2,
+                renormalize=True)
+
+
+_Q8_0_GATE_UP = torch.zeros(8, 64, 2 * 34, dtype=torch.uint8)  # Q8_0 rows of 64 values
+
+MOE_ERRORS = {
+    "top_k_0": (dict(top_k=0), ValueError, r"top_k must be in \[1, num_experts=8\], got 0"),
+    "top_k_past_experts": (dict(top_k=9), ValueError,
+                           r"top_k must be in \[1, num_experts=8\], got 9"),
+    "x_rank_3": (dict(x=torch.randn(5, 1, 64)), ValueError,
+                 r"x must be \[tokens, hidden\], got shape \[5, 1, 64\]"),
+    "x_int": (dict(x=torch.randint(0, 3, (5, 64))), TypeError,
+              "x must be torch.float32, torch.bfloat16 or torch.float16, got torch.int64"),
+    "logits_tokens": (dict(router_logits=torch.randn(4, 8)), ValueError,
+                      "router_logits has 4 tokens but x has 5"),
+    "logits_rank_1": (dict(router_logits=torch.randn(5)), ValueError,
+                      r"router_logits must be \[tokens, num_experts\], got shape \[5\]"),
+    "logits_float64": (dict(router_logits=torch.randn(5, 8, dtype=torch.float64)), TypeError,
+                       "router_logits must be torch.float32, torch.bfloat16 or torch.float16, "
+                       "got torch.float64"),
+    "no_experts": (dict(router_logits=torch.randn(5, 0)), ValueError,
+                   r"router_logits must score at least one expert, got shape \[5, 0\]"),
+    "gate_up_rank_2": (dict(gate_up=torch.randn(64, 64)), ValueError,
+                       r"gate_up must be \[num_experts, 2 \* intermediate, hidden\], got shape "
+                       r"\[64, 64\]"),
+    "gate_up_experts": (dict(gate_up=torch.randn(7, 64, 64)), ValueError,
+                        "gate_up has 7 experts but router_logits scores 8"),
+    "gate_up_odd_rows": (dict(gate_up=torch.randn(8, 63, 64)), ValueError,
+                         "gate_up must hold each expert's gate rows then its up rows, an even "
+                         "number, got 63"),
+    "gate_up_features": (dict(gate_up=torch.randn(8, 64, 32)), ValueError,
+                         "x has 64 features but gate_up's rows hold 32"),
+    "gate_up_dtype": (dict(x=torch.randn(5, 64, dtype=torch.bfloat16),
+                           gate_up=torch.randn(8, 64, 64, dtype=torch.float16)), TypeError,
+                      "gate_up has dtype torch.float16 but x has dtype torch.bfloat16"),
+    "gate_up_float64": (dict(gate_up=torch.randn(8, 64, 64, dtype=torch.float64)), TypeError,
+                        "gate_up has dtype torch.float64 but x has dtype torch.float32"),
+    "gate_up_rows_strided": (dict(gate_up=torch.randn(8, 64, 64).transpose(1, 2)), ValueError,
+                             "gate_up rows must be contiguous"),
+    "gate_up_blocks_without_type": (dict(gate_up=_Q8_0_GATE_UP), TypeError,
+                                    r"gate_up is torch.uint8 \(ggml blocks\?\) but "
+                                    "gate_up_type is None"),
+    "gate_up_type_unknown": (dict(gate_up=_Q8_0_GATE_UP, gate_up_type=10), ValueError,
+                             r"gate_up_type must be None \(float experts\) or a ggml type id of "
+                             r"Q4_0 \(2\).*Q6_K \(14\), got 10"),
+    "gate_up_type_on_floats": (dict(gate_up_type=8), TypeError,
+                               "gate_up must be torch.uint8, got torch.float32"),
+    "gate_up_blocks_rank_2": (dict(gate_up=_Q8_0_GATE_UP[0], gate_up_type=8), ValueError,
+                              r"gate_up must be \[num_experts, 2 \* intermediate, row bytes\] "
+                              r"\(Q8_0 blocks\), got shape \[64, 68\]"),
+    "gate_up_partial_block": (dict(gate_up=_Q8_0_GATE_UP[..., :50], gate_up_type=8), ValueError,
+                              r"a Q8_0 gate_up row is whole blocks of 34 bytes \(32 values\), "
+                              "got rows of 50 bytes"),
+    "gate_up_blocks_features": (dict(gate_up=_Q8_0_GATE_UP[..., :34], gate_up_type=8),
+                                ValueError, "x has 64 features but gate_up's rows hold 32"),
+    "down_experts": (dict(down=torch.randn(4, 64, 32)), ValueError,
+                     "down has 4 experts but router_logits scores 8"),
+    "down_rows": (dict(down=torch.randn(8, 60, 32)), ValueError,
+                  "down has 60 rows per expert but x has 64 features"),
+    "down_intermediate": (dict(down=torch.randn(8, 64, 16)), ValueError,
+                          "down's rows hold 16 values but gate_up's intermediate size is 32"),
+    "down_type_unknown": (dict(down_type=4), ValueError,
+                          r"down_type must be None \(float experts\) or a ggml type id.*got 4"),
+    "down_k_quant_rows": (dict(down=torch.zeros(8, 64, 144, dtype=torch.uint8), down_type=12),
+                          ValueError,
+                          "down's rows hold 256 values but gate_up's intermediate size is 32"),
+    "logits_on_meta": (dict(router_logits=torch.randn(5, 8, device="meta")), ValueError,
+                       "router_logits is on meta but x is on cpu"),
+    "down_on_meta": (dict(down=torch.randn(8, 64, 32, device="meta")), ValueError,
+                     "down is on meta but x is on cpu"),
+}
+
+
 @pytest.mark.cpu_inputs
 @pytest.mark.parametrize("case", GATED_ACTIVATION_ERRORS)
 @pytest.mark.parametrize("op", GATED_ACTIVATIONS)
@@ -199,6 +276,20 @@ def test_gated_activation_bad_input(backend, op, case):
     make_x, error, match = GATED_ACTIVATION_ERRORS[case]
     with pytest.raises(error, match=match):
         getattr(backend.ops, op)(make_x())
+
+
+@pytest.mark.cpu_inputs
+@pytest.mark.parametrize("case", MOE_ERRORS)
+def test_moe_bad_input(backend, case):
+    changes, error, match = MOE_ERRORS[case]
+    inputs = moe_inputs() | changes
+    args = [inputs.pop(name) for name in ("x", "router_logits", "gate_up", "down", "top_k",
+                                          "renormalize")]
+    with pytest.raises(error, match=match):
+        backend.ops.moe(*args, **inputs)
+    if backend.name == "cpu":  # the typed wrapper: the same checks, the same errors
+        with pytest.raises(error, match=match):
+            ops.moe(*args, **inputs)
 
 
 _QK = torch.randn(6, 4, 16)  # q, with k a view of its first heads

@@ -1,10 +1,12 @@
 """The op registrations: torch.library.opcheck on every op of every backend's namespace (schema
 and mutation annotations, fake kernels against the real ones, autograd registration, AOT
-dispatch), and a torch.compile(fullgraph=True) graph of rotary -> attention equal to eager."""
+dispatch), and torch.compile(fullgraph=True) graphs of rotary -> attention and of a MoE block
+(router linear -> moe) equal to eager."""
 
 import itertools
 import math
 
+import gguf
 import pytest
 import torch
 
@@ -84,6 +86,49 @@ def test_opcheck_linear(backend, rows, dtype, with_bias):
     weight = torch.randn(24, 40, dtype=dtype, device=device)
     bias = torch.randn(24, dtype=dtype, device=device) if with_bias else None
     torch.library.opcheck(backend.ops.linear.default, (x, weight, bias))
+
+
+def q8_0_experts(num_experts, rows, in_features, device):
+    """uint8 [num_experts, rows, row bytes]: Q8_0 blocks of random values (gguf's quantizer)."""
+    values = torch.randn(num_experts * rows, in_features).numpy()
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(blocks).view(num_experts, rows, -1).to(device)
+
+
+# id: (tokens, num_experts, top_k, renormalize, dtype, quantized gate_up, quantized down)
+MOE_CASES = {
+    "decode_float32": (1, 8, 2, True, torch.float32, False, False),
+    "prefill_bf16": (70, 4, 2, False, torch.bfloat16, False, False),
+    "quantized_gate_up": (3, 4, 4, True, torch.float32, True, False),
+    "quantized_down_fp16": (40, 4, 2, True, torch.float16, False, True),
+}
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_opcheck_moe(backend, case):
+    device = backend.device
+    tokens, num_experts, top_k, renormalize, dtype, q_gate_up, q_down = MOE_CASES[case]
+    x = torch.randn(tokens, 64, dtype=dtype, device=device)
+    logits = torch.randn(tokens, num_experts, device=device)
+    gate_up = (q8_0_experts(num_experts, 64, 64, device) if q_gate_up else
+               torch.randn(num_experts, 64, 64, dtype=dtype, device=device) / 8)
+    down = (q8_0_experts(num_experts, 64, 32, device) if q_down else
+            torch.randn(num_experts, 64, 32, dtype=dtype, device=device) / 6)
+    kwargs = dict(gate_up_type=8 if q_gate_up else None, down_type=8 if q_down else None)
+    torch.library.opcheck(backend.ops.moe.default,
+                          (x, logits, gate_up, down, top_k, renormalize), kwargs)
+
+
+def test_compile_fullgraph_moe(device):
+    gate_up = torch.randn(8, 64, 64, device=device) / 8
+    down = torch.randn(8, 64, 32, device=device) / 6
+    router = torch.randn(8, 64, device=device)
+
+    def block(x):
+        return ops.moe(x, ops.linear(x, router), gate_up, down, 2, True)
+
+    x = torch.randn(5, 64, device=device)
+    assert torch.equal(torch.compile(block, fullgraph=True)(x), block(x))
 
 
 def test_compile_fullgraph_rotary_then_attention(device):

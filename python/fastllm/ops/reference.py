@@ -353,6 +353,39 @@ def gelu_tanh_and_mul(x: Tensor) -> Tensor:
     return 0.5 * gate * (1 + torch.tanh(inner)) * up
 
 
+def moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
+        renormalize: bool, *, gate_up_type: int | None = None,
+        down_type: int | None = None) -> Tensor:
+    """Twin of :func:`fastllm.ops.moe`: HF's eager ``Qwen3MoeSparseMoeBlock`` in x's dtype, so
+    a float64 ``x`` gives the exact result and a low-precision one the plain composition. The
+    experts are those the op picks, by float32 probabilities and ``torch.topk``, whatever x's
+    dtype; their weights come from the softmax in float64 when x is. Quantized experts are
+    dequantized exactly (:func:`dequantize`), then cast to x's dtype."""
+    chosen = torch.softmax(router_logits.float(), -1).topk(top_k, -1).indices  # [T, top_k]
+    probs = torch.softmax(router_logits.to(torch.float64 if x.dtype == torch.float64
+                                           else torch.float32), -1)
+    weights = probs.gather(-1, chosen)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights.to(x.dtype)
+
+    def expert(w: Tensor, weight_type: int | None, e: int) -> Tensor:
+        w = w[e] if weight_type is None else dequantize(w[e], weight_type)
+        return w.to(device=x.device, dtype=x.dtype)
+
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        tokens, slots = (chosen == e).nonzero(as_tuple=True)
+        if len(tokens) == 0:
+            continue
+        h = torch.nn.functional.linear(x[tokens], expert(gate_up, gate_up_type, e))
+        gate, up = h.chunk(2, -1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
+                                       expert(down, down_type, e))
+        out.index_add_(0, tokens, y * weights[tokens, slots, None])
+    return out
+
+
 def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: Tensor | None, *,
                    positions: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens: Tensor,
                    block_tables: Tensor, slot_mapping: Tensor, keys_are_new: bool,
@@ -379,6 +412,10 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
         return x if weight is None else rms_norm(x, weight, eps)
 
     def feed_forward(layer: DecoderLayerWeights, x: Tensor) -> Tensor:
+        if layer.experts is not None:
+            e = layer.experts
+            return moe(x, project(e.router, x), e.gate_up, e.down, e.top_k, e.renormalize,
+                       gate_up_type=e.gate_up_type, down_type=e.down_type)
         activation = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[layer.activation]
         return project(layer.down, activation(project(layer.gate_up, x)))
 
