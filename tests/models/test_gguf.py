@@ -102,6 +102,10 @@ ROUND_TRIPS = [*(("llama", qtype) for qtype in (*QUANTIZED_FROM_HF, *RANDOM_BLOC
 # Loose bound when the file holds HF's weights rounded: the least cosine similarity of a
 # position's logits with HF's (measured: 1 - 1e-6, 1 - 3e-5, 1 - 2.3e-4, 0.93).
 MIN_COSINE = {"F16": 0.99999, "BF16": 0.9999, "Q8_0": 0.999, "Q4_0": 0.85}
+# Gemma's norms after each branch bring its output to unit RMS whatever its weights' scale, so
+# every layer's rounding reaches the logits undamped (measured with Q8_0: gemma2 1 - 3.3e-3,
+# gemma3's six layers 0.976); the logits still equal the HF twin's on the rounded weights.
+MIN_COSINE_POST_NORMS = {"Q8_0": 0.95}
 
 
 # Milder than test_parity's weights: 4-bit rounding of larger random weights scrambles the logits.
@@ -390,9 +394,10 @@ def test_round_trip(hf_models, tmp_path, case, qtype, device):
     with float32_gemm():
         got = prefill_logits(model, tokens)
     assert_logits_close(got, hf_logits(twin, tokens), ATOL)
-    if qtype in MIN_COSINE:
+    bounds = MIN_COSINE_POST_NORMS if model_type in NORMS_PLUS_ONE else MIN_COSINE
+    if qtype in bounds:
         cosine = torch.cosine_similarity(got.cpu(), hf_logits(hf, tokens), dim=-1).min().item()
-        assert cosine >= MIN_COSINE[qtype], cosine
+        assert cosine >= bounds[qtype], cosine
     if qtype == "F32":
         assert greedy(model, tokens) == hf_greedy(hf, tokens)
 

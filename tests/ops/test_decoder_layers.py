@@ -1,7 +1,9 @@
 """fastllm.ops.DecoderLayers (the decoder layers run from C++) against its float64 twin,
 fastllm.ops.reference.decoder_layers: a prefill step then a decode step over two sequences of a
 paged cache whose unwritten slots hold NaN, with float and block-quantized (mixed-format)
-projections, q/k norms, a NoPE layer, a sliding window and pre-RoPE caches."""
+projections, and each family's layer: q/k norms per head or over all heads, pre-, post- and
+sandwich norms, GELU-tanh, soft-capped scores, a mixture of experts, a NoPE layer, a sliding
+window, two RoPE tables, partial rotary and pre-RoPE caches."""
 
 from __future__ import annotations
 
@@ -33,33 +35,85 @@ def projection(out: int, inp: int, quantized: bool, bias: bool) -> list[ops.Proj
             for rows, kind in ((slice(0, split), Q8_0), (slice(split, out), Q4_1))]
 
 
-def layer_weights(quantized: bool, qk_norm: bool, use_rope: bool,
-                  window_left: int) -> ops.DecoderLayerWeights:
+EXPERTS, TOP_K, EXPERT_INTERMEDIATE = 4, 2, 32
+
+
+def norm(n: int) -> torch.Tensor:
+    return 1 + 0.1 * torch.randn(n)
+
+
+def experts(quantized: bool, decisive: bool) -> ops.ExpertWeights:
+    """Four SwiGLU experts, two a token, renormalized; quantized: gate|up Q8_0, down Q4_1.
+    ``decisive``: the router's bias puts experts 0 and 1 far ahead, so that rounding of the
+    hidden state (bfloat16) cannot change which experts a token runs, only their weights."""
+    gate_up = torch.randn(EXPERTS, 2 * EXPERT_INTERMEDIATE, HIDDEN) * HIDDEN**-0.5
+    down = torch.randn(EXPERTS, HIDDEN, EXPERT_INTERMEDIATE) * EXPERT_INTERMEDIATE**-0.5
+    router = projection(EXPERTS, HIDDEN, quantized=False, bias=False)
+    if decisive:
+        router = [ops.ProjectionPart(router[0].weight * 0.1, None,
+                                     torch.tensor([4.0, 4.0, -4.0, -4.0]))]
+    if not quantized:
+        return ops.ExpertWeights(router, gate_up, down, TOP_K, renormalize=True)
+    blocks = lambda w, kind: torch.stack(  # noqa: E731
+        [quantize_weight(e, kind).data for e in w])
+    return ops.ExpertWeights(router, blocks(gate_up, Q8_0), blocks(down, Q4_1), TOP_K,
+                             renormalize=True, gate_up_type=Q8_0, down_type=Q4_1)
+
+
+def layer_weights(quantized: bool, variant: str = "plain", *, use_rope: bool = True,
+                  window_left: int = -1, rope_table: int = 0,
+                  decisive_router: bool = False) -> ops.DecoderLayerWeights:
+    """A layer of the family ``variant`` names:
+
+    - plain: Llama's pre-norms, SwiGLU;
+    - qk_norm: Qwen3's per-head q/k norms;
+    - sandwich: Gemma 2/3: all four norms, GELU-tanh, soft-capped scores, a query scale;
+    - post_norms: OLMo 2: norms after each branch only, q/k norms over all heads;
+    - moe: Qwen3-MoE: the MLP a mixture of experts.
+    """
     qkv_rows = (N_HEADS + 2 * N_KV_HEADS) * HEAD_DIM
-    norm = lambda n: 1 + 0.1 * torch.randn(n)  # noqa: E731
+    pre = variant != "post_norms"
+    post = variant in ("sandwich", "post_norms")
+    moe = variant == "moe"
+    qk_norm = {"qk_norm": HEAD_DIM, "sandwich": HEAD_DIM, "moe": HEAD_DIM,
+               "post_norms": None}.get(variant)
+    q_norm = norm(N_HEADS * HEAD_DIM) if variant == "post_norms" else (
+        norm(qk_norm) if qk_norm else None)
+    k_norm = norm(N_KV_HEADS * HEAD_DIM) if variant == "post_norms" else (
+        norm(qk_norm) if qk_norm else None)
     return ops.DecoderLayerWeights(
-        input_norm=norm(HIDDEN), pre_feedforward_norm=norm(HIDDEN),
-        qkv=projection(qkv_rows, HIDDEN, quantized, bias=True),
+        input_norm=norm(HIDDEN) if pre else None,
+        post_attention_norm=norm(HIDDEN) if post else None,
+        pre_feedforward_norm=norm(HIDDEN) if pre else None,
+        post_feedforward_norm=norm(HIDDEN) if post else None,
+        qkv=projection(qkv_rows, HIDDEN, quantized, bias=variant == "plain"),
         o=projection(HIDDEN, N_HEADS * HEAD_DIM, quantized, bias=False),
-        gate_up=projection(2 * INTERMEDIATE, HIDDEN, quantized, bias=False),
-        down=projection(HIDDEN, INTERMEDIATE, quantized, bias=False),
+        gate_up=None if moe else projection(2 * INTERMEDIATE, HIDDEN, quantized, bias=False),
+        down=None if moe else projection(HIDDEN, INTERMEDIATE, quantized, bias=False),
+        experts=experts(quantized, decisive_router) if moe else None,
+        activation="gelu_tanh" if variant == "sandwich" else "silu",
         n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM, eps=1e-5, use_rope=use_rope,
-        window_left=window_left, q_norm=norm(HEAD_DIM) if qk_norm else None,
-        k_norm=norm(HEAD_DIM) if qk_norm else None)
+        rope_table=rope_table, window_left=window_left,
+        scale=0.3 if variant == "sandwich" else None,
+        softcap=5.0 if variant == "sandwich" else 0.0,
+        q_norm=q_norm, k_norm=k_norm, qk_norm_per_head=variant != "post_norms")
 
 
 def as_dtype(layer: ops.DecoderLayerWeights, dtype: torch.dtype) -> ops.DecoderLayerWeights:
     """Float tensors in ``dtype`` (the activations'); quantized blocks as they are."""
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
-    parts = lambda ps: [ops.ProjectionPart(p.weight if p.weight_type is not None  # noqa: E731
-                                           else p.weight.to(dtype), p.weight_type, cast(p.bias))
-                        for p in ps]
-    return ops.DecoderLayerWeights(
-        input_norm=cast(layer.input_norm), pre_feedforward_norm=cast(layer.pre_feedforward_norm),
-        qkv=parts(layer.qkv), o=parts(layer.o), gate_up=parts(layer.gate_up),
-        down=parts(layer.down), n_heads=layer.n_heads, n_kv_heads=layer.n_kv_heads,
-        head_dim=layer.head_dim, eps=layer.eps, use_rope=layer.use_rope,
-        window_left=layer.window_left, q_norm=cast(layer.q_norm), k_norm=cast(layer.k_norm))
+    cast = lambda t: t if t is None or t.dtype == torch.uint8 else t.to(dtype)  # noqa: E731
+    parts = lambda ps: None if ps is None else [  # noqa: E731
+        ops.ProjectionPart(cast(p.weight), p.weight_type, cast(p.bias)) for p in ps]
+    e = layer.experts
+    return dataclasses.replace(
+        layer, input_norm=cast(layer.input_norm),
+        post_attention_norm=cast(layer.post_attention_norm),
+        pre_feedforward_norm=cast(layer.pre_feedforward_norm),
+        post_feedforward_norm=cast(layer.post_feedforward_norm), qkv=parts(layer.qkv),
+        o=parts(layer.o), gate_up=parts(layer.gate_up), down=parts(layer.down),
+        experts=None if e is None else dataclasses.replace(
+            e, router=parts(e.router), gate_up=cast(e.gate_up), down=cast(e.down)),
+        q_norm=cast(layer.q_norm), k_norm=cast(layer.k_norm))
 
 
 def steps() -> list[dict]:
@@ -79,16 +133,31 @@ def steps() -> list[dict]:
     return [step([0, 0], [7, 3], True), step([7, 3], [1, 1], False)]
 
 
+# id: (layer variant, second layer's changes, pre-RoPE caches, RoPE tables' rotary dims)
+VARIANTS = {
+    "plain": ("plain", {}, False, [HEAD_DIM]),
+    "qk_norm+nope": ("qk_norm", dict(use_rope=False), False, [HEAD_DIM]),
+    "window+pre_rope": ("plain", dict(window_left=2), True, [HEAD_DIM]),
+    # Gemma 3: sliding layers rotate with a local table, full ones with a global one.
+    "sandwich+two_tables": ("sandwich", dict(rope_table=1), False, [HEAD_DIM, HEAD_DIM]),
+    "post_norms+window": ("post_norms", dict(window_left=2), False, [HEAD_DIM]),
+    "moe": ("moe", {}, False, [HEAD_DIM]),
+    # Phi-3's partial rotary: the table rotates the first half of each head.
+    "partial_rotary+pre_rope": ("plain", {}, True, [HEAD_DIM // 2]),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("variant", ["plain", "qk_norm+nope", "window+pre_rope"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_decoder_layers_match_their_float64_twin(dtype, quantized, variant):
-    qk_norm, pre_rope = "qk_norm" in variant, "pre_rope" in variant
-    layers = [layer_weights(quantized, qk_norm, use_rope=True, window_left=-1),
-              layer_weights(quantized, qk_norm, use_rope="nope" not in variant,
-                            window_left=2 if "window" in variant else -1)]
+    kind, second, pre_rope, rotary_dims = VARIANTS[variant]
+    decisive = dict(decisive_router=dtype != torch.float32)
+    layers = [layer_weights(quantized, kind, **decisive),
+              layer_weights(quantized, kind, **second, **decisive)]
     layers = [as_dtype(layer, dtype) for layer in layers]
-    cos_sin = ops.rope_cos_sin_cache(16, HEAD_DIM)
+    tables = [ops.rope_cos_sin_cache(16, dim, base=base)
+              for dim, base in zip(rotary_dims, (10000.0, 100.0))]
     shape = (len(layers), NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
     # Unwritten slots poisoned: a read of one would turn the outputs NaN.
     k_cache, v_cache = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
@@ -98,9 +167,9 @@ def test_decoder_layers_match_their_float64_twin(dtype, quantized, variant):
     for step in steps():
         x = torch.randn(step["positions"].shape[0], HIDDEN).to(dtype)
         out, residual = bound(x.clone(), None, **step, k_cache=k_cache, v_cache=v_cache,
-                              cos_sin_caches=[cos_sin], pre_rope=pre_rope)
+                              cos_sin_caches=tables, pre_rope=pre_rope)
         want, want_residual, ref_k, ref_v = reference.decoder_layers(
-            layers, x, None, **step, k_cache=ref_k, v_cache=ref_v, cos_sin_caches=[cos_sin],
+            layers, x, None, **step, k_cache=ref_k, v_cache=ref_v, cos_sin_caches=tables,
             pre_rope=pre_rope)
         tolerance = 2e-3 if dtype == torch.float32 else 6e-2
         for got, expected in ((out, want), (residual, want_residual)):
@@ -117,7 +186,7 @@ def test_a_decode_layer_is_nine_fastllm_ops():
     """A Qwen3 layer (q/k norms, RoPE) at decode: each step one fastllm op and no other compute
     op (views aside), so on CUDA one kernel each (attention adds its merge of key splits, and
     cuBLAS a split-K reduction, where they split)."""
-    layers = [layer_weights(False, True, True, -1) for _ in range(2)]
+    layers = [layer_weights(False, "qk_norm") for _ in range(2)]
     layers = [dataclasses.replace(layer, qkv=[dataclasses.replace(layer.qkv[0], bias=None)])
               for layer in layers]
     shape = (len(layers), NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
@@ -138,7 +207,7 @@ def test_a_decode_layer_is_nine_fastllm_ops():
 def test_the_residual_stream_continues_from_the_caller():
     """Given a residual stream, the first norm adds x into it in place (a model split into
     several calls)."""
-    layers = [layer_weights(False, False, True, -1)]
+    layers = [layer_weights(False)]
     step = steps()[0]
     shape = (1, NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
     caches = dict(k_cache=torch.zeros(shape), v_cache=torch.zeros(shape))
@@ -164,7 +233,7 @@ def test_the_residual_stream_continues_from_the_caller():
      "weight_type must be a ggml type id"),
 ])
 def test_bad_layers_are_refused(bad, error, match):
-    layer = layer_weights(False, False, True, -1)
+    layer = layer_weights(False)
     fields = {**layer.__dict__, **{k: v for k, v in bad.items() if k != "layers"}}
     layers = bad["layers"] if "layers" in bad else [ops.DecoderLayerWeights(**fields)]
     with pytest.raises(error, match=match):
@@ -172,7 +241,7 @@ def test_bad_layers_are_refused(bad, error, match):
 
 
 def test_caches_of_another_layer_count_are_refused():
-    layers = [layer_weights(False, False, True, -1)] * 2
+    layers = [layer_weights(False)] * 2
     shape = (3, NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
     with pytest.raises(ValueError, match=r"k_cache and v_cache must be \[num_layers=2"):
         ops.DecoderLayers(layers)(torch.randn(10, HIDDEN), None, **steps()[0],
