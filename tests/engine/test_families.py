@@ -29,7 +29,8 @@ ENGINE = dict(max_model_len=128, block_size=4, max_num_batched_tokens=24,
 
 @pytest.fixture(scope="module", params=list(FAMILY_CASES))
 def family(request, tmp_path_factory, model_path):
-    """(HF model, prompts, HF's greedy tokens, ``llm(device, **options)``) of one family."""
+    """(prompts, HF's greedy tokens after each, ``llm(device)`` shared per device,
+    ``llm(device, speculative)`` made anew, the checkpoint's folder) of one family."""
     model_type, overrides = FAMILY_CASES[request.param]
     hf = random_hf_model(model_type, seed=len(request.param), **{**BASE, **overrides})
     folder = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
@@ -50,7 +51,7 @@ def family(request, tmp_path_factory, model_path):
                    **ENGINE)
 
     plain = per_device(make)
-    return prompts, expected, plain, make
+    return prompts, expected, plain, make, folder
 
 
 def greedy() -> SamplingParams:
@@ -58,7 +59,7 @@ def greedy() -> SamplingParams:
 
 
 def test_greedy_tokens_match_hf_with_chunks_and_prefix_hits(family, device):
-    prompts, expected, plain, _ = family
+    prompts, expected, plain, _, _ = family
     llm = plain(device)
     batch = [{"prompt_token_ids": p} for p in prompts]
     got = llm.generate(batch, greedy(), use_tqdm=False)
@@ -69,17 +70,30 @@ def test_greedy_tokens_match_hf_with_chunks_and_prefix_hits(family, device):
     assert llm.engine.stats.prefix_cache_hits > hits
 
 
-def test_speculation_keeps_the_tokens(family, device):
-    prompts, expected, _, make = family
-    llm = make(device, speculative={"method": "ngram", "num_speculative_tokens": 3,
-                                    "prompt_lookup_min": 1, "adaptive": False})
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_keeps_the_tokens(family, device, method):
+    """Verified drafts change no token: n-gram lookup drafts where a random model's text
+    repeats (some families' never does in 16 tokens); the model drafting for itself in
+    bfloat16 drafts every step, and most drafts are accepted."""
+    prompts, expected, _, make, folder = family
+    draft = dict(model=str(folder), draft_dtype="bfloat16") if method == "draft" else {}
+    llm = make(device, speculative={"method": method, "num_speculative_tokens": 3,
+                                    "prompt_lookup_min": 1, "adaptive": False, **draft})
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
-    assert llm.engine.stats.num_draft_tokens > 0
+    stats = llm.engine.stats
+    if method == "draft":
+        assert stats.num_draft_tokens >= len(prompts) * 3
+        assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
+    # A step after output token i can look up a draft when that token occurred earlier.
+    lookups = sum(tokens[i] in (prompt + tokens)[:len(prompt) + i]
+                  for prompt, tokens in zip(prompts, expected) for i in range(len(tokens) - 1))
+    if method == "ngram" and lookups:
+        assert stats.num_draft_tokens > 0
 
 
 def test_structured_output(family, device):
-    prompts, _, plain, _ = family
+    prompts, _, plain, _, _ = family
     pattern = r"(yes|no), [0-9]{2,4}\."
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=12,
                             structured_outputs=StructuredOutputsParams(regex=pattern))
