@@ -1,19 +1,21 @@
 """Every model family through the engine: tiny random checkpoints of Gemma 2 and 3, Phi-3,
 OLMo-2, Qwen3-MoE and Mixtral (tests/tiny_hf.py's FAMILY_CASES) under the Qwen3 tokenizer,
 run by ``fastllm.LLM`` with chunked prefill, prefix caching, speculative decoding and
-structured output, against HF transformers' greedy tokens on the same weights.
+structured output, against HF transformers' greedy tokens on the same weights, and served.
 """
 
 from __future__ import annotations
 
 import re
 
+import openai
 import pytest
 import torch
 from conftest import per_device
+from openai_server import running_server
 from tiny_hf import FAMILY_CASES, random_hf_model, save_hf_model
 
-from fastllm import LLM, SamplingParams, StructuredOutputsParams
+from fastllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
 
 NEW_TOKENS = 16
 # A llama-shaped base under the Qwen3 tokenizer's vocabulary; 3 layers, so a sliding pattern
@@ -46,9 +48,9 @@ def family(request, tmp_path_factory, model_path):
         expected.append(out[0, len(prompt):].tolist())
     tokenizer = model_path("qwen3_tokenizer")
 
-    def make(device, speculative=None):
-        return LLM(folder, tokenizer=tokenizer, device=device, speculative=speculative,
-                   **ENGINE)
+    def make(device, speculative=None, engine=LLM):
+        return engine(folder, tokenizer=tokenizer, device=device, speculative=speculative,
+                      **ENGINE)
 
     plain = per_device(make)
     return prompts, expected, plain, make, folder
@@ -99,3 +101,20 @@ def test_structured_output(family, device):
                             structured_outputs=StructuredOutputsParams(regex=pattern))
     [out] = plain(device).generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+
+
+def test_served_completions_are_the_engines_text(family, device):
+    prompts, _, plain, make, _ = family
+    expected = plain(device).generate([{"prompt_token_ids": p} for p in prompts], greedy(),
+                                      use_tqdm=False)
+    llm = make(device, engine=AsyncLLM)
+    try:
+        with running_server(llm, "family") as server:
+            client = openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0)
+            got = client.completions.create(model="family", prompt=prompts,
+                                            max_tokens=NEW_TOKENS, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    finally:
+        llm.shutdown()
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [
+        o.outputs[0].text for o in expected]
