@@ -1,10 +1,10 @@
 """GGUF loading: the llama.cpp fixture against transformers' own GGUF reader; round trips of tiny
 random HF models of each family written as convert_hf_to_gguf.py writes them (its tensor names,
-Gemma's 1 + w norms, Phi-3's fused tensors, each family's metadata keys; checked against
-transformers' GGUF reader where it reads the family), in every supported tensor type (loaded
-onto each device present); what llama.cpp fixes rather than stores (Gemma's attention scale,
-window pattern, local RoPE); Llama 3.1 RoPE scaling given as ``rope_freqs.weight``; and every
-refusal."""
+Gemma's 1 + w norms, Phi-3's fused tensors, stacked experts, each family's metadata keys;
+checked against transformers' GGUF reader where it reads the family), in every supported tensor
+type (loaded onto each device present); what llama.cpp fixes rather than stores (Gemma's
+attention scale, window pattern, local RoPE; Qwen3-MoE's renormalized experts); Llama 3.1 RoPE
+scaling given as ``rope_freqs.weight``; and every refusal."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import copy
 import functools
 import math
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -30,10 +31,10 @@ from fastllm.engine.model_runner import run_step
 from fastllm.kv_cache import PagedKVCache
 from fastllm.gguf_file import GGUFFileReader
 from fastllm.models import DecoderLM, ModelConfig, hf_weight_map, load_model
-from fastllm.models.families import FAMILIES
-from fastllm.models.gguf import config_from_gguf, gguf_tensor_name, load_gguf
-from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
-from fastllm.models.quantized import SegmentedQuantizedLinear
+from fastllm.models.gguf import (config_from_gguf, gguf_tensor_name, gguf_tensor_part,
+                                 load_gguf)
+from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS, Experts
+from fastllm.models.quantized import SegmentedQuantizedLinear, quantize_weight
 from tiny_hf import randomize_
 
 transformers.logging.set_verbosity_error()
@@ -47,6 +48,13 @@ BASE = dict(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_l
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=None,
             tie_word_embeddings=False)
+
+# The round trips' prompt for experts: long enough that each expert of a block-quantized file
+# gets more than FEW_ROWS of the tokens (2 of 4 experts a token; checked), so that it runs the
+# float32 GEMM rather than the few-row kernel's integer activations, which can flip a close
+# routing choice in the next layer (see test_round_trip).
+MOE_PROMPT = 160
+FEW_ROWS = 32
 
 # name -> (model_type, overrides of BASE)
 CASES = {
@@ -77,10 +85,24 @@ CASES = {
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
     # test_parity's olmo2: norms on the sublayers' outputs only; q/k norms over all heads.
     "olmo2": ("olmo2", dict()),
+    # Four experts, two a token, renormalized (as llama.cpp runs qwen3moe), in every layer
+    # (llama.cpp's qwen3moe has no dense ones); expert rows of 256 values, for K-quant blocks.
+    # head_dim given: HF's config class has no default for it.
+    "qwen3moe": ("qwen3_moe", dict(head_dim=64, num_experts=4, num_experts_per_tok=2,
+                                   moe_intermediate_size=256, norm_topk_prob=True,
+                                   max_position_embeddings=MOE_PROMPT + NEW_TOKENS)),
+    # Mixtral, written as llama with experts: q/k rows permuted; experts intermediate_size wide.
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2,
+                                max_position_embeddings=MOE_PROMPT + NEW_TOKENS)),
 }
 # model_type -> general.architecture, as convert_hf_to_gguf.py's classes name them.
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-             "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2"}
+             "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2", "qwen3_moe": "qwen3moe",
+             "mixtral": "llama"}
+# HF's fused experts (transformers 5's modules) -> the projections convert_hf_to_gguf.py
+# splits them into, each stacked over the experts.
+FUSED_EXPERTS = {"mlp.experts.gate_up_proj": ("mlp.experts.gate_proj", "mlp.experts.up_proj"),
+                 "mlp.experts.down_proj": ("mlp.experts.down_proj",)}
 # The converter's Gemma2Model and Gemma3Model store every norm weight as 1 + w.
 NORMS_PLUS_ONE = ("gemma2", "gemma3_text")
 
@@ -88,7 +110,8 @@ NORMS_PLUS_ONE = ("gemma2", "gemma3_text")
 # dequantize, are random blocks with sane scales, and the HF twin takes what they encode.
 QUANTIZED_FROM_HF = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0")
 RANDOM_BLOCKS = ("Q4_K", "Q5_K", "Q6_K")
-# A file of several types, as llama.cpp's Q4_K_M: each 2-D weight's type by its HF module.
+# A file of several types, as llama.cpp's Q4_K_M: each weight's type by its HF module (down
+# experts in Q6_K, gate and up experts in Q4_K, as in llama.cpp's MoE Q4_K_M files).
 MIXED = {"Q4_K_M": lambda module: ("Q6_K" if module in ("v_proj", "down_proj") else
                                    "Q5_0" if module == "embed_tokens" else "Q4_K")}
 # Every type on llama (whose q/k rows the file permutes), a few on the others. (Gemma's o_proj
@@ -98,7 +121,9 @@ ROUND_TRIPS = [*(("llama", qtype) for qtype in (*QUANTIZED_FROM_HF, *RANDOM_BLOC
                ("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K"),
                ("gemma2", "F32"), ("gemma2", "Q8_0"), ("gemma3", "F32"), ("gemma3", "Q8_0"),
                ("phi3", "F32"), ("phi3", "Q8_0"), ("phi3", "Q4_K"),
-               ("olmo2", "F32"), ("olmo2", "Q8_0")]
+               ("olmo2", "F32"), ("olmo2", "Q8_0"),
+               ("qwen3moe", "F32"), ("qwen3moe", "Q8_0"), ("qwen3moe", "Q6_K"),
+               ("mixtral", "F32"), ("mixtral", "F16"), ("mixtral", "Q4_K_M")]
 # Loose bound when the file holds HF's weights rounded: the least cosine similarity of a
 # position's logits with HF's (measured: 1 - 1e-6, 1 - 3e-5, 1 - 2.3e-4, 0.93).
 MIN_COSINE = {"F16": 0.99999, "BF16": 0.9999, "Q8_0": 0.999, "Q4_0": 0.85}
@@ -139,12 +164,25 @@ def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> 
     return data.reshape(rows, -1)
 
 
+def encode(w: np.ndarray, kind: QT, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(what a file of type ``kind`` stores for ``w`` ``[..., cols]``, what that decodes to):
+    ``w`` quantized, or random blocks of its shape for the K-quants."""
+    if kind.name in RANDOM_BLOCKS:
+        data = random_blocks(math.prod(w.shape[:-1]), w.shape[-1], kind, rng)
+        data = data.reshape(*w.shape[:-1], -1)
+    else:
+        data = gguf.quants.quantize(w, kind)
+    return data, gguf.quants.dequantize(data, kind)
+
+
 def gguf_tensors(hf: torch.nn.Module, model_type: str, qtype: str, seed: int = 0
                  ) -> tuple[dict[str, tuple[np.ndarray, QT]], dict[str, torch.Tensor]]:
     """(llama.cpp name -> (stored array, type), HF name -> the float32 weight the file encodes),
     as convert_hf_to_gguf.py writes ``hf``: names by gguf-py's map for the architecture (the
     converter's ``map_tensor_name``), llama q/k rows permuted, Gemma's norms stored as 1 + w
-    (in float32), 1-D tensors kept F32. A Gemma norm encodes the HF weight ``w`` itself."""
+    (in float32), 1-D tensors and the experts' router kept F32, HF's fused gate|up experts
+    split into gate and up, each ``[experts, rows, cols]``. A Gemma norm encodes the HF weight
+    ``w`` itself."""
     rng = np.random.default_rng(seed)
     config = hf.config
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == GGUF_ARCH[model_type])
@@ -155,25 +193,36 @@ def gguf_tensors(hf: torch.nn.Module, model_type: str, qtype: str, seed: int = 0
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = tensor.float().numpy()
+        layer, _, fused = hf_name.partition(".mlp.experts.")
+        if fused:  # [experts, rows, cols]: gate rows then up rows, or down
+            projections = FUSED_EXPERTS[f"mlp.experts.{fused}"]
+            decoded = []
+            for projection, part in zip(projections, np.split(w, len(projections), axis=1)):
+                kind = QT[MIXED[qtype](projection.rsplit(".", 1)[-1]) if qtype in MIXED
+                          else qtype]
+                data, part_decoded = encode(part, kind, rng)
+                stored[f"{name_map.get_name(f'{layer}.{projection}')}.weight"] = (data, kind)
+                decoded.append(part_decoded)
+            encoded[hf_name] = torch.from_numpy(np.concatenate(decoded, axis=1))
+            continue
         module, kind_name = hf_name.rsplit(".", 1)
         gguf_name = f"{name_map.get_name(module)}.{kind_name}"
         if model_type in NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
             stored[gguf_name] = (w + np.float32(1), QT.F32)
             encoded[hf_name] = torch.from_numpy(w.copy())
             continue
+        if hf_name.endswith(".mlp.gate.weight"):  # the router: the converter keeps it F32
+            stored[gguf_name] = (w, QT.F32)
+            encoded[hf_name] = torch.from_numpy(w.copy())
+            continue
         module = module.rsplit(".", 1)[-1]
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-        permuted = model_type == "llama" and module in heads
+        permuted = GGUF_ARCH[model_type] == "llama" and module in heads
         kind = QT.F32 if w.ndim == 1 else QT[MIXED[qtype](module) if qtype in MIXED else qtype]
-        if kind.name in RANDOM_BLOCKS:
-            data = random_blocks(*w.shape, kind, rng)
-            w_file = gguf.quants.dequantize(data, kind)
-            expected = unpermute_by_index(w_file, heads[module]) if permuted else w_file
-        else:
-            data = gguf.quants.quantize(permute(w, heads[module]) if permuted else w, kind)
-            # Blocks run along a row, so quantizing commutes with permuting rows: the file
-            # encodes exactly dequantize(quantize(w)) in HF's row order.
-            expected = gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind)
+        data, decoded = encode(permute(w, heads[module]) if permuted else w, kind, rng)
+        # Blocks run along a row, so quantizing commutes with permuting rows: a quantized file
+        # encodes dequantize(quantize(w)) in HF's row order.
+        expected = unpermute_by_index(decoded, heads[module]) if permuted else decoded
         stored[gguf_name] = (data, kind)
         encoded[hf_name] = torch.from_numpy(np.array(expected, dtype=np.float32))
     return stored, encoded
@@ -185,7 +234,9 @@ def write_gguf(path: Path, model_type: str, config: transformers.PretrainedConfi
     for ``config``; ``metadata`` adds or replaces ``{arch}.``-relative keys or ``tokenizer.``
     ones (a value of None drops the key; ``architecture`` replaces general.architecture).
 
-    The converter's classes: TextModel's common keys (LlamaModel adds rope.dimension_count);
+    The converter's classes: TextModel's common keys, the expert counts among them
+    (LlamaModel, Mixtral's too, adds rope.dimension_count; Qwen2MoeModel, Qwen3-MoE's base, the
+    experts' width);
     Gemma2Model writes its own, without rope.freq_base, with key_length, the soft-caps and the
     window; Gemma3Model adds to TextModel's the global layers' RoPE base and scaling, key_length,
     a truthy final soft-cap, and the window unless sliding_window_pattern is 1; Phi3MiniModel
@@ -206,8 +257,13 @@ def write_gguf(path: Path, model_type: str, config: transformers.PretrainedConfi
           "attention.layer_norm_rms_epsilon": config.rms_norm_eps}
     if model_type != "gemma2":
         kv["rope.freq_base"] = rope["rope_theta"]
-    if model_type == "llama":
+    if GGUF_ARCH[model_type] == "llama":
         kv["rope.dimension_count"] = head_dim
+    if model_type in ("qwen3_moe", "mixtral"):
+        kv["expert_count"] = getattr(config, "num_experts", None) or config.num_local_experts
+        kv["expert_used_count"] = config.num_experts_per_tok
+    if model_type == "qwen3_moe":
+        kv["expert_feed_forward_length"] = config.moe_intermediate_size
     if model_type in NORMS_PLUS_ONE or head_dim != hidden // heads:
         kv["attention.key_length"] = kv["attention.value_length"] = head_dim
     if rope.get("rope_type") == "linear" and model_type not in ("gemma2", "phi3"):
@@ -231,7 +287,9 @@ def write_gguf(path: Path, model_type: str, config: transformers.PretrainedConfi
         key = key if key.startswith("tokenizer.") else f"{arch}.{key}"
         if value is None:
             continue
-        if isinstance(value, str):
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, float):
             writer.add_float32(key, value)
@@ -256,6 +314,40 @@ def hf_models() -> dict[str, torch.nn.Module]:
                                                         dtype=torch.float32).eval()
         randomize_(models[name], seed, scale=WEIGHT_SCALE)
     return models
+
+
+def twin_tensor(twin_state: dict[str, torch.Tensor], name: str,
+                parts: list[tuple[str, tuple[int, ...]]]) -> torch.Tensor:
+    """The HF model's weights that make fastllm parameter ``name`` (``parts``: its checkpoint
+    tensors, as hf_weight_map lists them), concatenated. transformers 5 holds a layer's experts
+    fused (``mlp.experts.gate_up_proj`` ``[experts, 2 * intermediate, hidden]``, gate rows
+    first, as fastllm's; ``mlp.experts.down_proj``) and Mixtral's router as ``mlp.gate``, not
+    under their checkpoint names."""
+    layer, _, rest = name.partition(".mlp.")
+    moe = {"router.weight": "gate.weight", "gate_up_proj": "experts.gate_up_proj",
+           "down_proj": "experts.down_proj"}
+    if rest in moe:
+        return twin_state[f"model.{layer}.mlp.{moe[rest]}"]
+    return torch.cat([twin_state[n] for n, _ in parts])
+
+
+@contextlib.contextmanager
+def expert_tokens(hf: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within this block, each forward of the HF mixture of experts ``hf`` appends to the list
+    yielded, per layer, how many tokens each expert runs (its router's top-k choices)."""
+    counts: list[torch.Tensor] = []
+
+    def count(router: torch.nn.Module, inputs: tuple[torch.Tensor], _) -> None:
+        logits = inputs[0].flatten(0, -2) @ router.weight.T  # [tokens, experts]
+        chosen = logits.topk(hf.config.num_experts_per_tok, dim=-1).indices
+        counts.append(torch.bincount(chosen.flatten(), minlength=logits.shape[1]))
+
+    hooks = [layer.mlp.gate.register_forward_hook(count) for layer in hf.model.layers]
+    try:
+        yield counts
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -366,7 +458,8 @@ def test_round_trip(hf_models, tmp_path, case, qtype, device):
     twin.load_state_dict(encoded, strict=False)  # a tied lm_head follows embed_tokens
     twin_state, state = twin.state_dict(), model.state_dict()
     if qtype not in ("F32", "F16", "BF16"):  # block formats stay in their blocks
-        assert state[next(n for n in state if n.endswith("down_proj.weight"))].dtype == torch.uint8
+        down = next(n for n in state if n.endswith(("down_proj.weight", "mlp.down_proj")))
+        assert state[down].dtype == torch.uint8
     offset = model.config.family.norm_offset
     for name, parts in hf_weight_map(model.config).items():
         module = model.get_submodule(name.rsplit(".", 1)[0])
@@ -374,11 +467,17 @@ def test_round_trip(hf_models, tmp_path, case, qtype, device):
             # parts in different formats
             weight = torch.cat([ops.dequantize(getattr(module, f"segment{i}"), weight_type)
                                 for i, weight_type in enumerate(module.weight_types)])
+        elif isinstance(module, Experts) and not name.endswith("router.weight"):
+            weight = state[name]  # [experts, rows, cols], or blocks [experts, rows, row bytes]
+            weight_type = getattr(module, name.rsplit(".", 1)[1].removesuffix("_proj") + "_type")
+            if weight_type is not None:
+                weight = ops.dequantize(weight.flatten(0, 1), weight_type).view(
+                    weight.shape[0], weight.shape[1], -1)
         else:
             weight = state[name]
             if weight.dtype == torch.uint8:  # kept in its blocks
                 weight = ops.dequantize(weight, module.weight_type)
-        expected = torch.cat([twin_state[n] for n, _ in parts])
+        expected = twin_tensor(twin_state, name, parts)
         if name.endswith("norm.weight"):
             expected = expected + offset  # as the converter stored it (and fastllm folds it)
         assert torch.equal(weight.cpu(), expected), name
@@ -386,20 +485,84 @@ def test_round_trip(hf_models, tmp_path, case, qtype, device):
         qkv = model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv, SegmentedQuantizedLinear)
         assert [ops.BLOCK_FORMATS[t][0] for t in qkv.weight_types] == ["Q4_K", "Q6_K"]
+    for layer in model.layers:  # experts kept in the file's blocks, each projection's own
+        if isinstance(layer.mlp, Experts):
+            kinds = (layer.mlp.gate_up_type, layer.mlp.down_type)
+            assert kinds == ((None, None) if qtype in ("F32", "F16", "BF16") else
+                             (QT.Q4_K, QT.Q6_K) if qtype in MIXED else (QT[qtype],) * 2)
 
     # Past the 32 rows the CPU's quantized kernel streams with integer activations: prefill
     # rows through the float32 GEMM, comparable at float32 precision (CUDA's dequantizes past 8
-    # rows and multiplies in float32 with cuBLAS).
-    tokens = prompt(model.config.vocab_size, n=33)
+    # rows and multiplies in float32 with cuBLAS). An expert's rows are its tokens only.
+    tokens = prompt(model.config.vocab_size, n=MOE_PROMPT if model.config.num_experts else 33)
     with float32_gemm():
         got = prefill_logits(model, tokens)
-    assert_logits_close(got, hf_logits(twin, tokens), ATOL)
+    block_experts = model.config.num_experts and qtype not in ("F32", "F16", "BF16")
+    with expert_tokens(twin) if block_experts else contextlib.nullcontext([]) as counts:
+        expected = hf_logits(twin, tokens)
+    if counts:
+        fewest = min(c.min().item() for c in counts)
+        assert fewest > FEW_ROWS, f"an expert runs {fewest} tokens: pick a longer prompt"
+    assert_logits_close(got, expected, ATOL)
     bounds = MIN_COSINE_POST_NORMS if model_type in NORMS_PLUS_ONE else MIN_COSINE
-    if qtype in bounds:
+    # Experts: rounding the random router's weights flips some close top-2 choices, and with
+    # them whole positions' logits (Q8_0: a cosine of 0.61), so no bound holds position-wise.
+    if qtype in bounds and not model.config.num_experts:
         cosine = torch.cosine_similarity(got.cpu(), hf_logits(hf, tokens), dim=-1).min().item()
         assert cosine >= bounds[qtype], cosine
     if qtype == "F32":
         assert greedy(model, tokens) == hf_greedy(hf, tokens)
+
+
+def zero_experts(kind: QT) -> tuple[np.ndarray, QT]:
+    """A stacked expert tensor of the qwen3moe case's shape, [4, 256, 256], in ``kind``."""
+    return gguf.quants.quantize(np.zeros((4, 256, 256), np.float32), kind), kind
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"blk.1.ffn_up_exps.weight": None}, r"lacks blk\.1\.ffn_up_exps\.weight"),
+    ({"blk.0.ffn_gate_inp.weight": None}, r"lacks blk\.0\.ffn_gate_inp\.weight"),
+    ({"blk.0.ffn_gate_exps.weight": (np.zeros((3, 256, 256), np.float32), QT.F32)},
+     r"blk\.0\.ffn_gate_exps\.weight has shape \(3, 256, 256\) \(ggml \[256, 256, 3\]\), "
+     r"expected \(4, 256, 256\)"),
+    ({"blk.0.ffn_down_exps.weight": zero_experts(QT.MXFP4)},
+     r"blk\.0\.ffn_down_exps\.weight is MXFP4, which fastllm does not dequantize"),
+    ({"blk.1.ffn_gate_exps.weight": zero_experts(QT.Q8_0),
+      "blk.1.ffn_up_exps.weight": zero_experts(QT.Q4_0)},
+     r"blk\.1\.ffn_gate_exps\.weight is Q8_0 but blk\.1\.ffn_up_exps\.weight is Q4_0; fastllm "
+     "runs each expert's gate and up as one projection, so they must share one type"),
+], ids=["missing-experts", "missing-router", "expert-count", "expert-type", "gate-up-types"])
+def test_expert_refusals(hf_models, tmp_path, edit, match):
+    """A qwen3moe file whose experts are missing, of another count, of a type fastllm does not
+    read, or whose gate and up experts differ in type, is refused naming the tensor."""
+    hf = hf_models["qwen3moe"]
+    tensors = {**gguf_tensors(hf, "qwen3_moe", "F32")[0], **edit}
+    tensors = {name: value for name, value in tensors.items() if value is not None}
+    path = write_gguf(tmp_path / "model.gguf", "qwen3_moe", hf.config, tensors)
+    with pytest.raises(ValueError, match=match):
+        load_model(path)
+
+
+def test_quantization_of_a_float_moe_file(hf_models, tmp_path):
+    """quantization= quantizes a float file's experts too, each expert's rows as quantize_weight
+    writes them (int8: Q8_0), and keeps its router float."""
+    hf = hf_models["qwen3moe"]
+    path = write_gguf(tmp_path / "model.gguf", "qwen3_moe", hf.config,
+                      gguf_tensors(hf, "qwen3_moe", "F32")[0])
+    full, int8 = load_model(path), load_model(path, quantization="int8")
+    for float_layer, layer in zip(full.layers, int8.layers):
+        assert (layer.mlp.gate_up_type, layer.mlp.down_type) == (QT.Q8_0, QT.Q8_0)
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(float_layer.mlp, name)  # [experts, rows, cols]
+            blocks = quantize_weight(weight.flatten(0, 1), QT.Q8_0).data
+            assert torch.equal(getattr(layer.mlp, name), blocks.view(*weight.shape[:2], -1))
+        assert torch.equal(layer.mlp.router.weight, float_layer.mlp.router.weight)
+    tokens = prompt(full.config.vocab_size, n=MOE_PROMPT)
+    cosine = torch.cosine_similarity(prefill_logits(int8, tokens), prefill_logits(full, tokens),
+                                     dim=-1)
+    # On average: a flipped close routing choice moves a few positions far (measured: mean
+    # 0.998, least 0.90).
+    assert cosine.mean().item() >= 0.99, cosine
 
 
 def test_dtype_cast(hf_models, tmp_path):
@@ -415,25 +578,33 @@ def test_dtype_cast(hf_models, tmp_path):
 
 
 def test_name_map_agrees_with_gguf_package():
-    """gguf_tensor_name against gguf-py's own HF -> llama.cpp map, for every architecture; every
-    name is one of the architecture's tensors in gguf-py (gguf.MODEL_TENSORS)."""
+    """gguf_tensor_name against gguf-py's own HF -> llama.cpp map, for every architecture and
+    every checkpoint tensor fastllm reads (one expert's weight: the converter's stacked tensor,
+    which gguf-py names from the experts' module without the expert's index), and
+    gguf_tensor_part's expert index; every name is one of the architecture's tensors in gguf-py
+    (gguf.MODEL_TENSORS)."""
     for model_type, overrides in CASES.values():
-        config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+        hf_config = AutoConfig.for_model(model_type, **{**BASE, **overrides})
         with torch.device("meta"):
-            hf = AutoModelForCausalLM.from_config(config)
-        family = FAMILIES[type(hf).__name__]
+            hf = AutoModelForCausalLM.from_config(hf_config)
+        config = ModelConfig.from_hf_config({**hf_config.to_dict(),
+                                             "architectures": [type(hf).__name__]})
+        family = config.family
         arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items()
                     if name == family.gguf.architecture)
-        package_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        package_map = gguf.get_tensor_name_map(arch, config.num_layers)
         known = {gguf.TENSOR_NAMES[t].format(bid=i) for t in gguf.MODEL_TENSORS[arch]
-                 for i in range(config.num_hidden_layers)}
-        for hf_name in hf.state_dict():
-            if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # never written (gguf-py has no gemma2 output)
-            module, kind = hf_name.rsplit(".", 1)
-            name = gguf_tensor_name(family, hf_name)
-            assert name == f"{package_map.get_name(module)}.{kind}", hf_name
-            assert name.rsplit(".", 1)[0] in known, name
+                 for i in range(config.num_layers)}
+        for parts in hf_weight_map(config).values():
+            for hf_name, _ in parts:
+                module, kind = hf_name.rsplit(".", 1)
+                expert = re.search(r"\.experts\.(\d+)\.", module)
+                stacked = module if expert is None else module.replace(expert[0], ".experts.")
+                name = gguf_tensor_name(family, hf_name)
+                assert name == f"{package_map.get_name(stacked)}.{kind}", hf_name
+                assert gguf_tensor_part(family, hf_name) == (
+                    name, None if expert is None else int(expert[1])), hf_name
+                assert name.rsplit(".", 1)[0] in known, name
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -454,7 +625,7 @@ def test_f32_file_is_the_safetensors_model(hf_models, tmp_path, case):
 
 
 # The architectures transformers' GGUF reader loads (it reads no olmo2).
-TRANSFORMERS_READS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+TRANSFORMERS_READS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
 
 
 @pytest.mark.parametrize("case", TRANSFORMERS_READS)
@@ -472,7 +643,10 @@ def test_transformers_reads_the_writer_s_files(hf_models, tmp_path, case):
     expected["rope_theta"] = rope.get("full_attention", rope)["rope_theta"]
     assert parsed.pop("model_type") == model_type
     assert np.float32(parsed.pop("rms_norm_eps")) == np.float32(expected["rms_norm_eps"])
-    assert parsed == {key: expected[key] for key in parsed}
+    # getattr: num_experts is an alias (transformers 5's Qwen3-MoE config holds
+    # num_local_experts).
+    assert parsed == {key: expected[key] if key in expected else getattr(hf.config, key)
+                      for key in parsed}
     skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **parsed))
     tensors = load_gguf_checkpoint(str(path), return_tensors=True,
                                    model_to_load=skeleton)["tensors"]
@@ -523,12 +697,26 @@ def metadata_file(path: Path, case: str, **metadata) -> Path:
     # int(44 * (30 / 44)) is 29: the file's rotary size is taken as it is.
     ("phi3", {"attention.key_length": 44, "attention.value_length": 44,
               "rope.dimension_count": 30}, dict(head_dim=44, rotary_dim=30)),
+    # The converter writes no norm_topk_prob for Qwen3-MoE: llama.cpp renormalizes, unless
+    # the file says otherwise; every layer routes.
+    ("qwen3moe", {}, dict(architecture="Qwen3MoeForCausalLM", num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+                          moe_layers=(True, True))),
+    ("qwen3moe", {"expert_weights_norm": False}, dict(norm_topk_prob=False)),
+    ("qwen3moe", {"expert_feed_forward_length": 512}, dict(moe_intermediate_size=512)),
+    # llama with experts is Mixtral: its experts feed_forward_length wide, always renormalized.
+    ("mixtral", {"feed_forward_length": 512}, dict(
+        architecture="MixtralForCausalLM", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=512, norm_topk_prob=True, sliding_window=None)),
+    ("llama", {"expert_count": 0}, dict(architecture="LlamaForCausalLM", num_experts=0)),
 ], ids=["gemma2-scale", "gemma2-27b-scale", "gemma3-27b-scale", "gemma3-46-layers",
         "gemma2-defaults", "gemma3-no-window", "gemma3-window-0", "gemma3-final-softcap",
-        "phi4-window-0", "phi3-window", "phi3-rotary-30-of-44"])
+        "phi4-window-0", "phi3-window", "phi3-rotary-30-of-44", "qwen3moe",
+        "qwen3moe-not-renormalized", "qwen3moe-expert-width", "mixtral", "llama-0-experts"])
 def test_what_llama_cpp_fixes(tmp_path, case, metadata, expected):
-    """Gemma's attention scale, window pattern and local RoPE base are not in the file:
-    llama.cpp fixes them per family, and so does fastllm."""
+    """Gemma's attention scale, window pattern and local RoPE base, and Qwen3-MoE's
+    renormalized experts, are not in the file: llama.cpp fixes them per family, and so does
+    fastllm."""
     config = config_from_gguf(GGUFFileReader(metadata_file(tmp_path / "m.gguf", case,
                                                            **metadata)))
     assert {key: getattr(config, key) for key in expected} == expected
@@ -544,7 +732,18 @@ def test_what_llama_cpp_fixes(tmp_path, case, metadata, expected):
      "Olmo2ForCausalLM does not"),
     ("phi3", {}, {"rope.dimension_count": 96},
      r"partial_rotary_factor must be a number in \(0, 1\], got 1\.5"),
-], ids=["phi3-longrope", "olmo3", "phi3-rotary-past-head"])
+    ("qwen2", {}, {"expert_count": 8},
+     r"metadata qwen2\.expert_count is 8; fastllm reads qwen2 files without experts only"),
+    ("qwen3moe", {}, {"expert_count": None},
+     r"metadata qwen3moe\.expert_count is None; fastllm reads qwen3moe files with experts only"),
+    ("qwen3moe", {}, {"expert_used_count": None},
+     r"lacks metadata qwen3moe\.expert_used_count"),
+    # Mixtral as converted before llama.cpp stacked the experts (early 2024).
+    ("mixtral", {"blk.0.ffn_gate.0.weight": (np.zeros((256, 256), np.float32), QT.F32)}, {},
+     r"tensor blk\.0\.ffn_gate\.0\.weight is one expert's own, .* fastllm reads only stacked "
+     "experts"),
+], ids=["phi3-longrope", "olmo3", "phi3-rotary-past-head", "qwen2-experts", "qwen3moe-no-experts",
+        "qwen3moe-no-top-k", "mixtral-per-expert-tensors"])
 def test_family_refusals(tmp_path, case, edit, metadata, match):
     path = metadata_file(tmp_path / "m.gguf", case, **metadata)
     if edit:

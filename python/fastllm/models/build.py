@@ -106,18 +106,20 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     parameter are concatenated in :func:`hf_weight_map`'s order. A weight whose parts are all
     blocks stays quantized: its layer becomes a :class:`QuantizedLinear` or
     :class:`QuantizedEmbedding`, or, when its parts are in different formats (a Q4_K_M file's
-    Q6_K ``attn_v`` beside Q4_K q and k), a :class:`SegmentedQuantizedLinear`. The others are
-    cast to ``dtype``. Everything is placed on
+    Q6_K ``attn_v`` beside Q4_K q and k), a :class:`SegmentedQuantizedLinear`. The experts'
+    stacked weights stay in their blocks (uint8 ``[experts, rows, row bytes]``, with the
+    :class:`~fastllm.models.decoder.Experts` module's ``gate_up_type`` / ``down_type``) when
+    all their parts share one format. The others are cast to ``dtype``. Everything is placed on
     ``device``. On the CPU, float32 models keep 16-bit projection, embedding and LM-head
     weights (a float16 GGUF, a bfloat16 checkpoint) in 16 bits: the linear op converts them
     exactly as it reads them, so the sums are the upcast weights' from half the bytes.
 
     ``quantization`` ("int8", "int4"; see :data:`~fastllm.models.quantized.QUANTIZATIONS`)
-    quantizes the float weights of every projection, the embedding and the LM head at load,
-    weight-only in blocks of 32 per row: int8 writes Q8_0 everywhere; int4 writes Q4_1, but Q8_0
-    for the LM head (the embedding when tied), as llama.cpp's 4-bit files keep it at higher
-    precision. A weight whose rows are not a multiple of 32 values long stays float, as do the
-    norms and biases.
+    quantizes the float weights of every projection (the experts' too, but not their router),
+    the embedding and the LM head at load, weight-only in blocks of 32 per row: int8 writes
+    Q8_0 everywhere; int4 writes Q4_1, but Q8_0 for the LM head (the embedding when tied), as
+    llama.cpp's 4-bit files keep it at higher precision. A weight whose rows are not a multiple
+    of 32 values long stays float, as do the norms and biases.
 
     With ``tensor_parallel`` the model is that rank's shard
     (:class:`~fastllm.models.tensor_parallel.ShardLayout`): only its parts are read, and its
@@ -140,6 +142,12 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
         tensors = [read(hf_name, shape, part) for (hf_name, shape), part in zip(parts, slices)]
         if _VOCABULARY.search(name):
             tensors = [_pad_rows(t, shard.vocab_rows) for t in tensors]
+        if (_EXPERTS.search(name) and all(isinstance(t, QuantizedWeight) for t in tensors)
+                and len({t.weight_type for t in tensors}) == 1):
+            blocks = torch.cat([t.data for t in tensors])  # [experts * rows, row bytes]
+            state[name] = blocks.view(config.num_experts, -1, blocks.shape[-1]).to(device)
+            quantized[name] = tensors[0].weight_type
+            continue
         if all(isinstance(t, QuantizedWeight) for t in tensors) and _QUANTIZABLE.search(name):
             runs = _format_runs(tensors, device)
             if len(runs) == 1:
@@ -159,11 +167,12 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             fused = fused.float() + config.family.norm_offset
         weight_type = None if scheme is None else _quantized_type(name, scheme, config)
         if weight_type is not None and fused.shape[-1] % _block_values(weight_type) == 0:
-            try:
-                weight = quantize_weight(fused, weight_type)
+            try:  # experts' rows quantized as one [experts * rows, cols] matrix
+                weight = quantize_weight(fused.reshape(-1, fused.shape[-1]), weight_type)
             except ValueError as error:
                 raise ValueError(f"cannot quantize {name} ({quantization}): {error}") from error
-            state[name], quantized[name] = weight.data.to(device), weight.weight_type
+            state[name] = weight.data.view(*fused.shape[:-1], -1).to(device)
+            quantized[name] = weight.weight_type
             continue
         state[name] = fused.to(device=device, dtype=_storage_dtype(name, fused.dtype, dtype,
                                                                   torch.device(device)))
@@ -171,7 +180,10 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     with torch.device("meta"):
         model = DecoderLM(config, tensor_parallel)
         for name, weight_type in quantized.items():
-            _quantize_module(model, name, state[name], weight_type, dtype)
+            if _EXPERTS.search(name):
+                _quantize_experts(model, name, state[name], weight_type)
+            else:
+                _quantize_module(model, name, state[name], weight_type, dtype)
         for name, runs in segmented.items():
             _segment_module(model, name, runs)
     model.load_state_dict(state, strict=True, assign=True)
@@ -210,7 +222,7 @@ def _storage_dtype(name: str, stored: torch.dtype, dtype: torch.dtype,
 
 def _quantized_type(name: str, scheme: Quantization, config: ModelConfig) -> int | None:
     """The ggml type ``scheme`` writes parameter ``name`` in; None: it stays float."""
-    if not _QUANTIZABLE.search(name):
+    if not (_QUANTIZABLE.search(name) or _EXPERTS.search(name)):
         return None
     is_head = name == "lm_head.weight" or (name == "embed_tokens.weight"
                                            and config.tie_word_embeddings)
@@ -259,3 +271,14 @@ def _quantize_module(model: DecoderLM, name: str, weight: Tensor, weight_type: i
     else:
         bias = None if module.bias is None else torch.empty_like(module.bias)
         setattr(parent, attr, QuantizedLinear(placeholder, weight_type, bias))
+
+
+def _quantize_experts(model: DecoderLM, name: str, weight: Tensor, weight_type: int) -> None:
+    """Makes the experts' float parameter ``name`` (``mlp.gate_up_proj`` or ``mlp.down_proj``) a
+    placeholder for ``weight``'s blocks (uint8 ``[experts, rows, row bytes]``, on the meta
+    device, as :func:`_quantize_module`) and sets their type (``gate_up_type``, ``down_type``)."""
+    path, attr = name.rsplit(".", 1)
+    experts = model.get_submodule(path)
+    placeholder = torch.empty(weight.shape, dtype=torch.uint8)
+    setattr(experts, attr, nn.Parameter(placeholder, requires_grad=False))
+    setattr(experts, attr.removesuffix("_proj") + "_type", weight_type)

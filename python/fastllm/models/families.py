@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FAMILIES", "Family", "GGUFConventions", "GGUF_GLOBAL_NAMES", "GGUF_LAYER_NAMES",
-           "GGUF_NORM_NAMES", "MoeNames", "NORM_ROLES"]
+__all__ = ["FAMILIES", "Family", "GGUFConventions", "GGUF_EXPERT_NAMES", "GGUF_GLOBAL_NAMES",
+           "GGUF_LAYER_NAMES", "GGUF_NORM_NAMES", "MoeNames", "NORM_ROLES"]
 
 # Where a decoder layer's norms may sit, in order: before attention, on attention's output,
 # before the MLP, on the MLP's output. fastllm names its norm modules by role.
@@ -55,6 +55,10 @@ GGUF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down"}
+# MoeNames field -> llama.cpp's name after "blk.{i}.", the same in every family: the router, and
+# each projection of every expert stacked into one [experts, rows, cols] tensor.
+GGUF_EXPERT_NAMES = {"router": "ffn_gate_inp", "gate": "ffn_gate_exps", "up": "ffn_up_exps",
+                     "down": "ffn_down_exps"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class GGUFConventions:
         hidden_scalar_layers: the layer count (of the 27B model) at which
             ``query_pre_attn_scalar`` is ``hidden_size / heads``; at any other it is
             ``head_dim``.
+        expert_weights_norm: whether the experts' top-k weights are renormalized when the file
+            has no ``{arch}.expert_weights_norm`` (a family whose renormalization is a config
+            key; llama.cpp's ``qwen3moe`` graph always renormalizes).
     """
 
     architecture: str
@@ -82,6 +89,7 @@ class GGUFConventions:
     default_window: int | None = None
     local_rope_theta: float | None = None
     hidden_scalar_layers: int | None = None
+    expert_weights_norm: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -147,13 +155,18 @@ class Family:
     moe: MoeNames | None = None
     norm_names: Mapping[str, str] = field(init=False)
     gguf_names: Mapping[str, str] = field(init=False)
+    gguf_expert_names: Mapping[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "norm_names", _NORM_NAMES[self.norms])
+        router = {} if self.moe is None else {self.moe.router: GGUF_EXPERT_NAMES["router"]}
         # HF module after "model.layers.{i}." -> llama.cpp's name after "blk.{i}."
         object.__setattr__(self, "gguf_names", {
-            **GGUF_LAYER_NAMES,
+            **GGUF_LAYER_NAMES, **router,
             **{hf_name: GGUF_NORM_NAMES[role] for role, hf_name in self.norm_names.items()}})
+        # One expert's HF module ("{e}" the expert) -> llama.cpp's stacked tensor of them all.
+        object.__setattr__(self, "gguf_expert_names", {} if self.moe is None else {
+            getattr(self.moe, part): GGUF_EXPERT_NAMES[part] for part in ("gate", "up", "down")})
 
 
 _QWEN3_MOE = MoeNames(router="mlp.gate", gate="mlp.experts.{e}.gate_proj",
@@ -218,14 +231,16 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            qk_norm="full", defaults=dict(
                max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False,
                bos_token_id=None, eos_token_id=50279, rms_norm_eps=1e-5)),
-    Family("Qwen3MoeForCausalLM", ("qwen3_moe",), gguf=GGUFConventions("qwen3moe"),
+    Family("Qwen3MoeForCausalLM", ("qwen3_moe",),
+           gguf=GGUFConventions("qwen3moe", expert_weights_norm=True),
            qk_norm="head", windows="every_if_used", moe=_QWEN3_MOE, defaults=dict(
                max_position_embeddings=32768, rope_theta=10000.0, tie_word_embeddings=False,
                bos_token_id=None, eos_token_id=None, sliding_window=4096, head_dim=128,
                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])),
+    # llama.cpp's converter writes Mixtral as llama with experts (llama.expert_count).
     Family("MixtralForCausalLM", ("mixtral",), windows="every", qkv_bias=False, o_bias=False,
-           moe=_MIXTRAL_MOE, defaults=dict(
+           gguf=GGUFConventions("llama", permuted_qk=True), moe=_MIXTRAL_MOE, defaults=dict(
                max_position_embeddings=4096 * 32, rope_theta=1000000.0,
                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, sliding_window=None,
                num_local_experts=8, num_experts_per_tok=2)),

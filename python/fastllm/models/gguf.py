@@ -24,12 +24,18 @@ Conventions of llama.cpp's ``convert_hf_to_gguf.py`` undone here:
   the same offset at load, so they are kept as they are (``build_model(norms_folded=True)``).
 - Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are kept fused (``attn_qkv``, and ``ffn_up``
   holding the gate rows, then the up rows), as in its HF checkpoint.
+- A mixture of experts' projections are stacked, one tensor per projection and layer
+  (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``: ``[experts, rows, cols]`` in torch
+  order, each expert's ``[out, in]`` weight as in HF); the router is ``ffn_gate_inp``. Mixtral
+  is written as ``llama`` with experts (``llama.expert_count``), its q/k rows permuted as
+  Llama's. Each expert's gate and up weights become its rows of the fused ``gate_up_proj``.
 
 What llama.cpp does not store, it fixes per family, and so does this reader: Gemma's attention
 scale (``query_pre_attn_scalar``: ``head_dim``, but ``hidden_size / heads`` for the 27B models),
-its window pattern and Gemma 3's local RoPE base. One difference is kept on purpose: llama.cpp
-runs Phi-3 without its sliding window, HF with it; this reader follows HF, as the safetensors
-loader does, so a model is the same from either file.
+its window pattern and Gemma 3's local RoPE base, and that Qwen3-MoE renormalizes its experts'
+top-k weights (``norm_topk_prob``; HF's config class defaults to False). One difference is
+kept on purpose: llama.cpp runs Phi-3 without its sliding window, HF with it; this reader
+follows HF, as the safetensors loader does, so a model is the same from either file.
 
 A file is checked before any tensor is read: every read the reader makes lies within the file,
 each tensor's type, offset (aligned, relative to the data section) and extent agree with its
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +59,30 @@ from torch import Tensor
 
 from fastllm import ops
 from fastllm.gguf_file import GGUFFileReader
-from fastllm.models.build import build_model, hf_weight_map
+from fastllm.models.build import HFTensor, build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.decoder import DecoderLM
-from fastllm.models.families import FAMILIES, GGUF_GLOBAL_NAMES, Family
+from fastllm.models.families import FAMILIES, GGUF_EXPERT_NAMES, GGUF_GLOBAL_NAMES, Family
 from fastllm.models.quantized import QuantizedWeight, check_quantization
 from fastllm.models.rope import rope_inv_freq
 from fastllm.models.tensor_parallel import ShardLayout, TensorParallel, TensorSlice
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUF_TENSOR_TYPES", "config_from_gguf", "gguf_tensor_name",
-           "load_gguf"]
+           "gguf_tensor_part", "load_gguf"]
 
-# general.architecture -> the HF architecture whose conventions the file keeps: every dense
-# family with GGUF conventions (llama.cpp stacks a mixture of experts' weights, which fastllm
-# does not read yet).
-GGUF_ARCHITECTURES = {family.gguf.architecture: family.architecture
-                      for family in FAMILIES.values()
-                      if family.gguf is not None and family.moe is None}
+
+def _gguf_architectures() -> dict[str, dict[bool, str]]:
+    architectures: dict[str, dict[bool, str]] = {}
+    for family in FAMILIES.values():
+        if family.gguf is not None:
+            architectures.setdefault(family.gguf.architecture, {})[
+                family.moe is not None] = family.architecture
+    return architectures
+
+
+# general.architecture -> {whether the file has experts (a nonzero {arch}.expert_count): the HF
+# architecture whose conventions it keeps}; llama with experts is Mixtral.
+GGUF_ARCHITECTURES = _gguf_architectures()
 
 # The tensor types fastllm reads: weights in ops.BLOCK_FORMATS (all of these but F32, F16 and
 # BF16) stay quantized, the others are dequantized at load (through gguf.quants.dequantize).
@@ -91,18 +105,36 @@ _LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0,
 # Phi-3's longrope scaling (the 128k-context models): per-frequency factors for long and short
 # contexts, which fastllm does not implement.
 _LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
+# One expert's own tensor (blk.{i}.ffn_gate.{e}.weight): how llama.cpp stored experts before it
+# stacked them (Mixtral files of early 2024).
+_PER_EXPERT_TENSOR = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 
 
 def gguf_tensor_name(family: Family, hf_name: str) -> str:
-    """llama.cpp's name for the HF tensor ``hf_name`` of ``family``:
+    """llama.cpp's name for the tensor holding the HF tensor ``hf_name`` of ``family``:
     ``model.layers.3.mlp.up_proj.weight`` -> ``blk.3.ffn_up.weight``; Gemma's
     ``model.layers.3.post_attention_layernorm.weight`` -> ``blk.3.post_attention_norm.weight``
-    but Llama's -> ``blk.3.ffn_norm.weight`` (norms are named by role)."""
+    but Llama's -> ``blk.3.ffn_norm.weight`` (norms are named by role); one expert's weight ->
+    the tensor stacking every expert's (see :func:`gguf_tensor_part`)."""
+    return gguf_tensor_part(family, hf_name)[0]
+
+
+def gguf_tensor_part(family: Family, hf_name: str) -> tuple[str, int | None]:
+    """Where llama.cpp keeps the HF tensor ``hf_name`` of ``family``: the tensor's name, and
+    for one expert's weight its index along the stacked tensor's first dimension (else None):
+    ``model.layers.3.mlp.experts.5.up_proj.weight`` -> ``("blk.3.ffn_up_exps.weight", 5)``."""
     module, kind = hf_name.rsplit(".", 1)  # kind: weight or bias
     if module in GGUF_GLOBAL_NAMES:
-        return f"{GGUF_GLOBAL_NAMES[module]}.{kind}"
+        return f"{GGUF_GLOBAL_NAMES[module]}.{kind}", None
     _, _, layer, rest = module.split(".", 3)  # "model", "layers", "{i}", rest
-    return f"blk.{layer}.{family.gguf_names[rest]}.{kind}"
+    if rest in family.gguf_names:
+        return f"blk.{layer}.{family.gguf_names[rest]}.{kind}", None
+    for pattern, name in family.gguf_expert_names.items():  # "mlp.experts.{e}.up_proj", ...
+        before, after = pattern.split("{e}")
+        expert = rest.removeprefix(before).removesuffix(after)
+        if rest == f"{before}{expert}{after}" and expert.isdigit():
+            return f"blk.{layer}.{name}.{kind}", int(expert)
+    raise KeyError(f"{family.architecture} has no GGUF tensor for {hf_name}")
 
 
 def config_from_gguf(reader: GGUFReader) -> ModelConfig:
@@ -116,15 +148,15 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     llama.cpp's end-of-generation set (``eos``, ``eot``, ``eom``). RoPE scaling is
     ``rope.scaling.*`` metadata (linear; Gemma 3: its global layers), or Llama 3.1's
     ``rope_freqs.weight``, read as llama3 scaling and checked to reproduce it. Sliding windows,
-    soft-caps and Gemma's attention scale are read as the family's record says (see
-    :func:`_family_keys`). A bad value is a ValueError or TypeError naming the file and the key.
+    soft-caps, Gemma's attention scale and the mixture of experts are read as the family's
+    record says (see :func:`_family_keys`); a ``llama`` file with experts is Mixtral. A bad
+    value is a ValueError or TypeError naming the file and the key.
     """
     path = Path(reader.data.filename)
     arch = _field(reader, "general.architecture")
     if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r:.80}; fastllm loads "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
-    family = FAMILIES[GGUF_ARCHITECTURES[arch]]
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: the GGUF file lacks token_embd.weight")
@@ -135,18 +167,32 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     if longrope:
         raise ValueError(f"{path}: the GGUF file has {longrope[0]}, Phi-3's longrope RoPE "
                          "scaling (its 128k-context models), which fastllm does not support")
+    per_expert = next((name for name in tensors if _PER_EXPERT_TENSOR.fullmatch(name)), None)
+    if per_expert is not None:
+        raise ValueError(f"{path}: tensor {per_expert} is one expert's own, as llama.cpp stored "
+                         "experts before it stacked each layer's into one tensor "
+                         f"({', '.join(list(GGUF_EXPERT_NAMES.values())[1:])}); fastllm reads "
+                         "only stacked experts: convert the model again with a current "
+                         "convert_hf_to_gguf.py")
 
     def get(key: str, kind: type = int) -> Any:
         """Metadata ``{arch}.{key}``, None when absent; a value not of ``kind`` (an int, a
-        float or a str) is a TypeError naming it."""
+        float, a str or a bool) is a TypeError naming it."""
         value = _field(reader, f"{arch}.{key}")
         if value is None:
             return None
         kinds = (int, float) if kind is float else (kind,)  # an integer serves as a float
-        if isinstance(value, bool) or not isinstance(value, kinds):
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kinds):
             raise TypeError(f"{path}: metadata {arch}.{key} must be a GGUF "
                             f"{'integer' if kind is int else kind.__name__}, got {value!r:.80}")
         return value
+
+    expert_count = get("expert_count")
+    families = GGUF_ARCHITECTURES[arch]
+    if bool(expert_count) not in families:
+        raise ValueError(f"{path}: metadata {arch}.expert_count is {expert_count}; fastllm reads "
+                         f"{arch} files with{'out' if expert_count else ''} experts only")
+    family = FAMILIES[families[bool(expert_count)]]
 
     n_heads, hidden = get("attention.head_count"), get("embedding_length")
     head_dim = get("attention.key_length")
@@ -218,14 +264,20 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
 
 def _family_keys(path: Path, family: Family, get, hidden: int | None, n_heads: int | None,
                  head_dim: int | None) -> dict[str, Any]:
-    """The HF config keys of ``family``'s sliding windows, soft-caps, attention scale and local
-    RoPE, from the file's metadata (``get``) and what llama.cpp fixes for the family.
+    """The HF config keys of ``family``'s sliding windows, soft-caps, attention scale, local
+    RoPE and mixture of experts, from the file's metadata (``get``) and what llama.cpp fixes for
+    the family.
 
     ``attention.sliding_window`` 0 means no window (Phi-4 writes 0). Families whose layers all
     slide (Phi-3) take it as is; Gemma's slide in its fixed pattern, with llama.cpp's default
     window when the key is absent (Gemma 2: 4096; Gemma 3: none, every layer full). A family
     without sliding layers refuses a window (an OLMo 3 file is ``olmo2`` with one), and the
     others (Qwen2, Qwen3) ignore it, as llama.cpp does.
+
+    Experts: ``expert_count``, ``expert_used_count`` and ``expert_feed_forward_length`` (absent
+    for Mixtral, whose experts are ``feed_forward_length`` wide); whether the top-k weights are
+    renormalized, where the family's config says so, is ``expert_weights_norm`` or, absent
+    (the converter writes none for Qwen3-MoE), what llama.cpp fixes.
     """
     conventions, keys = family.gguf, {}
     window = get("attention.sliding_window")
@@ -250,6 +302,19 @@ def _family_keys(path: Path, family: Family, get, hidden: int | None, n_heads: i
         keys["query_pre_attn_scalar"] = hidden // n_heads if wide else head_dim
     if family.local_rope:
         keys["rope_local_base_freq"] = conventions.local_rope_theta
+    if family.moe is not None:
+        top_k = get("expert_used_count")
+        if top_k is None:  # llama.cpp refuses it too
+            raise ValueError(f"{path}: the GGUF file lacks metadata "
+                             f"{conventions.architecture}.expert_used_count")
+        keys[family.moe.experts_keys[0]] = get("expert_count")
+        keys["num_experts_per_tok"] = top_k
+        if (width := get("expert_feed_forward_length")) is not None:
+            keys["moe_intermediate_size"] = width
+        if family.moe.renormalize_key is not None:
+            renormalize = get("expert_weights_norm", bool)
+            keys[family.moe.renormalize_key] = (conventions.expert_weights_norm
+                                                if renormalize is None else renormalize)
     return keys
 
 
@@ -259,15 +324,16 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
 
     Weights in a block format of :data:`fastllm.ops.BLOCK_FORMATS` (Q4_0 ... Q8_0, Q4_K, Q5_K,
-    Q6_K) stay in their blocks (run by the quantized ops); every other tensor (types
-    :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then cast to ``dtype``.
-    Everything is placed on ``device``. A bad file (truncated, corrupt, a tensor that is
-    missing, unexpected, wrongly shaped or of another type) is a ``ValueError`` naming the file
-    and the tensor or metadata key, raised before any tensor is read.
+    Q6_K) stay in their blocks (run by the quantized ops; experts by :func:`fastllm.ops.moe`,
+    each layer's down experts in their format, its gate and up experts in theirs, which must be
+    one); every other tensor (types :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then
+    cast to ``dtype``. Everything is placed on ``device``. A bad file (truncated, corrupt, a
+    tensor that is missing, unexpected, wrongly shaped or of another type) is a ``ValueError``
+    naming the file and the tensor or metadata key, raised before any tensor is read.
 
     ``quantization`` ("int8", "int4") quantizes a float file (F32 / F16 / BF16 tensors only) at
-    load, as for safetensors; a file already quantized is a ``ValueError``, since quantizing its
-    weights again would only add error.
+    load, as for safetensors (experts included); a file already quantized is a ``ValueError``,
+    since quantizing its weights again would only add error.
 
     With ``tensor_parallel``, the model is that rank's shard (see
     :mod:`fastllm.models.tensor_parallel`) and only its rows or columns of each tensor are read.
@@ -291,12 +357,17 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     config = config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
     family = config.family
-    shapes = {gguf_tensor_name(family, hf_name): shape
-              for parts in hf_weight_map(config).values() for hf_name, shape in parts}
+    weight_map = hf_weight_map(config)
+    shapes: dict[str, tuple[int, ...]] = {}  # llama.cpp name -> torch shape
+    for parts in weight_map.values():
+        for hf_name, shape in parts:
+            name, expert = gguf_tensor_part(family, hf_name)
+            shapes[name] = shape if expert is None else (config.num_experts, *shape)
     _check_tensors(path, config, tensors, shapes)
+    _check_fused_experts(path, family, tensors, weight_map)
     shard = ShardLayout.of(config, tensor_parallel)
     if tensor_parallel is not None:
-        for name, parts in hf_weight_map(config).items():
+        for name, parts in weight_map.items():
             for (hf_name, _), part in zip(parts, shard.slices(name, parts) or []):
                 _check_split(path, tensors[gguf_tensor_name(family, hf_name)], part,
                              tensor_parallel.size)
@@ -304,9 +375,13 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
     def read(hf_name: str, shape: tuple[int, ...],
              part: TensorSlice | None) -> Tensor | QuantizedWeight:
-        tensor = tensors[gguf_tensor_name(family, hf_name)]
+        name, expert = gguf_tensor_part(family, hf_name)
+        tensor = tensors[name]
         kept = int(tensor.tensor_type) in ops.BLOCK_FORMATS and len(shape) == 2
-        encoded = tensor.data if part is None else _encoded_part(tensor, part)
+        if expert is not None:  # its [rows, cols] of the stacked [experts, rows, cols]
+            encoded = tensor.data[expert]  # (tensor parallelism splits no experts)
+        else:
+            encoded = tensor.data if part is None else _encoded_part(tensor, part)
         # np.array copies: the reader's arrays are read-only views of the memory-mapped file.
         values = np.array(encoded) if kept else _dequantize(path, tensor, encoded)
         module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
@@ -323,6 +398,22 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     # The converter stored Gemma's norms as 1 + w, already folded.
     return build_model(config, read, dtype=dtype, device=device, quantization=quantization,
                        tensor_parallel=tensor_parallel, norms_folded=True)
+
+
+def _check_fused_experts(path: Path, family: Family, tensors: dict[str, ReaderTensor],
+                         weight_map: dict[str, list[HFTensor]]) -> None:
+    """Refuses experts whose gate and up weights (fused into one ``gate_up_proj``, run as one
+    projection of one format) are in different types, one of them a block format: their
+    blocks cannot be kept, and dequantizing a model's experts would take several times its
+    memory."""
+    for parts in weight_map.values():
+        located = [gguf_tensor_part(family, hf_name) for hf_name, _ in parts]
+        stacked = list(dict.fromkeys(name for name, expert in located if expert is not None))
+        types = [tensors[name].tensor_type for name in stacked]
+        if len(set(types)) > 1 and any(int(t) in ops.BLOCK_FORMATS for t in types):
+            raise ValueError(f"{path}: tensor {stacked[0]} is {types[0].name} but {stacked[1]} is "
+                             f"{types[1].name}; fastllm runs each expert's gate and up as one "
+                             "projection, so they must share one type")
 
 
 def _check_split(path: Path, tensor: ReaderTensor, part: TensorSlice | None, size: int) -> None:
