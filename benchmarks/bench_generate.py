@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 from pathlib import Path
 
 import torch
@@ -310,14 +310,27 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
-              prompt: list[int]) -> dict[str, object]:
-    """Loads both competitors in ``dtype_name``, times them interleaved; returns the row."""
-    dtype = getattr(torch, dtype_name)
-    copy_timing, copy_gbps = copy_bandwidth(config)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+class GenerateRun(Protocol):
+    """What :func:`measure_generate` reads of a benchmark's config."""
+
+    prompt_len: int
+    decode_tokens: int
+    device: str
+    timer: TimerConfig
+
+
+Measured = TypeVar("Measured")
+
+
+def measure_generate(config: GenerateRun, folder: Path, dtype_name: str, prompt: list[int],
+                     measure: Callable[[torch.nn.Module, fastllm.LLM], Measured]
+                     ) -> tuple[dict[str, Timing], dict[str, list[GenerateSample]], Measured]:
+    """Loads ``folder``'s model in HF transformers (SDPA) and in ``fastllm.LLM`` in
+    ``dtype_name``, times both generating ``1 + decode_tokens`` greedy tokens after ``prompt``,
+    interleaved, then calls ``measure(hf, llm)``; releases both. Returns the timings, every
+    call's sample by competitor, and what ``measure`` returned."""
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype_name),
                                               attn_implementation="sdpa").to(config.device).eval()
-    weight_bytes = sum(p.nbytes for p in hf.parameters())  # tied embedding once
     llm = fastllm.LLM(folder, dtype=dtype_name, device=config.device,
                       max_model_len=config.prompt_len + 1 + config.decode_tokens,
                       enable_prefix_caching=False)
@@ -327,11 +340,29 @@ def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
         calls = {"fastllm": fastllm_call(llm, prompt, new_tokens, samples["fastllm"]),
                  "hf": hf_call(hf, prompt, new_tokens, config.device, samples["hf"])}
         timings = compare(calls, config.timer, device=config.device)
-        profile = (profile_decode(llm, prompt, config.profile_tokens, config.layers)
-                   if config.profile_tokens else {})
+        measured = measure(hf, llm)
     del hf, llm, calls
     model_pool.clear()  # fastllm.LLM shares loaded models through the pool: let this one go
     gc.collect()
+    for name, timing in timings.items():
+        tokens = samples[name][-1].tokens
+        if len(tokens) != new_tokens:
+            raise RuntimeError(f"{name} generated {len(tokens)} tokens, asked for {new_tokens}")
+    return timings, samples, measured
+
+
+def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
+              prompt: list[int]) -> dict[str, object]:
+    """Loads both competitors in ``dtype_name``, times them interleaved; returns the row."""
+    copy_timing, copy_gbps = copy_bandwidth(config)
+
+    def measure(hf: torch.nn.Module, llm: fastllm.LLM) -> dict[str, object]:
+        return {"weight_bytes": sum(p.nbytes for p in hf.parameters()),  # tied embedding once
+                "profile": (profile_decode(llm, prompt, config.profile_tokens, config.layers)
+                            if config.profile_tokens else {})}
+
+    timings, samples, measured = measure_generate(config, folder, dtype_name, prompt, measure)
+    weight_bytes, profile = measured["weight_bytes"], measured["profile"]
 
     row: dict[str, object] = {"model": MODEL, "dtype": dtype_name, "layers": config.layers,
                               "hidden_size": config.hidden_size, "prompt_len": config.prompt_len,
@@ -352,9 +383,6 @@ def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
         row[f"{name}_decode_ms_per_token"] = decode.median_s * 1e3 / config.decode_tokens
         row[f"{name}_weight_gbps"] = weight_bytes * row[f"{name}_decode_tok_s"] / 1e9
         row[f"{name}_tokens"] = kept[-1].tokens
-        if len(kept[-1].tokens) != new_tokens:
-            raise RuntimeError(f"{name} generated {len(kept[-1].tokens)} tokens, "
-                               f"asked for {new_tokens}")
     row["decode_speedup_vs_hf"] = row["fastllm_decode_tok_s"] / row["hf_decode_tok_s"]
     row["ttft_vs_hf"] = row["fastllm_ttft_median_ms"] / row["hf_ttft_median_ms"]
     row["tokens_agree"] = leading_agreement(row["fastllm_tokens"], row["hf_tokens"])

@@ -21,7 +21,6 @@ only the chosen experts' weights.
 
 from __future__ import annotations
 
-import gc
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -33,14 +32,11 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import fastllm
 from bench_generate import (DEFAULT_MODELS_DIR, QWEN3_BOS, QWEN3_EOS, TOKENIZER_FILES,
-                            GenerateSample, copy_bandwidth, fastllm_call, hf_call,
-                            leading_agreement, random_prompt)
+                            copy_bandwidth, leading_agreement, measure_generate, random_prompt)
 from fastllm.bench.report import markdown_table, publish
-from fastllm.bench.timer import TimerConfig, compare, summarize
+from fastllm.bench.timer import TimerConfig, summarize
 from fastllm.bench.workloads import parse_device, parse_model_bench_args
-from fastllm.models.pool import model_pool
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
 MODEL = "qwen3-30b-a3b"
@@ -117,23 +113,9 @@ def step_bytes(hf: torch.nn.Module, config: MoeBenchConfig) -> tuple[int, int]:
 def dtype_row(config: MoeBenchConfig, folder: Path, dtype_name: str,
               prompt: list[int]) -> dict[str, object]:
     """Loads both competitors in ``dtype_name``, times them interleaved; returns the row."""
-    dtype = getattr(torch, dtype_name)
     copy_timing, copy_gbps = copy_bandwidth(config)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa"
-                                              ).to(config.device).eval()
-    read_bytes, model_bytes = step_bytes(hf, config)
-    llm = fastllm.LLM(folder, dtype=dtype_name, device=config.device,
-                      max_model_len=config.prompt_len + 1 + config.decode_tokens,
-                      enable_prefix_caching=False)
-    new_tokens = 1 + config.decode_tokens
-    samples: dict[str, list[GenerateSample]] = {"fastllm": [], "hf": []}
-    with torch.inference_mode():
-        calls = {"fastllm": fastllm_call(llm, prompt, new_tokens, samples["fastllm"]),
-                 "hf": hf_call(hf, prompt, new_tokens, config.device, samples["hf"])}
-        timings = compare(calls, config.timer, device=config.device)
-    del hf, llm, calls
-    model_pool.clear()
-    gc.collect()
+    timings, samples, (read_bytes, model_bytes) = measure_generate(
+        config, folder, dtype_name, prompt, lambda hf, llm: step_bytes(hf, config))
 
     row: dict[str, object] = {
         "model": MODEL, "dtype": dtype_name, "layers": config.layers,
@@ -151,9 +133,6 @@ def dtype_row(config: MoeBenchConfig, folder: Path, dtype_name: str,
         row[f"{name}_decode_tok_s"] = config.decode_tokens / decode.median_s
         row[f"{name}_read_gbps"] = read_bytes * row[f"{name}_decode_tok_s"] / 1e9
         row[f"{name}_tokens"] = kept[-1].tokens
-        if len(kept[-1].tokens) != new_tokens:
-            raise RuntimeError(f"{name} generated {len(kept[-1].tokens)} tokens, "
-                               f"asked for {new_tokens}")
     row["decode_speedup_vs_hf"] = row["fastllm_decode_tok_s"] / row["hf_decode_tok_s"]
     row["vs_dense_equivalent"] = row["fastllm_decode_tok_s"] / row["dense_equivalent_tok_s"]
     row["tokens_agree"] = leading_agreement(row["fastllm_tokens"], row["hf_tokens"])

@@ -33,8 +33,8 @@ FAMILY_CASES: dict[str, tuple[str, dict]] = {
                                                partial_rotary_factor=0.5))),
     # Norms on the sublayers' outputs only; q/k norms over all heads.
     "olmo2": ("olmo2", dict()),
-    # Top-2 of 8 experts, renormalized; layer 1 a dense MLP.
-    "qwen3-moe": ("qwen3_moe", dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+    # Top-2 of 8 experts, renormalized; layer 1 a dense MLP; no head_dim (HF: hidden / heads).
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2,
                                     moe_intermediate_size=32, norm_topk_prob=True,
                                     mlp_only_layers=[1])),
     "mixtral-sliding": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2,

@@ -235,7 +235,7 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            gguf=GGUFConventions("qwen3moe", expert_weights_norm=True),
            qk_norm="head", windows="every_if_used", moe=_QWEN3_MOE, defaults=dict(
                max_position_embeddings=32768, rope_theta=10000.0, tie_word_embeddings=False,
-               bos_token_id=None, eos_token_id=None, sliding_window=4096, head_dim=128,
+               bos_token_id=None, eos_token_id=None, sliding_window=4096,
                num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])),
     # llama.cpp's converter writes Mixtral as llama with experts (llama.expert_count).
