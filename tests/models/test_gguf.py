@@ -23,6 +23,7 @@ import torch
 from conftest import assert_logits_close, model_device, prefill_logits
 import transformers
 from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType as VT
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -958,6 +959,50 @@ def test_corrupt_metadata_value_type(llama_file):
                                          r"'general\.architecture': .*99\)? is not a valid "
                                          "GGUFValueType"):
         load_model(llama_file)
+
+
+def metadata_arrays_file(path: Path) -> Path:
+    """A GGUF file of metadata arrays only: every scalar element type, strings (empty,
+    multi-byte) and an array of arrays (gguf's writer writes no empty array)."""
+    writer = gguf.GGUFWriter(path, "llama")
+    for kind in (VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64,
+                 VT.INT64, VT.FLOAT32, VT.FLOAT64):
+        writer.add_key_value(f"test.{kind.name.lower()}", [0, 1, 2, 127], VT.ARRAY, kind)
+    writer.add_key_value("test.bool", [True, False, True], VT.ARRAY, VT.BOOL)
+    writer.add_key_value("test.float_values", [0.1, -2.5, 1e-5], VT.ARRAY, VT.FLOAT32)
+    writer.add_key_value("test.strings", ["a", "", "\u2581h\u00e9llo", "\u65e5\u672c", "a b"],
+                         VT.ARRAY, VT.STRING)
+    writer.add_key_value("test.nested", [[1, 2], [3]], VT.ARRAY, VT.ARRAY)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_metadata_arrays_read_as_gguf_reads_them(model_path, tmp_path):
+    """The reader reads arrays whole, not value by value as gguf's does: the same values, by
+    index and slice too (a real 32,000-token vocabulary, and every element type)."""
+    for path in (model_path("gguf") / FIXTURE, metadata_arrays_file(tmp_path / "arrays.gguf")):
+        ours, theirs = GGUFFileReader(path).fields, gguf.GGUFReader(path).fields
+        assert list(ours) == list(theirs)
+        for key, field in theirs.items():
+            assert ours[key].contents() == field.contents(), key
+            if field.types[0] == VT.ARRAY and field.contents():
+                assert ours[key].types == field.types, key
+                for index in (0, -1, slice(1, 3), slice(None, None, 2)):
+                    assert ours[key].contents(index) == field.contents(index), (key, index)
+
+
+def test_file_truncated_in_a_string_array(tmp_path):
+    path = metadata_arrays_file(tmp_path / "arrays.gguf")
+    field = gguf.GGUFReader(path).fields["test.strings"]
+    with path.open("r+b") as file:
+        file.truncate(field.offset + sum(int(part.nbytes) for part in field.parts) - 3)
+    with pytest.raises(ValueError, match=r"arrays\.gguf is truncated: the metadata after "
+                                         r"'test\.float_values' reads bytes up to \d+, past the "
+                                         "end"):
+        GGUFFileReader(path)
 
 
 def test_a_long_context_builds_the_rope_table_it_is_asked_for(llama_f32, tmp_path):
