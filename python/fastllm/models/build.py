@@ -242,7 +242,9 @@ def _format_runs(parts: list[QuantizedWeight],
             runs[-1][0].append(part.data)
         else:
             runs.append(([part.data], part.weight_type))
-    return [(torch.cat(data).to(device), weight_type) for data, weight_type in runs]
+    # A run of one part is taken as it is: a copy would cost a pass over its bytes.
+    return [(data[0].to(device) if len(data) == 1 else torch.cat(data).to(device), weight_type)
+            for data, weight_type in runs]
 
 
 def _segment_module(model: DecoderLM, name: str, runs: list[tuple[Tensor, int]]) -> None:

@@ -203,7 +203,12 @@ class DecoderLM(nn.Module):
         self.shard = shard = ShardLayout.of(config, tensor_parallel)
         self._bound_layers: ops.DecoderLayers | None = None
         self.register_load_state_dict_post_hook(lambda module, _: module.unbind_layers())
-        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)
+        # Initialized here rather than by nn.Embedding: on the meta device (a model built to be
+        # loaded into) normal_ runs a decomposition that imports torch._dynamo, 2 s of a load.
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
+                                         _weight=torch.empty(shard.vocab_rows, config.hidden_size))
+        if not self.embed_tokens.weight.is_meta:
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i, shard)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
