@@ -32,7 +32,9 @@ class _ArrayField(ReaderField):
         spans, text = self.parts[-2][index_or_slice], values.tobytes()
         if isinstance(index_or_slice, int):
             return str(text[spans[0]:spans[1]], encoding="utf-8")
-        return [str(text[start:end], encoding="utf-8") for start, end in spans.tolist()]
+        # Two flat lists: tolist() of the [count, 2] array would make a list per string.
+        starts, ends = spans[:, 0].tolist(), spans[:, 1].tolist()
+        return [str(text[start:end], encoding="utf-8") for start, end in zip(starts, ends)]
 
 
 class GGUFFileReader(GGUFReader):
