@@ -51,11 +51,13 @@ class GGUFFileReader(GGUFReader):
     ValueError naming the file and where it was.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, mode: str = "r") -> None:
+        """``mode`` maps the file as ``np.memmap`` does: "r" read-only, "c" copy-on-write
+        (writable views whose writes never reach the file)."""
         self.path, self.position = path, "the header"
         self._plain: np.ndarray | None = None
         try:
-            super().__init__(path)
+            super().__init__(path, mode)
         except _GGUFFileError:
             raise
         except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:

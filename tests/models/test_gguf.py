@@ -566,6 +566,31 @@ def test_quantization_of_a_float_moe_file(hf_models, tmp_path):
     assert cosine.mean().item() >= 0.99, cosine
 
 
+def mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` of this process (Linux: /proc/self/maps), else None."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _, _, _, _, *name = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return name[0] if name else None
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="no /proc/self/maps")
+def test_kept_blocks_are_mapped_from_the_file(hf_models, tmp_path):
+    """A weight kept in its blocks as stored is the file's pages, not a copy; a fused one is a
+    copy. The mapping is copy-on-write: writing the weight changes the model, not the file."""
+    tensors, _ = gguf_tensors(hf_models["qwen3"], "qwen3", "Q8_0")
+    path = write_gguf(tmp_path / "model.gguf", "qwen3", hf_models["qwen3"].config, tensors)
+    stored = path.read_bytes()
+    model = load_model(path)
+    down, gate_up = model.layers[0].mlp.down_proj.weight, model.layers[0].mlp.gate_up_proj.weight
+    assert mapped_file(down.data_ptr()) == str(path)
+    assert mapped_file(gate_up.data_ptr()) != str(path)
+    down.zero_()
+    assert path.read_bytes() == stored
+
+
 def test_dtype_cast(hf_models, tmp_path):
     """F16 weights load exactly into float16 and bfloat16 models (F16 -> float32 -> dtype)."""
     tensors, _ = gguf_tensors(hf_models["qwen3"], "qwen3", "F16")

@@ -327,7 +327,11 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     Q6_K) stay in their blocks (run by the quantized ops; experts by :func:`fastllm.ops.moe`,
     each layer's down experts in their format, its gate and up experts in theirs, which must be
     one); every other tensor (types :data:`GGUF_TENSOR_TYPES`) is dequantized to float32, then
-    cast to ``dtype``. Everything is placed on ``device``. A bad file (truncated, corrupt, a
+    cast to ``dtype``. Everything is placed on ``device``. On the CPU, blocks kept as the file
+    stores them (not unpermuted, not fused from several tensors) are mapped from it, not copied,
+    as llama.cpp maps them: copy-on-write, so the model never writes the file, but the file must
+    not be rewritten in place while the model lives (a new file replacing it, as downloads and
+    converters write one, is safe). A bad file (truncated, corrupt, a
     tensor that is missing, unexpected, wrongly shaped or of another type) is a ``ValueError``
     naming the file and the tensor or metadata key, raised before any tensor is read.
 
@@ -347,7 +351,8 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         magic = file.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    reader = GGUFFileReader(path)
+    # Copy-on-write: kept blocks are the file's own pages (writable views, as torch wants).
+    reader = GGUFFileReader(path, mode="c")
     if check_quantization(quantization) is not None:
         packed = [t for t in reader.tensors if t.tensor_type not in _FLOAT_TYPES]
         if packed:
@@ -382,8 +387,9 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
             encoded = tensor.data[expert]  # (tensor parallelism splits no experts)
         else:
             encoded = tensor.data if part is None else _encoded_part(tensor, part)
-        # np.array copies: the reader's arrays are read-only views of the memory-mapped file.
-        values = np.array(encoded) if kept else _dequantize(path, tensor, encoded)
+        # Kept blocks stay views of the mapped file; only a column part (tensor parallelism)
+        # is copied, to be contiguous.
+        values = np.ascontiguousarray(encoded) if kept else _dequantize(path, tensor, encoded)
         module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
         if permuted and module in ("q_proj", "k_proj"):
             # Per head, so a rank's whole heads unpermute alone.
