@@ -48,16 +48,23 @@ class GGUFFileReader(GGUFReader):
     nothing), :meth:`_push_field` and :meth:`_get_tensor_info_field` (where it is, for the
     message) and :meth:`_build_tensors` (each tensor's entry, before its view is made). Any
     other error of the reader (a bad value type, a duplicate key, a bad alignment) becomes a
-    ValueError naming the file and where it was.
+    ValueError naming the file and where it was; a missing file is a FileNotFoundError.
+
+    The file is mapped copy-on-write: the views are writable (as ``torch.from_numpy`` wants
+    them; a model keeps its blocks as views of the file), and a write never reaches the file.
     """
 
-    def __init__(self, path: Path, mode: str = "r") -> None:
-        """``mode`` maps the file as ``np.memmap`` does: "r" read-only, "c" copy-on-write
-        (writable views whose writes never reach the file)."""
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is not a file")
+        with path.open("rb") as file:
+            magic = file.read(4)
+        if magic != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
         self.path, self.position = path, "the header"
         self._plain: np.ndarray | None = None
         try:
-            super().__init__(path, mode)
+            super().__init__(path, "c")
         except _GGUFFileError:
             raise
         except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:

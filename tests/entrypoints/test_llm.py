@@ -16,7 +16,8 @@ from conftest import per_device
 from tiny_hf import random_hf_model, save_hf_model
 
 import fastllm
-from fastllm import LLM, SamplingParams
+from fastllm import LLM, SamplingParams, Tokenizer
+from fastllm.gguf_file import GGUFFileReader
 
 transformers.logging.set_verbosity_error()
 
@@ -343,6 +344,20 @@ def test_llms_share_the_pooled_model(model_path):
     first, second = LLM(model_path("stories260K_hf")), LLM(model_path("stories260K_hf"))
     assert first.model is second.model
     assert LLM(model_path("stories260K_hf"), dtype="bfloat16").model is not first.model
+
+
+def test_a_gguf_file_is_parsed_once_for_its_model_and_tokenizer(model_path, tmp_path,
+                                                                monkeypatch):
+    path = tmp_path / "model.gguf"  # a path of its own: not pooled yet
+    shutil.copyfile(model_path("gguf") / "llama-2-tiny-random.gguf", path)
+    parsed = []
+    parse = GGUFFileReader.__init__
+    monkeypatch.setattr(GGUFFileReader, "__init__",
+                        lambda reader, file: (parsed.append(file), parse(reader, file))[1])
+    llm = LLM(path)
+    assert parsed == [path]
+    assert llm.tokenizer.encode("Hello world") == Tokenizer.from_pretrained(path).encode(
+        "Hello world")
 
 
 # ---- bad input ---------------------------------------------------------------------------------

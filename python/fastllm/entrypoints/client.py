@@ -13,6 +13,7 @@ import numbers
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Union
 
 import torch
@@ -22,6 +23,7 @@ from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.executor import (Executor, MultiprocExecutor, ParallelConfig,
                                      UniProcExecutor, make_worker)
 from fastllm.engine.request import Request
+from fastllm.gguf_file import GGUFFileReader
 from fastllm.kv_cache import (ChunkKVStore, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
                               plan_pool)
 from fastllm.models import DecoderLM
@@ -93,8 +95,12 @@ class EngineClient:
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got "
                              f"{tensor_parallel_size!r}")
+        # A GGUF file holding the tokenizer too is parsed once, for both.
+        gguf_path = Path(model).expanduser()
+        shared_gguf = tokenizer is None and gguf_path.suffix == ".gguf" and gguf_path.is_file()
+        gguf_reader = GGUFFileReader(gguf_path) if shared_gguf else None
         if tensor_parallel_size == 1:
-            loaded = load(model, dtype, device, quantization)
+            loaded = load(model, dtype, device, quantization, gguf_reader=gguf_reader)
             max_model_len, plan = self._plan_cache(loaded)
             kv_cache = PagedKVCache(loaded.kv_cache_spec(block_size,
                                                          self._cache_dtype(loaded.dtype)),
@@ -124,7 +130,7 @@ class EngineClient:
         chunk_store = None if chunk_store_memory is None else ChunkKVStore(chunk_store_memory)
         try:
             self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else \
-                Tokenizer.from_pretrained(model if tokenizer is None else tokenizer)
+                Tokenizer.from_pretrained(model if tokenizer is None else tokenizer, gguf_reader)
             self.engine = Engine(executor, self.tokenizer, engine_config, self.max_model_len,
                                  chunk_store)
         except BaseException:

@@ -320,7 +320,8 @@ def _family_keys(path: Path, family: Family, get, hidden: int | None, n_heads: i
 
 def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", quantization: str | None = None,
-              tensor_parallel: TensorParallel | None = None) -> DecoderLM:
+              tensor_parallel: TensorParallel | None = None,
+              reader: GGUFFileReader | None = None) -> DecoderLM:
     """Loads the GGUF file ``path`` (architectures :data:`GGUF_ARCHITECTURES`).
 
     Weights in a block format of :data:`fastllm.ops.BLOCK_FORMATS` (Q4_0 ... Q8_0, Q4_K, Q5_K,
@@ -343,16 +344,13 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
     :mod:`fastllm.models.tensor_parallel`) and only its rows or columns of each tensor are read.
     Blocks are split whole: a row-parallel weight (o_proj, down_proj) whose rows do not split
     among the ranks at block boundaries is a ``ValueError`` naming the sizes.
+
+    ``reader``: the file ``path`` already parsed (an entry point reading its tokenizer from the
+    same file parses it once), else it is parsed here.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is not a file")
-    with path.open("rb") as file:
-        magic = file.read(4)
-    if magic != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    # Copy-on-write: kept blocks are the file's own pages (writable views, as torch wants).
-    reader = GGUFFileReader(path, mode="c")
+    if reader is None:
+        reader = GGUFFileReader(path)
     if check_quantization(quantization) is not None:
         packed = [t for t in reader.tensors if t.tensor_type not in _FLOAT_TYPES]
         if packed:

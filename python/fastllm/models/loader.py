@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from fastllm.gguf_file import GGUFFileReader
 from fastllm.models.build import HFTensor, build_model, hf_weight_map
 from fastllm.models.config import ModelConfig
 from fastllm.models.gguf import load_gguf
@@ -41,7 +42,8 @@ _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", quantization: str | None = None,
-               tensor_parallel: TensorParallel | None = None) -> DecoderLM:
+               tensor_parallel: TensorParallel | None = None,
+               gguf_reader: GGUFFileReader | None = None) -> DecoderLM:
     """Loads the HF model folder ``path`` (``config.json`` plus ``*.safetensors``), or the
     llama.cpp GGUF file ``path`` (``*.gguf``, see :func:`fastllm.models.gguf.load_gguf`).
 
@@ -56,12 +58,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
     With ``tensor_parallel``, the model is that rank's shard (see
     :mod:`fastllm.models.tensor_parallel`), and only its parts of the tensors are read.
+
+    ``gguf_reader``: the GGUF file ``path`` already parsed (see ``load_gguf``'s ``reader``).
     """
     check_quantization(quantization)
     folder = Path(path)
     if folder.suffix == ".gguf":
         return load_gguf(folder, dtype=dtype, device=device, quantization=quantization,
-                         tensor_parallel=tensor_parallel)
+                         tensor_parallel=tensor_parallel, reader=gguf_reader)
     if folder.suffix in _PICKLE_SUFFIXES:
         raise ValueError(_pickle_refusal(folder))
     if not folder.is_dir():

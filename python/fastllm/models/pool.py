@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from fastllm.gguf_file import GGUFFileReader
 from fastllm.models import DecoderLM, TensorParallel, load_model
 from fastllm.models.quantized import check_quantization
 
@@ -61,12 +62,14 @@ class ModelPool:
 
     def load(self, model_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
              device: str | torch.device = "cpu", quantization: str | None = None, *,
-             tensor_parallel: TensorParallel | None = None) -> DecoderLM:
+             tensor_parallel: TensorParallel | None = None,
+             gguf_reader: GGUFFileReader | None = None) -> DecoderLM:
         """The model at ``model_path`` (HF folder or ``.gguf`` file) in ``dtype`` on ``device``,
         its weights quantized at load when ``quantization`` is "int8" or "int4" (see
         :func:`fastllm.models.load_model`), loaded on first use and shared afterwards. Treat it
         as read-only. With ``tensor_parallel``, it is that rank's shard, over that group
-        (:mod:`fastllm.models.tensor_parallel`).
+        (:mod:`fastllm.models.tensor_parallel`). ``gguf_reader``: the GGUF file already parsed,
+        read if the model is not pooled (see :func:`fastllm.models.load_model`).
 
         A model enters the pool only once fully loaded: a load that fails (a bad file is a
         ValueError naming it) leaves nothing behind, and the stale entry of a checkpoint whose
@@ -89,7 +92,8 @@ class ModelPool:
                 for stale in [k for k in self._models if k[:-1] == key[:-1]]:
                     del self._models[stale]
                 model = load_model(path, dtype=torch_dtype, device=torch_device,
-                                   quantization=quantization, tensor_parallel=tensor_parallel)
+                                   quantization=quantization, tensor_parallel=tensor_parallel,
+                                   gguf_reader=gguf_reader)
                 model.eval()
                 self._models[key] = model
             self._models.move_to_end(key)

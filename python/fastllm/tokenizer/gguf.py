@@ -5,7 +5,6 @@ BPE with the file's merges and the split regex its ``tokenizer.ggml.pre`` names)
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import tokenizers
@@ -51,15 +50,15 @@ class _GGUFSentencePieceBackend(_SentencePieceLike):
         return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
 
-def _read_gguf_tokenizer(path: Path) -> dict[str, Any]:
-    """The ``tokenizer.*`` metadata of a GGUF file, keys without the ``tokenizer.`` prefix."""
-    reader = GGUFFileReader(Path(path))
+def _read_gguf_tokenizer(reader: GGUFFileReader) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata of a parsed GGUF file, keys without the ``tokenizer.``
+    prefix."""
     meta = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             meta[key[len("tokenizer."):]] = field.contents()
     if "ggml.model" not in meta:
-        raise ValueError(f"{path} has no embedded tokenizer (no tokenizer.ggml.model)")
+        raise ValueError(f"{reader.path} has no embedded tokenizer (no tokenizer.ggml.model)")
     return meta
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
+from fastllm.gguf_file import GGUFFileReader
 from fastllm.tokenizer.base import _Backend
 from fastllm.tokenizer.chat_template import _alias_reasoning, _compile_template, _plain
 from fastllm.tokenizer.detokenizer import IncrementalDetokenizer
@@ -86,10 +87,12 @@ class Tokenizer:
     # ---- loading -------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+    def from_pretrained(cls, path: str | os.PathLike,
+                        gguf_reader: GGUFFileReader | None = None) -> Tokenizer:
         """Loads from a model folder (tokenizer.json, else tokenizer.model, else a single .gguf
         file) or from one of those files directly. Raises FileNotFoundError when there is
-        nothing to load."""
+        nothing to load. ``gguf_reader``: the .gguf file ``path`` already parsed (an entry
+        point loading its model from the same file parses it once)."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"no such file or folder: {path}")
@@ -108,7 +111,7 @@ class Tokenizer:
                                         ".gguf file")
             path = found
         if path.suffix == ".gguf":
-            return cls._from_gguf(path)
+            return cls._from_gguf(path, gguf_reader or GGUFFileReader(path))
         config = _read_json(folder / "tokenizer_config.json")
         gen_config = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json")
@@ -202,9 +205,9 @@ class Tokenizer:
                    name_or_path=str(path.parent))
 
     @classmethod
-    def _from_gguf(cls, path):
+    def _from_gguf(cls, path: Path, reader: GGUFFileReader) -> Tokenizer:
         """Everything from the file's metadata: a GGUF is self-contained."""
-        meta = _read_gguf_tokenizer(path)
+        meta = _read_gguf_tokenizer(reader)
         backend = _gguf_backend(meta)
         pieces = meta["ggml.tokens"]
 
