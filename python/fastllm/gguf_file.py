@@ -5,6 +5,7 @@ GGUF model loader (:mod:`fastllm.models.gguf`) and the GGUF tokenizer
 from __future__ import annotations
 
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,8 @@ class GGUFFileReader(GGUFReader):
     them; a model keeps its blocks as views of the file), and a write never reaches the file.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path} is not a file")
         with path.open("rb") as file:
