@@ -15,8 +15,6 @@
 namespace fastllm {
 namespace {
 
-constexpr int64_t kMaxGridY = 65535;
-
 template <typename Act>
 at::Tensor gated_and_mul_cuda(const at::Tensor& x) {
   const int64_t d = check_gated_activation_inputs(x);

@@ -8,6 +8,9 @@
 
 namespace fastllm {
 
+// log2(e): the CUDA kernels' softmax takes powers of 2, so their host code scales the scores by it.
+constexpr double kLog2e = 1.4426950408889634;
+
 struct AttentionDims {
   int64_t batch;
   int64_t n_heads;

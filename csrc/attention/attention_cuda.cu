@@ -21,10 +21,6 @@ namespace {
 
 constexpr int64_t kMaxKernelHeadDim = 256;
 constexpr int64_t kMaxTokens = INT32_MAX - 256;
-constexpr double kLog2e = 1.4426950408889634;
-
-// The kernels index head_dim densely; other layouts are copied once.
-at::Tensor dense_rows(const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); }
 
 // Whether t's [tokens, heads, head_dim] rows can move in 16-byte chunks.
 bool has_16_byte_rows(const at::Tensor& t) {

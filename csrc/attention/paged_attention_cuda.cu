@@ -21,7 +21,6 @@ namespace {
 // Up to this many rows (queries x GQA group) per sequence use the decode shape (8 rows per
 // block); more use the prefill shape, whose K/V tiles serve 64-128 rows.
 constexpr int64_t kMaxDecodeShapeRows = 2 * cuda::kPagedDecodeRows;
-constexpr double kLog2e = 1.4426950408889634;  // the kernel's probabilities are powers of 2
 
 // The caches' rows can be copied 16 bytes at a time: dense head_dim, and every row and chunk
 // start 16-byte aligned.

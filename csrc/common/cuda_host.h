@@ -56,4 +56,11 @@ inline at::Tensor host_copy(const at::Tensor& t) { return t.to(at::kCPU).contigu
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The most blocks a grid takes along y: launches over more rows go in chunks of this many.
+constexpr int64_t kMaxGridY = 65535;
+
+// t when its last dimension is dense (the kernels step along rows by their strides), else a
+// contiguous copy.
+inline at::Tensor dense_rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
 }  // namespace fastllm

@@ -12,9 +12,6 @@
 namespace fastllm {
 namespace {
 
-// The kernel indexes the innermost dimension densely; anything else is copied once.
-at::Tensor dense_rows(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
-
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                             at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   check_cache_write_inputs(key, value, k_cache, v_cache, slot_mapping);

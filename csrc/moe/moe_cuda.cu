@@ -29,8 +29,6 @@
 namespace fastllm {
 namespace {
 
-constexpr int64_t kMaxGridY = 65535;
-
 // One GEMV launch over pairs [begin, begin + grid.y) with float weights (x's dtype, or 16 bits
 // under float32 x).
 template <typename x_t, typename w_t>
