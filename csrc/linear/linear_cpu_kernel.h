@@ -92,7 +92,10 @@ inline void dot_tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t ldw
   int64_t k = 0;
   for (; k + 32 <= k_len; k += 32) {
     __m512bh wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+    for (int r = 0; r < R; ++r) {
+      __builtin_prefetch(w + (r + kPrefetchRows) * ldw + k, 0, kPrefetchIntoL2);
+      wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+    }
     for (int m = 0; m < M; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * k_len + k);
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);

@@ -156,9 +156,12 @@ void stream_quantized(const at::Tensor& x, const at::Tensor& weight, int64_t typ
                       at::Tensor& y) {
   const auto format = static_cast<BlockFormat>(type);
   const int64_t pairs = x.size(0), k_len = x.size(1), n_out = y.size(1);
-  const auto x_float = x.to(at::kFloat).contiguous();
-  const QuantizedActivations xq = quantize_activations(x_float.const_data_ptr<float>(), pairs,
-                                                       k_len, activation_max(format));
+  const auto x_c = x.contiguous();
+  const QuantizedActivations xq = FASTLLM_DISPATCH_FLOAT_TYPES(
+      x.scalar_type(), "fastllm::moe_cpu", [&] {
+        return quantize_activations(x_c.const_data_ptr<scalar_t>(), pairs, k_len,
+                                    activation_max(format));
+      });
   const DecodeRowsFn decode_rows = isa_kernels(format).decode_rows;
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t expert_stride = weight.stride(0), ldw = weight.stride(1);

@@ -12,10 +12,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common/batch_invariant.h"
 #include "common/cpu_isa.h"
+#include "common/dispatch.h"
 #include "quantized/quantized.h"
 #include "quantized/quantized_cpu.h"
 
@@ -27,7 +29,8 @@ constexpr int64_t kGemmTileRows = 128;
 
 }  // namespace
 
-QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t k_len,
+template <typename x_t>
+QuantizedActivations quantize_activations(const x_t* x, int64_t rows, int64_t k_len,
                                           int max_value) {
   QuantizedActivations q;
   q.rows = rows;
@@ -38,7 +41,9 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   q.scales.resize(rows * q.blocks);
   q.sums.resize(rows * q.blocks);
   for (int64_t i = 0; i < rows * q.blocks; ++i) {
-    const float* src = x + i * kSubBlockValues;
+    // The block as float32 (exact from 16 bits).
+    float src[kSubBlockValues];
+    for (int j = 0; j < kSubBlockValues; ++j) src[j] = float(x[i * kSubBlockValues + j]);
     // The largest |x| as the largest of their bits without the sign, an integer maximum that
     // vectorizes (a float one does not, for its NaN rules); a NaN makes the block's scale NaN,
     // and so the rows' results.
@@ -76,6 +81,10 @@ QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t 
   return q;
 }
 
+template QuantizedActivations quantize_activations(const float*, int64_t, int64_t, int);
+template QuantizedActivations quantize_activations(const c10::BFloat16*, int64_t, int64_t, int);
+template QuantizedActivations quantize_activations(const c10::Half*, int64_t, int64_t, int);
+
 CpuKernels isa_kernels(BlockFormat format) {
   CpuKernels kernels{};
   switch (cpu_isa()) {
@@ -104,6 +113,33 @@ at::Tensor dequantize_cpu(const at::Tensor& weight, int64_t weight_type, at::Sca
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
+// Decode rows: the activations quantized from x's dtype, the float32 sums of each task's block
+// of weight rows rounded to y's dtype by the task (no float32 copies of x or y).
+template <typename scalar_t>
+void quantized_decode_rows(const at::Tensor& x, const CpuKernels& cpu, BlockFormat format,
+                           const uint8_t* w, int64_t ldw, const std::optional<at::Tensor>& bias,
+                           at::Tensor& y) {
+  const int64_t rows = x.size(0), n_out = y.size(1), k_len = x.size(1);
+  const auto x_c = x.contiguous();
+  const QuantizedActivations xq = quantize_activations(x_c.const_data_ptr<scalar_t>(), rows,
+                                                       k_len, activation_max(format));
+  const ActivationBlocks activations = xq.view();
+  const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bias_data = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
+  constexpr bool direct = std::is_same_v<scalar_t, float>;
+  std::vector<float> sums(direct ? 0 : rows * n_out);
+  scalar_t* out = y.mutable_data_ptr<scalar_t>();
+  float* dst = direct ? reinterpret_cast<float*>(out) : sums.data();
+  // Grain: enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
+  const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
+  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+    cpu.decode_rows(activations, w, ldw, begin, end, bias_data, dst, n_out);
+    if constexpr (!direct)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = begin; j < end; ++j) out[r * n_out + j] = scalar_t(dst[r * n_out + j]);
+  });
+}
+
 at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
                                 int64_t weight_type, const std::optional<at::Tensor>& bias) {
   const BlockFormat format = check_quantized_linear_inputs(x, weight, weight_type, bias);
@@ -114,44 +150,36 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t ldw = weight.stride(0);
   const CpuKernels cpu = isa_kernels(format);
+  if (rows <= kMaxStreamRows || batch_invariant()) {  // batch-invariant: decode rows for all
+    FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
+      quantized_decode_rows<scalar_t>(x, cpu, format, w, ldw, bias, y);
+    });
+    return y;
+  }
+  // Compute-bound: dequantized tiles of weight rows through ATen's GEMM, tile by tile, so the
+  // float copy never exceeds a tile.
+  // Where the CPU multiplies bfloat16 natively, the tiles and the activations go through the
+  // bfloat16 GEMM (float32 sums, a bfloat16 result): about 1.7x the float32 GEMM's speed,
+  // within 2^-7 of the sum of |x w| (llama.cpp's 8-bit activations err about as much).
   const auto x_float = x.to(at::kFloat).contiguous();
   auto y_float = x.scalar_type() == at::kFloat ? y : at::empty({rows, n_out}, x_float.options());
-  if (rows > kMaxStreamRows && !batch_invariant()) {  // batch-invariant: decode rows for all
-    // Compute-bound: dequantized tiles of weight rows through ATen's GEMM, tile by tile, so the
-    // float copy never exceeds a tile.
-    // Where the CPU multiplies bfloat16 natively, the tiles and the activations go through the
-    // bfloat16 GEMM (float32 sums, a bfloat16 result): about 1.7x the float32 GEMM's speed,
-    // within 2^-7 of the sum of |x w| (llama.cpp's 8-bit activations err about as much).
-    const bool bf16 = cpu_isa() == CpuIsa::kAvx512 && cpu_has_avx512_bf16();
-    const auto x_bf16 = bf16 ? x_float.to(at::kBFloat16) : at::Tensor();
-    auto tile = at::empty({std::min(kGemmTileRows, n_out), k_len}, x_float.options());
-    for (int64_t n = 0; n < n_out; n += kGemmTileRows) {
-      const int64_t end = std::min(n_out, n + kGemmTileRows);
-      auto w_tile = tile.narrow(0, 0, end - n);
-      float* dst = w_tile.mutable_data_ptr<float>();
-      at::parallel_for(n, end, 16, [&](int64_t begin, int64_t stop) {
-        cpu.dequantize_rows(w, ldw, begin, stop, k_len, dst + (begin - n) * k_len);
-      });
-      auto y_tile = y_float.narrow(1, n, end - n);
-      if (bf16)
-        y_tile.copy_(at::mm(x_bf16, w_tile.to(at::kBFloat16).t()));
-      else
-        at::mm_out(y_tile, x_float, w_tile.t());
-    }
-    if (bias.has_value()) y_float.add_(bias->to(at::kFloat));
-  } else {
-    const QuantizedActivations xq = quantize_activations(x_float.const_data_ptr<float>(), rows,
-                                                         k_len, activation_max(format));
-    const ActivationBlocks activations = xq.view();
-    const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    const float* bias_data = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
-    float* out = y_float.mutable_data_ptr<float>();
-    // Grain: enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
-    const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
-    at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-      cpu.decode_rows(activations, w, ldw, begin, end, bias_data, out, n_out);
+  const bool bf16 = cpu_isa() == CpuIsa::kAvx512 && cpu_has_avx512_bf16();
+  const auto x_bf16 = bf16 ? x_float.to(at::kBFloat16) : at::Tensor();
+  auto tile = at::empty({std::min(kGemmTileRows, n_out), k_len}, x_float.options());
+  for (int64_t n = 0; n < n_out; n += kGemmTileRows) {
+    const int64_t end = std::min(n_out, n + kGemmTileRows);
+    auto w_tile = tile.narrow(0, 0, end - n);
+    float* dst = w_tile.mutable_data_ptr<float>();
+    at::parallel_for(n, end, 16, [&](int64_t begin, int64_t stop) {
+      cpu.dequantize_rows(w, ldw, begin, stop, k_len, dst + (begin - n) * k_len);
     });
+    auto y_tile = y_float.narrow(1, n, end - n);
+    if (bf16)
+      y_tile.copy_(at::mm(x_bf16, w_tile.to(at::kBFloat16).t()));
+    else
+      at::mm_out(y_tile, x_float, w_tile.t());
   }
+  if (bias.has_value()) y_float.add_(bias->to(at::kFloat));
   return x.scalar_type() == at::kFloat ? y : y.copy_(y_float);
 }
 

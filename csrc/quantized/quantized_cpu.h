@@ -100,9 +100,10 @@ struct QuantizedActivations {
   }
 };
 
-// x [rows, k_len] (float32, dense, k_len a multiple of 32) quantized for decode rows, with
-// integers of at most max_value (activation_max of the weight's format).
-QuantizedActivations quantize_activations(const float* x, int64_t rows, int64_t k_len,
+// x [rows, k_len] (dense, k_len a multiple of 32; float, c10::BFloat16 or c10::Half) quantized
+// for decode rows, with integers of at most max_value (activation_max of the weight's format).
+template <typename x_t>
+QuantizedActivations quantize_activations(const x_t* x, int64_t rows, int64_t k_len,
                                           int max_value);
 
 }  // namespace fastllm
