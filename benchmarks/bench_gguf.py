@@ -20,16 +20,19 @@ The files (``--files``, default all seven):
 The rewrites and random models are made once into ``--cache-dir`` (default
 ``build/bench-models``), named by a hash of what they are made from.
 
-Per file, each engine is loaded once (not timed), then their calls alternate (fastllm,
-llama.cpp, fastllm, ...) after a warm-up call each; every call generates ``1 +
+Per file, each engine is loaded once (not timed), then their calls alternate (fastllm in each
+dtype, llama.cpp, fastllm, ...) after a warm-up call each, so every dtype's row is measured
+against the same llama.cpp calls; every call generates ``1 +
 --decode-tokens`` greedy tokens (EOS ignored) after the same ``--prompt-len``-token prompt:
 DL19 passages (``--models-dir``) tokenized once by fastllm's tokenizer for the file, the ids
 fed to both.
 
-- fastllm: ``fastllm.LLM(path, dtype=--dtype, max_model_len=..., enable_prefix_caching=False,
-  kv_cache_dtype="float16")`` (the KV precision of llama.cpp's default F16 cache) then
-  ``generate([ids], SamplingParams(temperature=0, max_tokens=1 + n, ignore_eos=True))``,
-  torch at ``--threads`` threads; TTFT and decode times from the request's metrics;
+- fastllm, once per ``--dtypes`` (default float32 and bfloat16, each a row of the report):
+  ``fastllm.LLM(path, dtype=dtype, max_model_len=..., enable_prefix_caching=False,
+  kv_cache_dtype=...)`` (float16 under float32 activations, the KV precision of llama.cpp's
+  default F16 cache; a 16-bit dtype's own otherwise) then ``generate([ids],
+  SamplingParams(temperature=0, max_tokens=1 + n, ignore_eos=True))``, torch at ``--threads``
+  threads; TTFT and decode times from the request's metrics;
 - llama.cpp: ``Llama(path, n_threads=--threads, n_threads_batch=--threads, n_ctx=1024,
   n_batch=512, verbose=False)``; per call ``reset()`` (so no KV is reused from the last call)
   then ``generate(ids, temp=0)`` (greedy; it never stops on EOS by itself) until ``1 + n``
@@ -43,15 +46,19 @@ Bytes per token are the weight bytes one decode step reads from the file: every 
 token embedding (a step looks up one row), plus the LM head (the token embedding again when it
 is tied). GB/s is that times decode tokens/s (GB = 1e9 bytes), the same measure of work for
 both engines; fastllm's own bytes per token count its weights as loaded (a type it does not
-keep in blocks is dequantized to ``--dtype``). Beside them, the copy bandwidth of this machine:
+keep in blocks is dequantized to the row's dtype). Beside them, the copy bandwidth of this machine:
 ``dst.copy_(src)`` on ``--copy-mib`` MiB, bytes read + written, at 1 thread and at
 ``--threads``. Tokens agree: how many leading tokens of the first ``--agree-tokens`` (32) both
 engines share, a sanity check (the engines round differently, so they may part after a while).
 
-Goal (at the full size): fastllm decode >= 1.0x llama.cpp's tokens/s on every file (1.3x
-hoped for) and TTFT >= 1.0x. On this project's two cores the default run should take about
-10 minutes (an estimate: it has only run on a busy machine), plus about 5 minutes the first
-time to make the files; ``--quick`` measures the shipped file alone on a short prompt, once.
+Load time: seconds from the call to a ready model, ``fastllm.LLM(path, ...)`` and
+``Llama(path, ...)`` with the options above, each in a fresh Python process after its imports,
+alternating, the median of ``--load-repeats`` processes each.
+
+Goal (at the full size), in every dtype on every file: fastllm decode >= 1.3x llama.cpp's
+tokens/s, TTFT >= 1.5x, and a load time within 3x of llama.cpp's. On this project's two cores
+the default run takes about 20 minutes, plus about 5 minutes the first time to make the files;
+``--quick`` measures the shipped file alone on a short prompt, once.
 
     python benchmarks/bench_gguf.py --out results
     python benchmarks/bench_gguf.py --out results --files smollm2:Q4_1 qwen3-0.6b:Q8_0
@@ -66,6 +73,9 @@ import gc
 import hashlib
 import json
 import os
+import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,8 +97,10 @@ from bench_generate import DEFAULT_MODELS_DIR, GenerateSample, fastllm_call, lea
 from eval_rerank_dl19 import load_dl19
 
 COMPETITORS = {"fastllm": "fastllm", "llama_cpp": "llama.cpp"}
-GOAL_DECODE_SPEEDUP = 1.0  # fastllm decode tokens/s over llama.cpp's, at least (1.3 hoped for)
-GOAL_TTFT_SPEEDUP = 1.0  # llama.cpp's TTFT over fastllm's, at least
+DTYPES = ("float32", "bfloat16", "float16")
+GOAL_DECODE_SPEEDUP = 1.3  # fastllm decode tokens/s over llama.cpp's, at least
+GOAL_TTFT_SPEEDUP = 1.5  # llama.cpp's TTFT over fastllm's, at least
+GOAL_LOAD_RATIO = 3.0  # fastllm's load time over llama.cpp's, at most
 # fastllm's KV cache stores what llama.cpp's does by default (type_k = type_v = F16).
 FASTLLM_KV_CACHE_DTYPE = "float16"
 SMOLLM2, QWEN3 = "smollm2", "qwen3-0.6b"
@@ -109,7 +121,8 @@ class GGUFBenchConfig:
     decode_tokens: int = 128  # generated after the first token
     agree_tokens: int = 32
     threads: int = 2
-    dtype: str = "float32"  # fastllm.LLM's default
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # fastllm.LLM's default, and the
+    # natural choice on a CPU with AVX512-BF16
     qwen3_layers: int = MODEL_SHAPES[QWEN3].num_layers
     n_ctx: int = 1024
     n_batch: int = 512
@@ -120,6 +133,7 @@ class GGUFBenchConfig:
     # five timed calls or 60 s each.
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=5,
                                                                    budget_s=60.0))
+    load_repeats: int = 3  # fresh processes per engine and file
     copy_mib: int = 1024
     copy_timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=2, repeats=10,
                                                                         budget_s=2.0))
@@ -128,10 +142,14 @@ class GGUFBenchConfig:
         unknown = [name for name in self.files if name not in FILES]
         if unknown or not self.files:
             raise ValueError(f"files must be some of {', '.join(FILES)}, got {unknown or 'none'}")
+        if (not self.dtypes or len(set(self.dtypes)) < len(self.dtypes)
+                or any(dtype not in DTYPES for dtype in self.dtypes)):
+            raise ValueError(f"dtypes must be distinct names of {', '.join(DTYPES)}, got "
+                             f"{self.dtypes}")
         if min(self.prompt_len, self.decode_tokens, self.agree_tokens, self.threads,
-               self.qwen3_layers) < 1:
-            raise ValueError("prompt_len, decode_tokens, agree_tokens, threads and qwen3_layers "
-                             f"must be >= 1, got {self}")
+               self.qwen3_layers, self.load_repeats) < 1:
+            raise ValueError("prompt_len, decode_tokens, agree_tokens, threads, qwen3_layers "
+                             f"and load_repeats must be >= 1, got {self}")
         if self.n_ctx < self.prompt_len + 1 + self.decode_tokens:
             raise ValueError(f"n_ctx={self.n_ctx} cannot hold the prompt ({self.prompt_len}) and "
                              f"1 + {self.decode_tokens} generated tokens")
@@ -139,9 +157,10 @@ class GGUFBenchConfig:
     @classmethod
     def quick(cls) -> GGUFBenchConfig:
         """A check that everything runs: the shipped file, 32 prompt tokens, 1 + 8 generated,
-        one call each."""
+        one call and one load each."""
         return cls(files=(f"{SMOLLM2}:{SHIPPED}",), prompt_len=32, decode_tokens=8,
-                   agree_tokens=8, timer=TimerConfig(warmup=0, repeats=1, budget_s=0.0),
+                   agree_tokens=8, load_repeats=1,
+                   timer=TimerConfig(warmup=0, repeats=1, budget_s=0.0),
                    copy_mib=64, copy_timer=TimerConfig(warmup=1, repeats=3, budget_s=0.5))
 
     @property
@@ -334,75 +353,131 @@ def prompt_text(config: GGUFBenchConfig) -> str:
     return "\n\n".join(hit["content"] for hit in load_dl19(config.models_dir)[0]["hits"])
 
 
-def fastllm_kv_cache_dtype(config: GGUFBenchConfig) -> str:
-    """float16, as llama.cpp's cache, under float32 activations; a 16-bit --dtype's own (a
-    cache of another dtype serves float32 activations only)."""
-    return FASTLLM_KV_CACHE_DTYPE if config.dtype == "float32" else config.dtype
+def fastllm_kv_cache_dtype(dtype: str) -> str:
+    """float16, as llama.cpp's cache, under float32 activations; a 16-bit dtype's own (a cache
+    of another dtype serves float32 activations only)."""
+    return FASTLLM_KV_CACHE_DTYPE if dtype == "float32" else dtype
 
 
-def file_row(name: str, config: GGUFBenchConfig, text: str) -> dict[str, object]:
-    """Loads both engines on the file ``name``, times them interleaved; returns the row."""
+def fastllm_options(config: GGUFBenchConfig, dtype: str) -> dict[str, object]:
+    """``fastllm.LLM``'s keyword arguments for a run in ``dtype``."""
+    return {"dtype": dtype, "max_model_len": config.prompt_len + 1 + config.decode_tokens,
+            "enable_prefix_caching": False, "kv_cache_dtype": fastllm_kv_cache_dtype(dtype)}
+
+
+def llama_cpp_options(config: GGUFBenchConfig) -> dict[str, object]:
+    """``llama_cpp.Llama``'s keyword arguments."""
+    return {"n_threads": config.threads, "n_threads_batch": config.threads,
+            "n_ctx": config.n_ctx, "n_batch": config.n_batch, "verbose": False}
+
+
+# A fresh process loads a file once: its imports first (not timed), then the load, printing the
+# seconds it took.
+LOAD_SCRIPTS = {
+    "fastllm": ("import sys, json, time, torch, fastllm\n"
+                "path, threads, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])\n"
+                "torch.set_num_threads(threads)\n"
+                "start = time.perf_counter()\n"
+                "fastllm.LLM(path, **options)\n"
+                "print(time.perf_counter() - start)\n"),
+    "llama_cpp": ("import sys, json, time, llama_cpp\n"
+                  "path, options = sys.argv[1], json.loads(sys.argv[3])\n"
+                  "start = time.perf_counter()\n"
+                  "llama_cpp.Llama(path, **options)\n"
+                  "print(time.perf_counter() - start)\n"),
+}
+
+
+def load_seconds(path: Path, config: GGUFBenchConfig) -> dict[str, float]:
+    """Median seconds a fresh process takes to load ``path`` (after its imports): "llama_cpp"
+    and fastllm in each dtype (keyed by the dtype), the processes alternating."""
+    loads = {dtype: ("fastllm", fastllm_options(config, dtype)) for dtype in config.dtypes}
+    loads["llama_cpp"] = ("llama_cpp", llama_cpp_options(config))
+    seconds: dict[str, list[float]] = {key: [] for key in loads}
+    for _ in range(config.load_repeats):
+        for key, (engine, options) in loads.items():
+            done = subprocess.run([sys.executable, "-c", LOAD_SCRIPTS[engine], str(path),
+                                   str(config.threads), json.dumps(options)],
+                                  capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"loading {path.name} in a fresh {engine} process failed:\n"
+                                   f"{done.stderr[-2000:]}")
+            seconds[key].append(float(done.stdout.split()[-1]))
+    return {key: statistics.median(values) for key, values in seconds.items()}
+
+
+def file_rows(name: str, config: GGUFBenchConfig, text: str) -> list[dict[str, object]]:
+    """Loads both engines on the file ``name`` (fastllm once per dtype), times them
+    interleaved; returns a row per dtype."""
     llama_cpp = import_llama_cpp()
     path = model_file(name, config)
     summary = summarize_gguf(path)
-    row: dict[str, object] = {"file": name, "path": path.name,
-                              "tensor_types": ", ".join(f"{kind} {count}" for kind, count
-                                                        in summary.types.items()),
-                              "tensor_bytes": summary.tensor_bytes,
-                              "bytes_per_token": summary.bytes_per_token,
-                              "prompt_len": config.prompt_len,
-                              "decode_tokens": config.decode_tokens}
-    row.update(copy_bandwidths(config))
-    llm = fastllm.LLM(path, dtype=config.dtype,
-                      max_model_len=config.prompt_len + 1 + config.decode_tokens,
-                      enable_prefix_caching=False, kv_cache_dtype=fastllm_kv_cache_dtype(config))
-    prompt = llm.tokenizer.encode(text, add_special_tokens=False)[:config.prompt_len]
+    loads = load_seconds(path, config)
+    base: dict[str, object] = {"file": name, "path": path.name,
+                               "tensor_types": ", ".join(f"{kind} {count}" for kind, count
+                                                         in summary.types.items()),
+                               "tensor_bytes": summary.tensor_bytes,
+                               "bytes_per_token": summary.bytes_per_token,
+                               "prompt_len": config.prompt_len,
+                               "decode_tokens": config.decode_tokens,
+                               "llama_cpp_load_s": loads["llama_cpp"]}
+    base.update(copy_bandwidths(config))
+    llms = {dtype: fastllm.LLM(path, **fastllm_options(config, dtype))
+            for dtype in config.dtypes}
+    tokenizer = llms[config.dtypes[0]].tokenizer
+    prompt = tokenizer.encode(text, add_special_tokens=False)[:config.prompt_len]
     if len(prompt) < config.prompt_len:
         raise ValueError(f"the prompt text has {len(prompt)} tokens, fewer than "
                          f"prompt_len={config.prompt_len}")
-    row["layers"] = llm.model.config.num_layers
-    row["fastllm_bytes_per_token"] = fastllm_bytes_per_token(llm.model)
-    peer = llama_cpp.Llama(str(path), n_threads=config.threads,
-                           n_threads_batch=config.threads, n_ctx=config.n_ctx,
-                           n_batch=config.n_batch, verbose=False)
+    peer = llama_cpp.Llama(str(path), **llama_cpp_options(config))
     new_tokens = 1 + config.decode_tokens
-    samples: dict[str, list[GenerateSample]] = {name: [] for name in COMPETITORS}
+    samples: dict[str, list[GenerateSample]] = {dtype: [] for dtype in config.dtypes}
+    samples["llama_cpp"] = []
+    step_ms: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
-        calls = {"fastllm": fastllm_call(llm, prompt, new_tokens, samples["fastllm"]),
-                 "llama_cpp": llama_cpp_call(peer, prompt, new_tokens, samples["llama_cpp"])}
+        calls = {dtype: fastllm_call(llm, prompt, new_tokens, samples[dtype])
+                 for dtype, llm in llms.items()}
+        calls["llama_cpp"] = llama_cpp_call(peer, prompt, new_tokens, samples["llama_cpp"])
         timings = compare(calls, config.timer)
-        step_ms = summarize([s.decode_s for s in samples["fastllm"][-timings["fastllm"].repeats:]]
-                            ).median_s * 1e3 / config.decode_tokens
-        row["fastllm_step_ms"] = {part: ms for part, ms in decode_step_profile(
-            llm, prompt, config.decode_tokens, step_ms).items()}
+        for dtype, llm in llms.items():
+            kept = samples[dtype][-timings[dtype].repeats:]
+            step = summarize([s.decode_s for s in kept]).median_s * 1e3 / config.decode_tokens
+            step_ms[dtype] = decode_step_profile(llm, prompt, config.decode_tokens, step)
+    rows = []
+    for dtype, llm in llms.items():
+        row = dict(base, dtype=dtype, layers=llm.model.config.num_layers,
+                   fastllm_bytes_per_token=fastllm_bytes_per_token(llm.model),
+                   fastllm_load_s=loads[dtype], fastllm_step_ms=step_ms[dtype])
+        for engine, key in (("fastllm", dtype), ("llama_cpp", "llama_cpp")):
+            timing = timings[key]
+            kept = samples[key][-timing.repeats:]  # compare's samples come after the warm-ups
+            ttft = summarize([s.ttft_s for s in kept])
+            decode = summarize([s.decode_s for s in kept])
+            for part, stats in (("call", timing), ("ttft", ttft), ("decode", decode)):
+                row.update({f"{engine}_{part}_{stat}": value
+                            for stat, value in stats.to_dict().items()})
+            row[f"{engine}_decode_tok_s"] = config.decode_tokens / decode.median_s
+            row[f"{engine}_weight_gbps"] = (summary.bytes_per_token
+                                            * row[f"{engine}_decode_tok_s"] / 1e9)
+            row[f"{engine}_tokens"] = kept[-1].tokens
+            if len(kept[-1].tokens) != new_tokens:
+                raise RuntimeError(f"{engine} generated {len(kept[-1].tokens)} tokens from "
+                                   f"{name}, asked for {new_tokens}")
+        row["fastllm_streamed_gbps"] = (row["fastllm_bytes_per_token"]
+                                        * row["fastllm_decode_tok_s"] / 1e9)
+        row["decode_speedup"] = row["fastllm_decode_tok_s"] / row["llama_cpp_decode_tok_s"]
+        row["ttft_speedup"] = row["llama_cpp_ttft_median_ms"] / row["fastllm_ttft_median_ms"]
+        row["load_ratio"] = row["fastllm_load_s"] / row["llama_cpp_load_s"]
+        row["tokens_agree"] = leading_agreement(row["fastllm_tokens"][:config.agree_tokens],
+                                                row["llama_cpp_tokens"][:config.agree_tokens])
+        row["llama_cpp_python"] = llama_cpp.__version__
+        row["llama_cpp_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
+        rows.append(row)
     peer.close()
-    del llm, peer, calls
-    model_pool.clear()  # fastllm.LLM shares loaded models through the pool: let this one go
+    del llms, peer, calls
+    model_pool.clear()  # fastllm.LLM shares loaded models through the pool: let them go
     gc.collect()
-
-    for engine, timing in timings.items():
-        kept = samples[engine][-timing.repeats:]  # compare's samples come after the warm-ups
-        ttft = summarize([s.ttft_s for s in kept])
-        decode = summarize([s.decode_s for s in kept])
-        for part, stats in (("call", timing), ("ttft", ttft), ("decode", decode)):
-            row.update({f"{engine}_{part}_{key}": value
-                        for key, value in stats.to_dict().items()})
-        row[f"{engine}_decode_tok_s"] = config.decode_tokens / decode.median_s
-        row[f"{engine}_weight_gbps"] = (summary.bytes_per_token * row[f"{engine}_decode_tok_s"]
-                                        / 1e9)
-        row[f"{engine}_tokens"] = kept[-1].tokens
-        if len(kept[-1].tokens) != new_tokens:
-            raise RuntimeError(f"{engine} generated {len(kept[-1].tokens)} tokens from {name}, "
-                               f"asked for {new_tokens}")
-    row["fastllm_streamed_gbps"] = (row["fastllm_bytes_per_token"] * row["fastllm_decode_tok_s"]
-                                    / 1e9)
-    row["decode_speedup"] = row["fastllm_decode_tok_s"] / row["llama_cpp_decode_tok_s"]
-    row["ttft_speedup"] = row["llama_cpp_ttft_median_ms"] / row["fastllm_ttft_median_ms"]
-    row["tokens_agree"] = leading_agreement(row["fastllm_tokens"][:config.agree_tokens],
-                                            row["llama_cpp_tokens"][:config.agree_tokens])
-    row["llama_cpp_python"] = llama_cpp.__version__
-    row["llama_cpp_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
-    return row
+    return rows
 
 
 def run(config: GGUFBenchConfig) -> list[dict[str, object]]:
@@ -410,7 +485,7 @@ def run(config: GGUFBenchConfig) -> list[dict[str, object]]:
     text = prompt_text(config)
     rows = []
     for name in config.files:
-        rows.append(file_row(name, config, text))
+        rows.extend(file_rows(name, config, text))
         print(f"gguf: {name} measured", flush=True)
     return rows
 
@@ -420,48 +495,55 @@ def run(config: GGUFBenchConfig) -> list[dict[str, object]]:
 
 def goal_summary(config: GGUFBenchConfig, rows: list[dict[str, object]]) -> str:
     """One line: the goals and, at the goal size, how each file fares."""
-    goal = (f"Goal: fastllm decode >= {GOAL_DECODE_SPEEDUP:g}x llama.cpp's tokens/s (1.3x hoped "
-            f"for) and TTFT >= {GOAL_TTFT_SPEEDUP:g}x, on every file, batch 1, a 512-token "
-            "prompt, 128 decoded tokens")
+    goal = (f"Goal: fastllm decode >= {GOAL_DECODE_SPEEDUP:g}x llama.cpp's tokens/s, TTFT >= "
+            f"{GOAL_TTFT_SPEEDUP:g}x and a load time within {GOAL_LOAD_RATIO:g}x, in every "
+            "dtype on every file, batch 1, a 512-token prompt, 128 decoded tokens")
     if not config.at_goal_size or not rows:
         return f"{goal}: not measured in this run (sizes scaled down)."
-    missed = [row["file"] for row in rows
+    missed = [f"{row['file']} {row['dtype']}" for row in rows
               if row["decode_speedup"] < GOAL_DECODE_SPEEDUP
-              or row["ttft_speedup"] < GOAL_TTFT_SPEEDUP]
+              or row["ttft_speedup"] < GOAL_TTFT_SPEEDUP or row["load_ratio"] > GOAL_LOAD_RATIO]
     return f"{goal}: " + (f"NOT met on {', '.join(missed)}." if missed else "met on every file.")
 
 
 def tables(config: GGUFBenchConfig, rows: list[dict[str, object]]) -> dict[str, str]:
     """The markdown tables of the report, by title."""
-    speed = {"file": "file"}
-    for metric, header in (("decode_tok_s", "decode tok/s"), ("ttft_median_ms", "TTFT (ms)")):
+    speed = {"file": "file", "dtype": "fastllm dtype"}
+    for metric, header in (("decode_tok_s", "decode tok/s"), ("ttft_median_ms", "TTFT (ms)"),
+                           ("load_s", "load (s)")):
         speed |= {f"{name}_{metric}": f"{label} {header}" for name, label in COMPETITORS.items()}
     speed |= {"decode_speedup": "decode speedup", "ttft_speedup": "TTFT speedup",
+              "load_ratio": "load time ratio",
               "tokens_agree": f"tokens agree (of {config.agree_tokens})"}
     megabytes = [dict(row, tensor_mb=row["tensor_bytes"] / 1e6,
                       mb_per_token=row["bytes_per_token"] / 1e6,
                       fastllm_mb_per_token=row["fastllm_bytes_per_token"] / 1e6) for row in rows]
-    traffic = {"file": "file", "tensor_types": "tensor types", "tensor_mb": "tensors (MB)",
+    traffic = {"file": "file", "dtype": "fastllm dtype", "tensor_types": "tensor types",
+               "tensor_mb": "tensors (MB)",
                "mb_per_token": "MB/token", "fastllm_mb_per_token": "fastllm's MB/token"}
     traffic |= {f"{name}_weight_gbps": f"{label} GB/s" for name, label in COMPETITORS.items()}
     traffic |= {"fastllm_streamed_gbps": "fastllm's own GB/s",
                 "copy_1t_gbps": "copy GB/s, 1 thread",
                 "copy_gbps": f"copy GB/s, {config.threads} threads"}
-    about = (f"{config.threads} threads each, fastllm in {config.dtype} with its KV cache in "
-             f"{fastllm_kv_cache_dtype(config)} (llama.cpp's default cache: F16); a "
-             f"{config.prompt_len}-token prompt, then 1 + {config.decode_tokens} greedy tokens; "
-             f"the Qwen3-0.6B shape with {config.qwen3_layers} layers, random weights. Speedups "
-             "above 1: fastllm faster.")
+    caches = ", ".join(f"in {dtype} with its KV cache in {fastllm_kv_cache_dtype(dtype)}"
+                       for dtype in config.dtypes)
+    about = (f"{config.threads} threads each, fastllm {caches} (llama.cpp's default cache: "
+             f"F16); a {config.prompt_len}-token prompt, then 1 + {config.decode_tokens} greedy "
+             f"tokens; the Qwen3-0.6B shape with {config.qwen3_layers} layers, random weights. "
+             "Speedups above 1: fastllm faster. Load: seconds to a ready model in a fresh "
+             f"process after its imports, median of {config.load_repeats}; the ratio is "
+             "fastllm's over llama.cpp's (below 1: fastllm faster).")
     bandwidth = ("MB/token: weight bytes a decode step reads from the file (all tensors but the "
                  "embedding lookup, plus the LM head); GB/s: that x decode tokens/s. fastllm's "
                  "own: its weights as loaded (types it does not keep in blocks are "
-                 f"dequantized to {config.dtype}). Copy: bytes read + written by a "
+                 "dequantized to the row's dtype). Copy: bytes read + written by a "
                  f"{config.copy_mib} MiB copy.")
     parts = [*STEP_PARTS, "other ops", "Python and framework"]
-    steps = [{"file": row["file"], "step_ms": sum(row["fastllm_step_ms"].values()),
+    steps = [{"file": row["file"], "dtype": row["dtype"],
+              "step_ms": sum(row["fastllm_step_ms"].values()),
               **{part: row["fastllm_step_ms"][part] for part in parts}} for row in rows]
-    step = {"file": "file", "step_ms": "fastllm step (ms)"} | {part: f"{part} (ms)"
-                                                                for part in parts}
+    step = {"file": "file", "dtype": "fastllm dtype", "step_ms": "fastllm step (ms)"} | {
+        part: f"{part} (ms)" for part in parts}
     where = ("A fastllm decode step by part: the ops' self time from the profiler (the decode "
              "steps of a generation of 1 + n tokens, per token; the profiler's cost per op "
              "counts here), and the rest of the unprofiled step: Python, the engine and "
@@ -489,11 +571,12 @@ def parse_args(argv: list[str] | None) -> tuple[GGUFBenchConfig, Path]:
     parser.add_argument("--files", nargs="+", choices=FILES, default=list(defaults.files),
                         metavar="FILE", help=f"of {', '.join(FILES)} (default %(default)s)")
     for name in ("prompt_len", "decode_tokens", "agree_tokens", "threads", "qwen3_layers",
-                 "n_ctx", "n_batch", "copy_mib", "seed"):
+                 "n_ctx", "n_batch", "load_repeats", "copy_mib", "seed"):
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name), help="default %(default)s")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                        default=defaults.dtype, help="fastllm's dtype (default %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(defaults.dtypes),
+                        metavar="DTYPE", help=f"fastllm's dtypes, a row each, of "
+                        f"{', '.join(DTYPES)} (default %(default)s)")
     parser.add_argument("--device", choices=["cpu"], default="cpu",
                         help="cpu only: llama.cpp as make bench builds it runs there")
     parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
@@ -505,11 +588,13 @@ def parse_args(argv: list[str] | None) -> tuple[GGUFBenchConfig, Path]:
     TimerConfig.add_arguments(parser, defaults.timer)
     args = parser.parse_args(argv)
     config = dataclasses.replace(
-        defaults, files=tuple(args.files), dtype=args.dtype, models_dir=str(args.models_dir),
+        defaults, files=tuple(args.files), dtypes=tuple(args.dtypes),
+        models_dir=str(args.models_dir),
         cache_dir=str(args.cache_dir), timer=TimerConfig.from_arguments(args),
         **{name: getattr(args, name) for name in ("prompt_len", "decode_tokens", "agree_tokens",
                                                    "threads", "qwen3_layers", "n_ctx",
-                                                   "n_batch", "copy_mib", "seed")})
+                                                   "n_batch", "load_repeats", "copy_mib",
+                                                   "seed")})
     return config, args.out
 
 
