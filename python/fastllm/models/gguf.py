@@ -385,9 +385,17 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
             encoded = tensor.data[expert]  # (tensor parallelism splits no experts)
         else:
             encoded = tensor.data if part is None else _encoded_part(tensor, part)
-        # Kept blocks stay views of the mapped file; only a column part (tensor parallelism)
-        # is copied, to be contiguous.
-        values = np.ascontiguousarray(encoded) if kept else _dequantize(path, tensor, encoded)
+        # Kept blocks and 16-bit values (build_model keeps 16 bits or converts them once) stay
+        # views of the mapped file; only a column part (tensor parallelism) is copied, to be
+        # contiguous. BF16 arrives as bytes: as uint16, whole values for the unpermuting.
+        sixteen_bit = tensor.tensor_type in _SIXTEEN_BIT
+        if sixteen_bit:
+            _check_type(path, tensor)
+            values = np.ascontiguousarray(encoded)
+            if values.dtype == np.uint8:
+                values = values.view(np.uint16)
+        else:
+            values = np.ascontiguousarray(encoded) if kept else _dequantize(path, tensor, encoded)
         module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
         if permuted and module in ("q_proj", "k_proj"):
             # Per head, so a rank's whole heads unpermute alone.
@@ -395,8 +403,8 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         if kept:  # [rows, row bytes]
             return QuantizedWeight(torch.from_numpy(values).reshape(values.shape[0], -1),
                                    int(tensor.tensor_type))
-        if tensor.tensor_type in _SIXTEEN_BIT:  # kept in 16 bits where build_model can
-            return torch.from_numpy(values).to(_SIXTEEN_BIT[tensor.tensor_type])
+        if sixteen_bit:
+            return torch.from_numpy(values).view(_SIXTEEN_BIT[tensor.tensor_type])
         return torch.from_numpy(values)
 
     # The converter stored Gemma's norms as 1 + w, already folded.
