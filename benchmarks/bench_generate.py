@@ -198,6 +198,20 @@ class GenerateSample:
     tokens: list[int]
 
 
+def generate_columns(name: str, timing: Timing, samples: list[GenerateSample]
+                     ) -> tuple[dict[str, float], Timing, Timing]:
+    """Row columns ``{name}_{call,ttft,decode}_{statistic}`` of a competitor's timed calls
+    (``compare``'s last ``timing.repeats`` samples: warm-ups come first), with the TTFT and
+    decode summaries."""
+    kept = samples[-timing.repeats:]
+    ttft = summarize([s.ttft_s for s in kept])
+    decode = summarize([s.decode_s for s in kept])
+    columns = {f"{name}_{part}_{key}": value
+               for part, summary in (("call", timing), ("ttft", ttft), ("decode", decode))
+               for key, value in summary.to_dict().items()}
+    return columns, ttft, decode
+
+
 class TokenClock(BaseStreamer):
     """An HF streamer that notes when each ``put`` arrives: the prompt first, then one per
     generated token."""
@@ -371,18 +385,13 @@ def dtype_row(config: GenerateBenchConfig, folder: Path, dtype_name: str,
     row.update({f"copy_{key}": value for key, value in copy_timing.to_dict().items()})
     row["copy_gbps"] = copy_gbps
     for name, timing in timings.items():
-        # compare's samples are each competitor's last `repeats` calls (warm-ups come first).
-        kept = samples[name][-timing.repeats:]
-        ttft = summarize([s.ttft_s for s in kept])
-        decode = summarize([s.decode_s for s in kept])
-        for part, summary in (("call", timing), ("ttft", ttft), ("decode", decode)):
-            row.update({f"{name}_{part}_{key}": value
-                        for key, value in summary.to_dict().items()})
+        columns, ttft, decode = generate_columns(name, timing, samples[name])
+        row.update(columns)
         row[f"{name}_prefill_tok_s"] = config.prompt_len / ttft.median_s
         row[f"{name}_decode_tok_s"] = config.decode_tokens / decode.median_s
         row[f"{name}_decode_ms_per_token"] = decode.median_s * 1e3 / config.decode_tokens
         row[f"{name}_weight_gbps"] = weight_bytes * row[f"{name}_decode_tok_s"] / 1e9
-        row[f"{name}_tokens"] = kept[-1].tokens
+        row[f"{name}_tokens"] = samples[name][-1].tokens
     row["decode_speedup_vs_hf"] = row["fastllm_decode_tok_s"] / row["hf_decode_tok_s"]
     row["ttft_vs_hf"] = row["fastllm_ttft_median_ms"] / row["hf_ttft_median_ms"]
     row["tokens_agree"] = leading_agreement(row["fastllm_tokens"], row["hf_tokens"])

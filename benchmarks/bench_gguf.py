@@ -57,8 +57,8 @@ alternating, the median of ``--load-repeats`` processes each.
 
 Goal (at the full size), in every dtype on every file: fastllm decode >= 1.3x llama.cpp's
 tokens/s, TTFT >= 1.5x, and a load time within 3x of llama.cpp's. On this project's two cores
-the default run takes about 20 minutes, plus about 5 minutes the first time to make the files;
-``--quick`` measures the shipped file alone on a short prompt, once.
+the default run took about 25 minutes (an AVX2 machine), plus 1-2 minutes the first time to
+make the files; ``--quick`` measures the shipped file alone on a short prompt, once.
 
     python benchmarks/bench_gguf.py --out results
     python benchmarks/bench_gguf.py --out results --files smollm2:Q4_1 qwen3-0.6b:Q8_0
@@ -93,7 +93,8 @@ from fastllm.bench.timer import TimerConfig, compare, summarize
 from fastllm.bench.workloads import MODEL_SHAPES, DeviceCopy
 from fastllm.models.pool import model_pool
 
-from bench_generate import DEFAULT_MODELS_DIR, GenerateSample, fastllm_call, leading_agreement
+from bench_generate import (DEFAULT_MODELS_DIR, GenerateSample, fastllm_call, generate_columns,
+                            leading_agreement)
 from eval_rerank_dl19 import load_dl19
 
 COMPETITORS = {"fastllm": "fastllm", "llama_cpp": "llama.cpp"}
@@ -449,19 +450,15 @@ def file_rows(name: str, config: GGUFBenchConfig, text: str) -> list[dict[str, o
                    fastllm_bytes_per_token=fastllm_bytes_per_token(llm.model),
                    fastllm_load_s=loads[dtype], fastllm_step_ms=step_ms[dtype])
         for engine, key in (("fastllm", dtype), ("llama_cpp", "llama_cpp")):
-            timing = timings[key]
-            kept = samples[key][-timing.repeats:]  # compare's samples come after the warm-ups
-            ttft = summarize([s.ttft_s for s in kept])
-            decode = summarize([s.decode_s for s in kept])
-            for part, stats in (("call", timing), ("ttft", ttft), ("decode", decode)):
-                row.update({f"{engine}_{part}_{stat}": value
-                            for stat, value in stats.to_dict().items()})
+            columns, _, decode = generate_columns(engine, timings[key], samples[key])
+            row.update(columns)
             row[f"{engine}_decode_tok_s"] = config.decode_tokens / decode.median_s
             row[f"{engine}_weight_gbps"] = (summary.bytes_per_token
                                             * row[f"{engine}_decode_tok_s"] / 1e9)
-            row[f"{engine}_tokens"] = kept[-1].tokens
-            if len(kept[-1].tokens) != new_tokens:
-                raise RuntimeError(f"{engine} generated {len(kept[-1].tokens)} tokens from "
+            tokens = samples[key][-1].tokens
+            row[f"{engine}_tokens"] = tokens
+            if len(tokens) != new_tokens:
+                raise RuntimeError(f"{engine} generated {len(tokens)} tokens from "
                                    f"{name}, asked for {new_tokens}")
         row["fastllm_streamed_gbps"] = (row["fastllm_bytes_per_token"]
                                         * row["fastllm_decode_tok_s"] / 1e9)
