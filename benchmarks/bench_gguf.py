@@ -89,7 +89,7 @@ from fastllm.bench.gguf_files import (LLAMA_CPP_TYPES, WRITTEN_TYPES, file_sha25
                                       llama_cpp_quantize, rewrite_gguf, smollm2_gguf,
                                       summarize_gguf, write_random_gguf)
 from fastllm.bench.report import markdown_table, publish
-from fastllm.bench.timer import TimerConfig, compare, summarize
+from fastllm.bench.timer import TimerConfig, compare
 from fastllm.bench.workloads import MODEL_SHAPES, DeviceCopy
 from fastllm.models.pool import model_pool
 
@@ -440,9 +440,11 @@ def file_rows(name: str, config: GGUFBenchConfig, text: str) -> list[dict[str, o
                  for dtype, llm in llms.items()}
         calls["llama_cpp"] = llama_cpp_call(peer, prompt, new_tokens, samples["llama_cpp"])
         timings = compare(calls, config.timer)
+        # Each competitor's columns, TTFT and decode summaries (the dtypes' as fastllm's).
+        stats = {key: generate_columns("llama_cpp" if key == "llama_cpp" else "fastllm",
+                                       timing, samples[key]) for key, timing in timings.items()}
         for dtype, llm in llms.items():
-            kept = samples[dtype][-timings[dtype].repeats:]
-            step = summarize([s.decode_s for s in kept]).median_s * 1e3 / config.decode_tokens
+            step = stats[dtype][2].median_s * 1e3 / config.decode_tokens
             step_ms[dtype] = decode_step_profile(llm, prompt, config.decode_tokens, step)
     rows = []
     for dtype, llm in llms.items():
@@ -450,7 +452,7 @@ def file_rows(name: str, config: GGUFBenchConfig, text: str) -> list[dict[str, o
                    fastllm_bytes_per_token=fastllm_bytes_per_token(llm.model),
                    fastllm_load_s=loads[dtype], fastllm_step_ms=step_ms[dtype])
         for engine, key in (("fastllm", dtype), ("llama_cpp", "llama_cpp")):
-            columns, _, decode = generate_columns(engine, timings[key], samples[key])
+            columns, _, decode = stats[key]
             row.update(columns)
             row[f"{engine}_decode_tok_s"] = config.decode_tokens / decode.median_s
             row[f"{engine}_weight_gbps"] = (summary.bytes_per_token

@@ -389,13 +389,10 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32,
         # views of the mapped file; only a column part (tensor parallelism) is copied, to be
         # contiguous. BF16 arrives as bytes: as uint16, whole values for the unpermuting.
         sixteen_bit = tensor.tensor_type in _SIXTEEN_BIT
-        if sixteen_bit:
-            _check_type(path, tensor)
-            values = np.ascontiguousarray(encoded)
-            if values.dtype == np.uint8:
-                values = values.view(np.uint16)
-        else:
-            values = np.ascontiguousarray(encoded) if kept else _dequantize(path, tensor, encoded)
+        values = (np.ascontiguousarray(encoded) if kept or sixteen_bit
+                  else _dequantize(path, tensor, encoded))
+        if sixteen_bit and values.dtype == np.uint8:
+            values = values.view(np.uint16)
         module = hf_name.rsplit(".", 2)[-2]  # q_proj, k_proj, ...
         if permuted and module in ("q_proj", "k_proj"):
             # Per head, so a rank's whole heads unpermute alone.
