@@ -10,6 +10,7 @@
 #include "common/batch_invariant.h"
 #include "common/trusted_inputs.h"
 #include "decoder/decoder_bindings.h"
+#include "gguf/gguf_bindings.h"
 #include "kv_cache/kv_cache_bindings.h"
 #include "mask_cache/mask_cache.h"
 #include "sampling/philox.h"
@@ -211,4 +212,5 @@ that raises ValueError. Safe to use from several threads.)doc")
       "on every thread; returns the previous one.");
   fastllm::bind_kv_cache(m);
   fastllm::bind_decoder(m);
+  fastllm::bind_gguf(m);
 }

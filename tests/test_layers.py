@@ -14,7 +14,8 @@ import fastllm
 
 PACKAGE = Path(fastllm.__file__).resolve().parent
 # Lower layers first; a module may import its own layer and those before it.
-LAYERS = [{"fastllm", "fastllm._C", "fastllm.ops", "fastllm.gguf_file"},
+LAYERS = [{"fastllm", "fastllm._C", "fastllm.ops", "fastllm.gguf_file",
+           "fastllm.gc_pause"},
           {"fastllm.kv_cache", "fastllm.sampling", "fastllm.tokenizer"},
           {"fastllm.models"}, {"fastllm.engine"}, {"fastllm.entrypoints"},
           {"fastllm.bench", "fastllm.__main__"}]

@@ -19,6 +19,7 @@ import importlib
 import torch
 
 from fastllm import _C
+from fastllm.gc_pause import collector_paused
 
 if _C.torch_version != torch.__version__:
     raise ImportError(
@@ -52,7 +53,8 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fastllm' has no attribute {name!r}")
-    imported = importlib.import_module(module)
+    with collector_paused():  # the import makes only long-lived objects
+        imported = importlib.import_module(module)
     value = imported if module == f"fastllm.{name}" else getattr(imported, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value

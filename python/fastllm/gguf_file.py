@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+
+from fastllm import _C
 
 __all__ = ["GGUFFileReader"]
 
@@ -22,20 +23,13 @@ class _GGUFFileError(ValueError):
 
 class _ArrayField(ReaderField):
     """A metadata array of scalars or strings, read whole: ``contents()`` gives what gguf's
-    ``ReaderField.contents()`` gives, but ``parts`` end with one view of all the values (a typed
-    array; for strings, their bytes, after an int64 ``[count, 2]`` array of each string's
-    span in them) instead of gguf's part per value, and ``data`` indexes that last part."""
+    ``ReaderField.contents()`` gives, but ``parts`` end with one array of all the values (typed;
+    for strings, an object array of the decoded ``str``) instead of gguf's part per value, and
+    ``data`` indexes that last part."""
 
     def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
-        values = self.parts[-1]
-        if self.types[-1] != GGUFValueType.STRING:
-            return values[index_or_slice].tolist()
-        spans, text = self.parts[-2][index_or_slice], values.tobytes()
-        if isinstance(index_or_slice, int):
-            return str(text[spans[0]:spans[1]], encoding="utf-8")
-        # Two flat lists: tolist() of the [count, 2] array would make a list per string.
-        starts, ends = spans[:, 0].tolist(), spans[:, 1].tolist()
-        return [str(text[start:end], encoding="utf-8") for start, end in zip(starts, ends)]
+        values = self.parts[-1][index_or_slice]
+        return values.tolist() if isinstance(values, (np.ndarray, np.generic)) else values
 
 
 class GGUFFileReader(GGUFReader):
@@ -119,36 +113,24 @@ class GGUFFileReader(GGUFReader):
         start, n = offs + 12, int(count[0])
         kind = GGUFValueType(int(element_type[0]))
         if kind == GGUFValueType.STRING:
-            spans, end = self._string_spans(start, n)
-            parts = [element_type, count, spans, self._get(start, np.uint8, end - start)]
+            big_endian = np.dtype(np.uint64).newbyteorder(self.byte_order).str[0] == ">"
+            try:
+                strings, end = _C.read_gguf_strings(self.data.view(np.ndarray), start, n,
+                                                    big_endian)
+            except UnicodeDecodeError:
+                raise
+            except ValueError as error:  # a length past the end of the file
+                raise _GGUFFileError(f"{self.path} is truncated: {self.position}: {error}"
+                                     ) from None
+            values = np.empty(n, dtype=object)
+            values[:] = strings
+            parts = [element_type, count, values]
         elif (scalar := self.gguf_scalar_to_np.get(kind)) is not None:
             values = self._get(start, scalar, n)
             parts, end = [element_type, count, values], start + int(values.nbytes)
         else:
             return None
         return end - offs, parts, [GGUFValueType.ARRAY, kind]
-
-    def _string_spans(self, start: int, count: int) -> tuple[np.ndarray, int]:
-        """Where each of the ``count`` strings from ``start`` has its bytes, relative to
-        ``start`` (int64 ``[count, 2]``: start, end), and where the last one ends."""
-        self._get(start, np.uint64, count)  # each string takes 8 bytes at least: a bad count fails
-        length_format = np.dtype(np.uint64).newbyteorder(self.byte_order).str[0] + "Q"
-        read_length = struct.Struct(length_format).unpack_from
-        view = memoryview(self.data.view(np.ndarray))
-        spans: list[int] = []
-        offs = start
-        try:
-            for _ in range(count):
-                length, = read_length(view, offs)
-                offs += 8
-                spans.append(offs - start)
-                offs += length
-                spans.append(offs - start)
-        except struct.error:  # a length read past the end
-            self._get(offs, np.uint64)  # raises, naming where
-        if offs > len(view):
-            self._get(start, np.uint8, offs - start)  # raises, naming where
-        return np.array(spans, dtype=np.int64).reshape(count, 2), offs
 
     def _push_field(self, field: ReaderField, skip_sum: bool = False) -> int:
         self.position = f"the metadata after {field.name!r}"

@@ -1025,8 +1025,36 @@ def test_file_truncated_in_a_string_array(tmp_path):
     with path.open("r+b") as file:
         file.truncate(field.offset + sum(int(part.nbytes) for part in field.parts) - 3)
     with pytest.raises(ValueError, match=r"arrays\.gguf is truncated: the metadata after "
-                                         r"'test\.float_values' reads bytes up to \d+, past the "
-                                         "end"):
+                                         r"'test\.float_values': string 4 of the array at byte "
+                                         r"\d+ reads bytes up to \d+, past the end"):
+        GGUFFileReader(path)
+
+
+def test_string_array_count_past_the_end_of_the_file(tmp_path):
+    """A string array's count the file cannot hold fails before anything is read or allocated
+    (2**60 strings would take 8 EiB of lengths alone)."""
+    path = metadata_arrays_file(tmp_path / "arrays.gguf")
+    field = gguf.GGUFReader(path).fields["test.strings"]
+    count_offset = field.offset + 8 + len("test.strings") + 4 + 4  # key, type, element type
+    with path.open("r+b") as file:
+        file.seek(count_offset)
+        file.write((2**60).to_bytes(8, "little"))
+    with pytest.raises(ValueError, match=r"arrays\.gguf is truncated: the metadata after "
+                                         r"'test\.float_values': an array of 1152921504606846976 "
+                                         r"strings at byte \d+ needs 8 bytes a string at least"):
+        GGUFFileReader(path)
+
+
+def test_string_that_is_not_utf8(tmp_path):
+    """A metadata string that is not UTF-8 (GGUF's strings are) is a ValueError naming where,
+    raised as the file is read."""
+    path = metadata_arrays_file(tmp_path / "arrays.gguf")
+    data = path.read_bytes()
+    at = data.index("\u65e5\u672c".encode())
+    path.write_bytes(data[:at] + b"\xff" + data[at + 1:])
+    with pytest.raises(ValueError, match=r"arrays\.gguf: cannot read the metadata after "
+                                         r"'test\.float_values': 'utf-8' codec can't decode "
+                                         r"byte 0xff"):
         GGUFFileReader(path)
 
 

@@ -23,6 +23,7 @@ from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.executor import (Executor, MultiprocExecutor, ParallelConfig,
                                      UniProcExecutor, make_worker)
 from fastllm.engine.request import Request
+from fastllm.gc_pause import collector_paused
 from fastllm.gguf_file import GGUFFileReader
 from fastllm.kv_cache import (ChunkKVStore, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
                               plan_pool)
@@ -66,6 +67,7 @@ class EngineClient:
     Takes :class:`fastllm.LLM`'s arguments (see there).
     """
 
+    @collector_paused()
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu",
                  tokenizer: str | os.PathLike | Tokenizer | None = None,
