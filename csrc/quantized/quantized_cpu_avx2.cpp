@@ -1,7 +1,11 @@
 // The quantized CPU kernels with AVX2 and FMA: this file is compiled with those flags (and
 // without AVX-512's) whatever the build targets (CMakeLists.txt), and runs on CPUs that have
-// them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h). The weights'
-// integers are widened to int16 and meet the activations' int16 in vpmaddwd.
+// them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h). Where the
+// activations are int16, the weights' integers are widened to int16 and meet them in vpmaddwd;
+// where they are single bytes (Q4_0, the K-quants: quantized_cpu.h), the weights' unsigned
+// bytes meet them in vpmaddubsw (pairs of products into int16, never saturating: u <= 63), and
+// vpmaddwd sums the pairs into the same int32 lanes of 4 values as the AVX-512 kernels' vpdpbusd,
+// so both give the same sums. Q6_K's zero point and int8 scales apply to the int16 pairs.
 #include "quantized/quantized_cpu.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -19,35 +23,68 @@ struct Avx2 {
   struct Ints {
     __m256i low, high;  // values 0..15, 16..31
   };
+  struct Bytes {  // single-byte activations (kByteActivations)
+    __m256i x;
+  };
+  // Q6_K's: also 32 times each pair's sum (int16), the zero point's share of u . x.
+  struct BytesAndZero {
+    __m256i x, zero;
+  };
+  struct Q6KWeights {
+    __m256i u, scales;  // the 6-bit integers; each pair's int8 scale, as int16 (16 values each)
+  };
   using Acc = __m256;
 
   template <BlockFormat F, int kSub>
-  static Ints weights(const uint8_t* block) {
+  static auto weights(const uint8_t* block) {
     const __m256i bytes = sub_block_bytes<F, kSub>(block);
-    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
-    if constexpr (F != BlockFormat::kQ6_K) {  // unsigned
-      return {_mm256_cvtepu8_epi16(low), _mm256_cvtepu8_epi16(high)};
-    } else {  // (q - 32) times the scale of its half
-      const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192 + 2 * kSub);
-      const __m256i zero = _mm256_set1_epi16(32);
-      return {_mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(low), zero),
-                                 _mm256_set1_epi16(scales[0])),
-              _mm256_mullo_epi16(_mm256_sub_epi16(_mm256_cvtepu8_epi16(high), zero),
-                                 _mm256_set1_epi16(scales[1]))};
+    if constexpr (kByteActivations<F> && F != BlockFormat::kQ6_K) {
+      return bytes;
+    } else if constexpr (F == BlockFormat::kQ6_K) {  // pairs 0-7: scale 2 kSub, 8-15: 2 kSub + 1
+      const __m128i pick = _mm_set_epi64x(0x0101010101010101 * (2 * kSub + 1),
+                                          0x0101010101010101 * (2 * kSub));
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+      return Q6KWeights{bytes, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick))};
+    } else {  // unsigned, widened
+      return Ints{_mm256_cvtepu8_epi16(_mm256_castsi256_si128(bytes)),
+                  _mm256_cvtepu8_epi16(_mm256_extracti128_si256(bytes, 1))};
     }
   }
   template <BlockFormat F>
-  static Ints activations(const ActivationBlocks& x, int64_t i) {
-    const int16_t* p = x.values + i * kSubBlockValues;
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
+  static auto activations(const ActivationBlocks& x, int64_t i) {
+    const int64_t at = i * kSubBlockValues;
+    if constexpr (!kByteActivations<F>) {
+      const int16_t* p = x.values + at;
+      return Ints{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
+    } else {
+      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.low + at));
+      if constexpr (F != BlockFormat::kQ6_K)
+        return Bytes{low};
+      else
+        return BytesAndZero{low, _mm256_maddubs_epi16(_mm256_set1_epi8(32), low)};
+    }
   }
   static Acc zero() { return _mm256_setzero_ps(); }
-  // A lane sums 4 products of at most 4096 * 32767 (Q6_K) or 255 * 32767: an int32.
-  static Acc dot_fma(Ints w, Ints x, float scale, Acc acc) {
-    const __m256i dots = _mm256_add_epi32(_mm256_madd_epi16(w.low, x.low),
-                                          _mm256_madd_epi16(w.high, x.high));
+  static Acc fma(__m256i dots, float scale, Acc acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(scale), acc);
+  }
+  // A lane sums 4 products of at most 255 * 32767: an int32.
+  static Acc dot_fma(Ints w, Ints x, float scale, Acc acc) {
+    return fma(_mm256_add_epi32(_mm256_madd_epi16(w.low, x.low),
+                                _mm256_madd_epi16(w.high, x.high)),
+               scale, acc);
+  }
+  // A pair's two products are at most 2 * 31 * 127 (Q5_K): an int16.
+  static Acc dot_fma(__m256i u, Bytes x, float scale, Acc acc) {
+    return fma(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x.x), _mm256_set1_epi16(1)), scale,
+               acc);
+  }
+  // (u - 32) . x per pair: within 2 * 32 * 127 (u . x within 2 * 63 * 127), times an int8
+  // scale per pair, summed in lanes of 4 values: an int32.
+  static Acc dot_fma(Q6KWeights w, BytesAndZero x, float scale, Acc acc) {
+    const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(w.u, x.x), x.zero);
+    return fma(_mm256_madd_epi16(pairs, w.scales), scale, acc);
   }
   static void store_values(Ints w, float scale, float offset, float* out) {
     const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
@@ -58,6 +95,21 @@ struct Avx2 {
       const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(eight));
       _mm256_storeu_ps(out + 8 * quarter, _mm256_fmadd_ps(q, s, o));
     }
+  }
+  static void store_values(__m256i u, float scale, float offset, float* out) {
+    store_values(Ints{_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)),
+                      _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1))},
+                 scale, offset, out);
+  }
+  static void store_values(Q6KWeights w, float scale, float offset, float* out) {
+    // (u - 32) times its half's scale: at most 32 * 128, an int16.
+    const __m256i zero = _mm256_set1_epi16(32);
+    const __m256i low = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(w.u)), zero);
+    const __m256i high =
+        _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(w.u, 1)), zero);
+    store_values(Ints{_mm256_mullo_epi16(low, _mm256_permute2x128_si256(w.scales, w.scales, 0x00)),
+                      _mm256_mullo_epi16(high, _mm256_permute2x128_si256(w.scales, w.scales, 0x11))},
+                 scale, offset, out);
   }
   static float sum(Acc acc) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
