@@ -35,7 +35,8 @@ class _ArrayField(ReaderField):
 class GGUFFileReader(GGUFReader):
     """``gguf.GGUFReader`` that refuses a file it cannot read faithfully, naming where, and
     parses it about 3x faster; metadata arrays (a vocabulary's tokens, scores and merges: tens
-    of thousands of values) are read whole, as :class:`_ArrayField`, tens of times faster.
+    of thousands of values) are read whole, as :class:`_ArrayField`, tens of times faster (an
+    array of strings in one pass of ``_C.read_gguf_strings``).
 
     The reader parses everything in its constructor and makes an array view of every tensor's
     data there, so the checks hook its steps: :meth:`_get` (each read must lie within the file:
