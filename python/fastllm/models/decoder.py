@@ -41,6 +41,11 @@ class Linear(nn.Linear):
     """``nn.Linear`` through :func:`fastllm.ops.linear` (a decode step streams its weights
     at memory bandwidth); parameters and names as ``nn.Linear``'s. Inputs ``[tokens, in]``."""
 
+    def reset_parameters(self) -> None:
+        # On the meta device (a model built to be loaded into) there are no values to set.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, x: Tensor) -> Tensor:
         return ops.linear(x, self.weight, self.bias)
 
