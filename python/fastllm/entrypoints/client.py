@@ -67,7 +67,6 @@ class EngineClient:
     Takes :class:`fastllm.LLM`'s arguments (see there).
     """
 
-    @collector_paused()
     def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu",
                  tokenizer: str | os.PathLike | Tokenizer | None = None,
@@ -100,9 +99,14 @@ class EngineClient:
         # A GGUF file holding the tokenizer too is parsed once, for both.
         gguf_path = Path(model).expanduser()
         shared_gguf = tokenizer is None and gguf_path.suffix == ".gguf" and gguf_path.is_file()
-        gguf_reader = GGUFFileReader(gguf_path) if shared_gguf else None
+        # The collector is paused while the file is parsed, the model loaded and the tokenizer
+        # built (they make only long-lived objects), not for the constructor: under torchrun
+        # the other ranks serve inside it.
+        with collector_paused():
+            gguf_reader = GGUFFileReader(gguf_path) if shared_gguf else None
         if tensor_parallel_size == 1:
-            loaded = load(model, dtype, device, quantization, gguf_reader=gguf_reader)
+            with collector_paused():
+                loaded = load(model, dtype, device, quantization, gguf_reader=gguf_reader)
             max_model_len, plan = self._plan_cache(loaded)
             kv_cache = PagedKVCache(loaded.kv_cache_spec(block_size,
                                                          self._cache_dtype(loaded.dtype)),
@@ -131,8 +135,10 @@ class EngineClient:
         self.vocab_size = self.model.config.vocab_size
         chunk_store = None if chunk_store_memory is None else ChunkKVStore(chunk_store_memory)
         try:
-            self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else \
-                Tokenizer.from_pretrained(model if tokenizer is None else tokenizer, gguf_reader)
+            with collector_paused():
+                self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else \
+                    Tokenizer.from_pretrained(model if tokenizer is None else tokenizer,
+                                              gguf_reader)
             self.engine = Engine(executor, self.tokenizer, engine_config, self.max_model_len,
                                  chunk_store)
         except BaseException:
