@@ -104,9 +104,9 @@ class EngineClient:
         # the other ranks serve inside it.
         with collector_paused():
             gguf_reader = GGUFFileReader(gguf_path) if shared_gguf else None
+            loaded = (load(model, dtype, device, quantization, gguf_reader=gguf_reader)
+                      if tensor_parallel_size == 1 else None)
         if tensor_parallel_size == 1:
-            with collector_paused():
-                loaded = load(model, dtype, device, quantization, gguf_reader=gguf_reader)
             max_model_len, plan = self._plan_cache(loaded)
             kv_cache = PagedKVCache(loaded.kv_cache_spec(block_size,
                                                          self._cache_dtype(loaded.dtype)),
