@@ -88,24 +88,31 @@ def test_tokenizer_splits_as_llama_cpp_does(llm):
         "<|im_start|>assistant\n")
 
 
-def test_greedy_tokens_agree_with_hf_gguf_loading(smollm2_path, device_llm, monkeypatch):
-    """Teacher-forced: HF's argmax (float32, on the CPU) at every position of fastllm's greedy
-    continuation."""
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path) -> transformers.PreTrainedModel:
+    """HF transformers' own GGUF loading of the file, in float32 on the CPU (once per module:
+    it is most of a comparison's time)."""
     # transformers parses the file twice (its config, then its tensors) and builds gguf's
     # tensor-name map anew for each of the model's ~400 modules, seconds each: both are pure
     # reads, so each is made once here.
-    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+
+
+def test_greedy_tokens_agree_with_hf_gguf_loading(device_llm, hf_model):
+    """Teacher-forced: HF's argmax (float32, on the CPU) at every position of fastllm's greedy
+    continuation."""
     llm = device_llm
     prompt = llm.client.make_requests([llm.chat_prompt(QUESTION)], None)[0].prompt_token_ids
     [out] = llm.generate([{"prompt_token_ids": prompt}],
                          SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
                          use_tqdm=False)
     generated = out.outputs[0].token_ids
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
+        logits = hf_model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
     agree = (logits.argmax(-1) == torch.tensor(generated)).float().mean().item()
     assert agree >= 0.95, f"{agree:.1%} of fastllm's greedy tokens are HF's argmax"
 
