@@ -19,7 +19,9 @@ namespace {
 
 struct Avx2 {
   // 16 registers: two activation rows' accumulators for four weight rows, and their operands.
-  static constexpr int kActRows = 2, kTileRows = 4;
+  // One activation row takes four weight rows too: with eight, a unit's accumulators, scales
+  // and offsets spill out of the registers.
+  static constexpr int kActRows = 2, kTileRows = 4, kOneRowTileRows = 4;
   struct Ints {
     __m256i low, high;  // values 0..15, 16..31
   };

@@ -15,6 +15,7 @@
 //
 // What an Isa provides:
 //   kActRows, kTileRows         activation rows and weight rows of a register tile
+//   kOneRowTileRows             weight rows of a tile for a single activation row
 //   Acc                         float lanes of partial sums
 //   weights<F, kSub>(block)     sub-block kSub's integers (block_formats.h's sub_block_ints),
 //                               in the form the Isa multiplies format F's in
@@ -168,11 +169,9 @@ template <class Isa, BlockFormat F>
 void decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, int64_t begin,
                  int64_t end, const float* bias, float* y, int64_t ldy) {
   int64_t n = begin;
-  // One activation row leaves registers for twice the weight rows: twice the streams in flight
-  // (a Qwen3-0.6B shape's Q8_0 products, 2 threads: 13 -> 17.6 GB/s).
   if (x.rows == 1)
-    for (; n + 2 * Isa::kTileRows <= end; n += 2 * Isa::kTileRows)
-      tile_all_rows<Isa, F, 2 * Isa::kTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
+    for (; n + Isa::kOneRowTileRows <= end; n += Isa::kOneRowTileRows)
+      tile_all_rows<Isa, F, Isa::kOneRowTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
   for (; n + Isa::kTileRows <= end; n += Isa::kTileRows)
     tile_all_rows<Isa, F, Isa::kTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
   for (; n < end; ++n) tile_all_rows<Isa, F, 1>(x, w + n * ldw, ldw, bias, y, ldy, n);

@@ -8,7 +8,7 @@ namespace fastllm {
 namespace {
 
 struct Scalar {
-  static constexpr int kActRows = 4, kTileRows = 4;
+  static constexpr int kActRows = 4, kTileRows = 4, kOneRowTileRows = 4;
   struct Ints {
     int16_t v[kSubBlockValues];
   };
