@@ -42,7 +42,7 @@ BlockManager::BlockManager(int64_t num_blocks, int64_t block_size, bool enable_p
                     "BlockManager num_blocks must be in [1, 2**31 - 1], got ", num_blocks);
   TORCH_CHECK_VALUE(block_size > 0, "BlockManager block_size must be positive, got ", block_size);
   blocks_.resize(num_blocks);
-  for (BlockId b = 0; b < BlockId(num_blocks); ++b) free_list_.push_back(b);
+  for (BlockId b = BlockId(num_blocks) - 1; b >= 0; --b) free_list_.push_back(b);  // 0 on top
 }
 
 const BlockManager::Sequence& BlockManager::sequence(int64_t seq_id, const char* op) const {
@@ -77,12 +77,15 @@ BlockManager::BlockId BlockManager::find_cached(uint64_t parent_prefix_id,
 }
 
 // A block for new KV: from the free list, else the least recently used evictable block, which
-// leaves the prefix cache. Callers check capacity first.
+// leaves the prefix cache. Callers check capacity first. The free list is a stack: the block
+// freed last is taken first, its memory mapped and likely still in the CPU's caches; taking the
+// oldest walked a fresh host pool (2 GiB by default) page by page, each page faulted in and
+// zeroed by the kernel at its first write.
 BlockManager::BlockId BlockManager::take_block() {
   BlockId id;
   if (!free_list_.empty()) {
-    id = free_list_.front();
-    free_list_.pop_front();
+    id = free_list_.back();
+    free_list_.pop_back();
   } else {
     TORCH_INTERNAL_ASSERT(!evictable_.empty(), "BlockManager: no block left after the check");
     id = evictable_.front();

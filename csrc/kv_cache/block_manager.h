@@ -16,7 +16,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <limits>
 #include <list>
 #include <stdexcept>
@@ -126,7 +125,7 @@ class BlockManager {
   const int64_t block_size_;
   const bool enable_prefix_caching_;
   std::vector<Block> blocks_;
-  std::deque<BlockId> free_list_;
+  std::vector<BlockId> free_list_;  // a stack (take_block)
   std::list<BlockId> evictable_;  // least recently used first
   std::unordered_map<uint64_t, BlockId> prefix_index_;  // hash(parent prefix, tokens) -> block
   std::unordered_map<int64_t, Sequence> sequences_;
