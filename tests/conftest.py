@@ -111,10 +111,57 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend", names, indirect=True)
 
 
+CUDA_TESTS = Path(__file__).resolve().parent / "cuda"
+sys.path.insert(0, str(CUDA_TESTS))  # the simulator's and nvcc checks' modules
+
+
+def _uses_the_simulator(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return ("cuda_sim_ops" in item.fixturenames
+            or callspec is not None and callspec.params.get("backend") == "cuda_sim")
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config, items):
+    """The tests that need the CUDA simulator, then nvcc's compile checks, run last, and the
+    builds they need (minutes each on a cold checkout) start now in the background, at the
+    lowest CPU priority, beside the tests that need none (tests/cuda/background_builds.py)."""
+    import background_builds
+    import cuda_sim
+    import nvcc_checks
+
+    def check_name(item) -> str | None:
+        if item.path.name != "test_kernels_compile.py" or nvcc_checks.NVCC is None:
+            return None
+        if item.originalname == "test_host_files_compile_against_torch":
+            return nvcc_checks.HOST_FILES_CHECK
+        if item.originalname == "test_kernels_compile_for_every_architecture":
+            return nvcc_checks.header_check_name(item.callspec.params["header"])
+        return None
+
+    checks = {item: check_name(item) for item in items}
+    items.sort(key=lambda item: 2 if checks[item] else 1 if _uses_the_simulator(item) else 0)
+    if config.option.collectonly:
+        return
+    builds = []
+    if cuda_sim.cuda_include_dir() is not None and any(map(_uses_the_simulator, items)):
+        builds.append((cuda_sim.SIMULATOR_BUILD, cuda_sim.build))
+    wanted = set(checks.values())
+    builds += [(name, check) for name, check in nvcc_checks.checks().items() if name in wanted]
+    background_builds.start(builds)
+
+
+def pytest_sessionfinish(session):
+    """No background build outlives the session (one that -x or a filter left unused)."""
+    background_builds = sys.modules.get("background_builds")
+    if background_builds is not None:
+        background_builds.stop()
+
+
 @pytest.fixture(scope="session")
 def cuda_sim_ops():
-    """``torch.ops.fastllm_sim``, built on first use (minutes cold, then cached in build/)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "cuda"))
+    """``torch.ops.fastllm_sim``, built on first use or in the background (minutes cold, then
+    cached in build/)."""
     import cuda_sim
 
     if cuda_sim.cuda_include_dir() is None:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension
 
+import background_builds
+
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 SIM = Path(__file__).resolve().parent / "sim"
@@ -83,6 +85,9 @@ def _key(compiler: str, flags: list[str]) -> str:
     return digest.hexdigest()[:24]
 
 
+SIMULATOR_BUILD = "the CUDA simulator"
+
+
 def build() -> Path:
     """The simulator library, compiled if this content has not been yet."""
     cuda_include = cuda_include_dir()
@@ -102,16 +107,16 @@ def build() -> Path:
     prelude = work / "prelude.h"  # the compiler takes prelude.h.gch beside it in its place
     prelude.write_text("".join(f'#include "{header}"\n' if isinstance(header, Path)
                                else f"#include <{header}>\n" for header in PRELUDE))
-    result = subprocess.run([compiler, *flags, "-x", "c++-header", str(prelude), "-o",
-                             f"{prelude}.gch"], capture_output=True, text=True)
+    result = background_builds.run([compiler, *flags, "-x", "c++-header", str(prelude), "-o",
+                                    f"{prelude}.gch"])
     if result.returncode != 0:
         raise RuntimeError(f"cuda sim: compiling the prelude failed:\n{result.stderr[-20000:]}")
 
     def compile_unit(unit: Path) -> Path:
         obj = work / (str(unit.relative_to(ROOT)).replace("/", "_") + ".o")
-        result = subprocess.run([compiler, *flags, "-Winvalid-pch", "-include", str(prelude),
-                                 "-x", "c++", "-c", str(unit), "-o", str(obj)],
-                                capture_output=True, text=True)
+        result = background_builds.run([compiler, *flags, "-Winvalid-pch", "-include",
+                                        str(prelude), "-x", "c++", "-c", str(unit), "-o",
+                                        str(obj)])
         if result.returncode != 0:
             raise RuntimeError(f"cuda sim: compiling {unit} failed:\n{result.stderr[-20000:]}")
         return obj
@@ -120,10 +125,9 @@ def build() -> Path:
         objects = list(pool.map(compile_unit, UNITS))
     torch_lib = Path(torch.__file__).parent / "lib"
     partial = work / "partial.so"
-    result = subprocess.run(
+    result = background_builds.run(
         [compiler, "-shared", "-o", str(partial), *map(str, objects), f"-L{torch_lib}",
-         f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-Wl,--no-undefined"],
-        capture_output=True, text=True)
+         f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch", "-Wl,--no-undefined"])
     if result.returncode != 0:
         raise RuntimeError(f"cuda sim: linking failed:\n{result.stderr[-20000:]}")
     partial.rename(library)  # only a complete library carries the final name
@@ -138,7 +142,7 @@ def load():
     """``torch.ops.fastllm_sim``, the simulator's ops (built first if needed)."""
     import fastllm  # noqa: F401  (the fastllm::* schemas the simulator's ops copy)
 
-    torch.ops.load_library(str(build()))
+    torch.ops.load_library(str(background_builds.result(SIMULATOR_BUILD, build)))
     return torch.ops.fastllm_sim
 
 

@@ -1,0 +1,112 @@
+"""The CUDA tests' slow builds (the simulator, nvcc's compile checks: minutes each on a cold
+checkout), started when a session has collected the tests that need them and run one after the
+other in a background thread at the lowest CPU priority. The rest of the suite leaves one of
+this machine's two cores idle about half the time; the builds take that time, and take none
+from the tests while those run. A test that needs a build waits for it (and fails with its
+error); one never started runs where the test asks for it.
+
+The thread's priority (``nice`` 19) is a Linux thread's own, and the compilers it starts, and
+the threads those start, inherit it. The compilers stay in pytest's session: a new one (setsid)
+is a new scheduling autogroup on Linux, which shares the CPU equally with pytest's whatever the
+nice values."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+
+Build = Callable[[], object]
+
+
+class _Job:
+    def __init__(self, build: Build) -> None:
+        self.build = build
+        self.done = threading.Event()
+        self.value: object = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.build()
+        except BaseException as error:  # re-raised in the test that waits for it
+            self.error = error
+        finally:
+            self.done.set()
+
+
+_lock = threading.Lock()
+_jobs: dict[str, _Job] = {}
+_running: set[subprocess.Popen] = set()
+_stopped = threading.Event()
+
+
+def start(builds: Sequence[tuple[str, Build]]) -> None:
+    """Runs ``builds`` (name, function), in order, in a background thread at nice 19."""
+    with _lock:
+        queued = [(name, _Job(build)) for name, build in builds if name not in _jobs]
+        _jobs.update(queued)
+    if not queued:
+        return
+
+    def work() -> None:
+        if hasattr(os, "setpriority"):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        for _, job in queued:
+            if _stopped.is_set():
+                job.error = RuntimeError("background builds stopped with the session")
+                job.done.set()
+            else:
+                job.run()
+
+    # A daemon: stop() ends its compiler at the session's end, so no build outlives pytest.
+    threading.Thread(target=work, name="background-builds", daemon=True).start()
+
+
+def result(name: str, build: Build) -> object:
+    """``build()``'s value: the background one's (waited for) if ``name`` was started, else
+    ``build()`` run now."""
+    with _lock:
+        job = _jobs.get(name)
+    if job is None:
+        return build()
+    job.done.wait()
+    if job.error is not None:
+        raise job.error
+    return job.value
+
+
+def run(command: Sequence[str], timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)``, ended with the processes
+    it starts (nvcc's cicc and ptxas: its process group) by :func:`stop`."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          process_group=0) as process:
+        with _lock:
+            _running.add(process)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill(process)
+            raise
+        finally:
+            with _lock:
+                _running.discard(process)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def stop() -> None:
+    """Starts no more builds and kills the compilers running (the session is over)."""
+    _stopped.set()
+    with _lock:
+        running = list(_running)
+    for process in running:
+        _kill(process)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass

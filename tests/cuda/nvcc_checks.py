@@ -1,0 +1,117 @@
+"""nvcc's compile checks of the CUDA sources (tests/cuda/test_kernels_compile.py), one build
+each (``background_builds``: a cold checkout starts them ahead of the tests):
+
+- The torch-free kernel templates (``csrc/**/*_kernels.cuh``) instantiate themselves for every
+  storage dtype under ``FASTLLM_KERNEL_COMPILE_CHECK`` and compile to SASS (unoptimized) for
+  every target architecture in ``csrc/cuda_architectures.txt``.
+- The host files (``csrc/**/*_cuda.cu``: checks, dispatch, launches, registration) compile
+  against the installed torch's headers, which a CPU build of torch ships too: all of them as
+  one translation unit (torch's headers, most of a host file's compile time, are read once: 2
+  minutes instead of 10 on two cores), to PTX for the newest target architecture (the templates
+  already go to SASS for every one).
+
+A compile takes up to a few minutes; a passing one is remembered under
+``build/cuda-compile-check``, keyed by everything that can change its outcome (all of csrc, the
+command, nvcc's and torch's versions), so a warm ``make test`` skips it."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.utils.cpp_extension
+
+import background_builds
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "csrc"
+STAMPS = ROOT / "build" / "cuda-compile-check"
+HEADERS = sorted(CSRC.glob("**/*_kernels.cuh"))
+HOST_FILES = sorted(CSRC.glob("**/*_cuda.cu"))
+ARCHITECTURES = [line.strip() for line in (CSRC / "cuda_architectures.txt").read_text().splitlines()
+                 if line.strip() and not line.startswith("#")]
+NVCC = shutil.which("nvcc")
+# What torch's own CUDA builds use: constexpr c10 helpers called from device code.
+COMMON_FLAGS = ["-std=c++20", "--expt-relaxed-constexpr", "-Werror", "all-warnings", "-I",
+                str(CSRC)]
+HOST_FILES_CHECK = "nvcc: the host files"
+
+
+def gencode(arch: str) -> list[str]:
+    return ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+
+
+def source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(CSRC).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def compile_once(source: str, flags: list[str]) -> None:
+    """nvcc -c of a unit holding ``source``, unless this exact compile already passed; checks
+    kernels came out."""
+    version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([source_digest(), source, *flags, version,
+                                    torch.__version__]).encode()).hexdigest()
+    stamp = STAMPS / key
+    if stamp.exists():
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        unit, obj = Path(folder) / "check.cu", Path(folder) / "check.o"
+        unit.write_text(source)
+        result = background_builds.run([NVCC, *flags, "-c", str(unit), "-o", str(obj)],
+                                       timeout=900)
+        assert result.returncode == 0, result.stdout + result.stderr
+        nm = shutil.which("nm")
+        if nm:  # the instantiations and launches produced kernels, not an empty object
+            symbols = subprocess.run([nm, str(obj)], capture_output=True, text=True).stdout
+            assert "_kernel" in symbols
+    STAMPS.mkdir(parents=True, exist_ok=True)
+    stamp.touch()
+
+
+def header_check_name(header: Path) -> str:
+    return f"nvcc: {header.relative_to(CSRC).as_posix()}"
+
+
+def check_header(header: Path) -> None:
+    """The kernel template ``header`` compiles to SASS for every architecture."""
+    source = (f'#define FASTLLM_KERNEL_COMPILE_CHECK\n'
+              f'#include "{header.relative_to(CSRC).as_posix()}"\n')
+    flags = [*COMMON_FLAGS, "--threads", "0",  # the architectures in parallel, one per core
+             # Every instruction still assembles for each architecture, which is what is
+             # checked, in half of ptxas's time; optimizing the code is the build's job.
+             "-Xptxas", "-O0"]
+    for arch in ARCHITECTURES:
+        flags += gencode(arch)
+    compile_once(source, flags)
+
+
+def check_host_files() -> None:
+    """The host files compile together against torch's headers, to PTX for the newest
+    architecture."""
+    source = "".join(f'#include "{path.relative_to(CSRC).as_posix()}"\n' for path in HOST_FILES)
+    newest = ARCHITECTURES[-1]
+    flags = [*COMMON_FLAGS, "-gencode", f"arch=compute_{newest},code=compute_{newest}",
+             # A CPU torch lacks only the generated c10/cuda export macros (empty on Linux).
+             "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
+             "-I", sysconfig.get_paths()["include"]]
+    for path in torch.utils.cpp_extension.include_paths():
+        flags += ["-I", path]
+    compile_once(source, flags)
+
+
+def checks() -> dict[str, Callable[[], None]]:
+    """Every check by name, the host files first (the longest)."""
+    found = {HOST_FILES_CHECK: check_host_files}
+    for header in HEADERS:
+        found[header_check_name(header)] = lambda header=header: check_header(header)
+    return found
