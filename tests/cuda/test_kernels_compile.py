@@ -18,10 +18,11 @@ def test_there_are_cuda_sources_and_architectures():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("header", HEADERS, ids=lambda h: str(h.relative_to(CSRC)))
 def test_kernels_compile_for_every_architecture(header):
-    background_builds.result(nvcc_checks.header_check_name(header),
-                             lambda: nvcc_checks.check_header(header))
+    name = nvcc_checks.header_check_name(header)
+    background_builds.result(name, nvcc_checks.checks()[name])
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_host_files_compile_against_torch():
-    background_builds.result(nvcc_checks.HOST_FILES_CHECK, nvcc_checks.check_host_files)
+    name = nvcc_checks.HOST_FILES_CHECK
+    background_builds.result(name, nvcc_checks.checks()[name])
