@@ -4,7 +4,7 @@
 // stays in its 4.5 to 8.5 bits per value, and the activations are quantized on the fly to int16
 // blocks of 32 (one float scale each), so each sub-block's dot product is integer multiply-adds
 // and one float multiply-add. Prefill rows are compute-bound: tiles of weight rows are
-// dequantized to float32 and go through ATen's GEMM. The kernels (quantized_cpu_kernel.h) are
+// dequantized to float32 a panel at a time for the ISA's GEMM. The kernels (quantized_cpu_kernel.h) are
 // built once per instruction set and picked at run time (common/cpu_isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -156,15 +156,27 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
     });
     return y;
   }
-  // Compute-bound: dequantized tiles of weight rows through ATen's GEMM, tile by tile, so the
-  // float copy never exceeds a tile.
-  // Where the CPU multiplies bfloat16 natively, the tiles and the activations go through the
-  // bfloat16 GEMM (float32 sums, a bfloat16 result): about 1.7x the float32 GEMM's speed,
-  // within 2^-7 of the sum of |x w| (llama.cpp's 8-bit activations err about as much).
+  // Compute-bound. Where the CPU multiplies bfloat16 natively, dequantized tiles of weight
+  // rows and the activations go through ATen's bfloat16 GEMM (float32 sums, a bfloat16
+  // result): about 1.7x the float32 GEMM's speed, within 2^-7 of the sum of |x w| (llama.cpp's
+  // 8-bit activations err about as much). Elsewhere the ISA's float32 GEMM takes the weight rows
+  // dequantized a panel at a time (gemm_rows).
   const auto x_float = x.to(at::kFloat).contiguous();
   auto y_float = x.scalar_type() == at::kFloat ? y : at::empty({rows, n_out}, x_float.options());
-  const bool bf16 = cpu_isa() == CpuIsa::kAvx512 && cpu_has_avx512_bf16();
-  const auto x_bf16 = bf16 ? x_float.to(at::kBFloat16) : at::Tensor();
+  if (cpu_isa() != CpuIsa::kAvx512 || !cpu_has_avx512_bf16()) {
+    const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    const float* bias_data = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
+    const float* xp = x_float.const_data_ptr<float>();
+    float* yp = y_float.mutable_data_ptr<float>();
+    // Tasks of 32 weight rows, enough of them (4 a thread) that threads finish together.
+    constexpr int64_t kTaskRows = 32;
+    at::parallel_for(0, (n_out + kTaskRows - 1) / kTaskRows, 1, [&](int64_t begin, int64_t end) {
+      cpu.gemm_rows(xp, rows, k_len, w, ldw, begin * kTaskRows,
+                    std::min(n_out, end * kTaskRows), bias_data, yp, n_out);
+    });
+    return x.scalar_type() == at::kFloat ? y : y.copy_(y_float);
+  }
+  const auto x_bf16 = x_float.to(at::kBFloat16);
   auto tile = at::empty({std::min(kGemmTileRows, n_out), k_len}, x_float.options());
   for (int64_t n = 0; n < n_out; n += kGemmTileRows) {
     const int64_t end = std::min(n_out, n + kGemmTileRows);
@@ -173,11 +185,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
     at::parallel_for(n, end, 16, [&](int64_t begin, int64_t stop) {
       cpu.dequantize_rows(w, ldw, begin, stop, k_len, dst + (begin - n) * k_len);
     });
-    auto y_tile = y_float.narrow(1, n, end - n);
-    if (bf16)
-      y_tile.copy_(at::mm(x_bf16, w_tile.to(at::kBFloat16).t()));
-    else
-      at::mm_out(y_tile, x_float, w_tile.t());
+    y_float.narrow(1, n, end - n).copy_(at::mm(x_bf16, w_tile.to(at::kBFloat16).t()));
   }
   if (bias.has_value()) y_float.add_(bias->to(at::kFloat));
   return x.scalar_type() == at::kFloat ? y : y.copy_(y_float);

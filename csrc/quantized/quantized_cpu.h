@@ -56,9 +56,16 @@ using DecodeRowsFn = void (*)(const ActivationBlocks& x, const uint8_t* w, int64
 using DequantizeRowsFn = void (*)(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
                                   int64_t in_features, float* out);
 
+// y[m * ldy + n] = x[m] . (weight row n) + bias[n] (bias may be null) for every row m of x
+// (float32 [rows, k_len], dense) and the weight rows n in [begin, end): the prefill path.
+using GemmRowsFn = void (*)(const float* x, int64_t rows, int64_t k_len, const uint8_t* w,
+                            int64_t ldw, int64_t begin, int64_t end, const float* bias,
+                            float* y, int64_t ldy);
+
 struct CpuKernels {
   DecodeRowsFn decode_rows;
   DequantizeRowsFn dequantize_rows;
+  GemmRowsFn gemm_rows;
 };
 
 // The kernels for `format`; null where the translation unit was built without its instruction

@@ -113,6 +113,14 @@ struct Avx2 {
                       _mm256_mullo_epi16(high, _mm256_permute2x128_si256(w.scales, w.scales, 0x11))},
                  scale, offset, out);
   }
+  // The prefill GEMM's tile: 6 x 2 vectors, 12 of the 16 registers.
+  static constexpr int kGemmRows = 6, kGemmVecs = 2, kFloats = 8;
+  using Floats = __m256;
+  static Floats zeros() { return _mm256_setzero_ps(); }
+  static Floats load(const float* p) { return _mm256_loadu_ps(p); }
+  static Floats broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
   static float sum(Acc acc) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));

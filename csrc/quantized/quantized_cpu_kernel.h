@@ -24,9 +24,14 @@
 //   dot_fma(w, x, scale, acc)   acc + scale * (w . x), spread over the lanes
 //   store_values(w, scale, offset, out)   out[j] = scale * w_j + offset, the 32 values (the
 //                               product is exact, so a fused multiply-add rounds as ggml does)
+//   Floats, kFloats             a float vector and its lanes (the prefill GEMM's)
+//   kGemmRows, kGemmVecs        the GEMM's register tile: activation rows x weight-row vectors
+//   zeros(), load(p), broadcast(p), fmadd(a, b, c), store(p, v)   on Floats
 #pragma once
 
+#include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "quantized/quantized_cpu.h"
 
@@ -196,11 +201,83 @@ void dequantize_rows(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
   }
 }
 
+// c[m][j] += sum_k x[m * ldx + k] * panel[k * kCols + j] over k < k_len, for MR activation
+// rows and a panel's kCols weight rows laid out k-major: each k, one load of the panel per
+// weight-row vector and one broadcast per activation row, the sums in registers.
+template <class Isa, int MR>
+inline void gemm_tile(const float* x, int64_t ldx, int64_t k_len, const float* panel,
+                      float* c, int64_t ldc) {
+  constexpr int V = Isa::kGemmVecs, W = Isa::kFloats;
+  typename Isa::Floats acc[MR][V];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) acc[m][v] = Isa::load(c + m * ldc + v * W);
+  for (int64_t k = 0; k < k_len; ++k) {
+    typename Isa::Floats b[V];
+    for (int v = 0; v < V; ++v) b[v] = Isa::load(panel + k * V * W + v * W);
+    for (int m = 0; m < MR; ++m) {
+      const auto a = Isa::broadcast(x + m * ldx + k);
+      for (int v = 0; v < V; ++v) acc[m][v] = Isa::fmadd(a, b[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) Isa::store(c + m * ldc + v * W, acc[m][v]);
+}
+
+// Prefill rows, compute-bound: y[m * ldy + n] = x[m] . (weight row n) (+ bias[n]) for every
+// activation row m (x: float32 [rows, k_len], dense) and weight rows n in [begin, end). A few
+// panels of kCols weight rows at a time are dequantized and laid out k-major; then, a block of
+// kBlockK values of k at a time (the panels' block stays in L1 and L2), every tile of
+// activation rows adds its products to float32 sums kept for the panels' columns. Each
+// (row, weight row) sum runs over k in order whatever the tile, so a row's result does not
+// depend on the others.
+template <class Isa, BlockFormat F>
+void gemm_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, int64_t ldw,
+               int64_t begin, int64_t end, const float* bias, float* y, int64_t ldy) {
+  constexpr int MR = Isa::kGemmRows, kCols = Isa::kGemmVecs * Isa::kFloats;
+  constexpr int kPanels = 4, kGroupCols = kPanels * kCols;
+  constexpr int64_t kBlockK = 128;
+  std::vector<float> dequantized(int64_t(kCols) * k_len), panels(kGroupCols * k_len);
+  std::vector<float> sums(rows * kGroupCols);
+  for (int64_t n0 = begin; n0 < end; n0 += kGroupCols) {
+    const int64_t group_cols = std::min<int64_t>(kGroupCols, end - n0);
+    const int n_panels = int((group_cols + kCols - 1) / kCols);
+    for (int p = 0; p < n_panels; ++p) {
+      const int64_t cols = std::min<int64_t>(kCols, group_cols - p * kCols);
+      dequantize_rows<Isa, F>(w, ldw, n0 + p * kCols, n0 + p * kCols + cols, k_len,
+                              dequantized.data());
+      float* panel = panels.data() + p * kCols * k_len;
+      for (int64_t k = 0; k < k_len; ++k)
+        for (int j = 0; j < kCols; ++j)
+          panel[k * kCols + j] = j < cols ? dequantized[j * k_len + k] : 0.f;
+    }
+    std::fill(sums.begin(), sums.end(), 0.f);
+    for (int64_t k0 = 0; k0 < k_len; k0 += kBlockK) {
+      const int64_t block = std::min(kBlockK, k_len - k0);
+      const auto run = [&](auto tile_rows, int64_t m) {
+        for (int p = 0; p < n_panels; ++p)
+          gemm_tile<Isa, decltype(tile_rows)::value>(
+              x + m * k_len + k0, k_len, block, panels.data() + (p * k_len + k0) * kCols,
+              sums.data() + m * kGroupCols + p * kCols, kGroupCols);
+      };
+      int64_t m = 0;
+      for (; m + MR <= rows; m += MR) run(std::integral_constant<int, MR>(), m);
+      [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
+        ((rows - m == kRows + 1 ? run(std::integral_constant<int, kRows + 1>(), m) : void()),
+         ...);
+      }(std::make_integer_sequence<int, MR - 1>());
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < group_cols; ++j)
+        y[m * ldy + n0 + j] = sums[m * kGroupCols + j] + (bias ? bias[n0 + j] : 0.f);
+  }
+}
+
 template <class Isa>
 CpuKernels cpu_kernels_for(BlockFormat format) {
   return visit_block_format(format, [](auto f) {
     return CpuKernels{&decode_rows<Isa, decltype(f)::value>,
-                      &dequantize_rows<Isa, decltype(f)::value>};
+                      &dequantize_rows<Isa, decltype(f)::value>,
+                      &gemm_rows<Isa, decltype(f)::value>};
   });
 }
 

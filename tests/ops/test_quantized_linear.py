@@ -120,12 +120,14 @@ def case_ids(cases: list) -> list[str]:
 # (activation rows, (weight rows, blocks per row)) on either side of each kernel's switch:
 # decode rows up to 32 on the CPU (AVX-512 tiles 4 rows and AVX2 2: full tiles and every
 # tail; weight rows in tiles of 4 and alone), up to 8 in CUDA's GEMV; past them tiles of 128
-# dequantized weight rows (each ISA's dequantization: test_dequantize_equals_gguf) for a GEMM.
-# The CPU's ISAs and the simulator run DECODE_CASES.
+# dequantized weight rows (each ISA's dequantization: test_dequantize_equals_gguf) for a GEMM,
+# on the CPU panels of 4-32 weight rows in groups of 4, in tiles of 4-12 activation rows and
+# blocks of 128 values of k: full ones and tails of each. The CPU's ISAs and the simulator run
+# DECODE_CASES.
 DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 8, 9)), (1, (1, 1)), (3, (1, 1)),
                 (4, (64, 2))]
 MORE_CASES = [(5, (7, 3)), (17, (7, 3)), (32, (7, 3)), (33, (7, 3)), (33, (1, 1)),
-              (40, (130, 1)), (512, (7, 1))]
+              (40, (130, 1)), (512, (7, 1)), (59, (161, 9)), (38, (300, 2))]
 
 
 @pytest.mark.cpu_isas
@@ -190,6 +192,22 @@ def test_a_row_does_not_depend_on_the_others(type_name, backend):
     for batch in batches:
         together = torch.cat([linear(x[i:i + batch]) for i in range(0, 16, batch)])
         assert torch.equal(together, alone), batch
+
+
+@pytest.mark.cpu_isas
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+def test_a_prefill_row_does_not_depend_on_the_others(type_name, backend):
+    """On the CPU's float32 GEMM path too (past CPU_STREAM_ROWS rows) a row's result is bitwise
+    the same in any batch that takes it: its sums run over k in order whatever its tile."""
+    if backend.name in ("cpu", "cpu-avx512"):
+        pytest.skip("with AVX512-BF16 the GEMM path is oneDNN's bfloat16 GEMM")
+    weight_type = TYPES[type_name]
+    weight = quantized_weight(70, 512 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
+    x = torch.randn(90, 512)
+    together = backend.ops.quantized_linear(x, weight, weight_type)
+    for first, rows in ((0, 33), (7, 40), (45, 45)):
+        part = backend.ops.quantized_linear(x[first:first + rows], weight, weight_type)
+        assert torch.equal(part, together[first:first + rows]), (first, rows)
 
 
 @pytest.mark.cuda_sim
