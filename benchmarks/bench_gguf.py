@@ -373,13 +373,16 @@ def llama_cpp_options(config: GGUFBenchConfig) -> dict[str, object]:
 
 
 # A fresh process loads a file once: its imports first (not timed), then the load, printing the
-# seconds it took.
+# seconds it took. ``import fastllm`` defers its engine's modules to the first use of
+# ``fastllm.LLM``, so the class is imported before the clock starts, as ``import llama_cpp``
+# loads llama.cpp's library before it.
 LOAD_SCRIPTS = {
-    "fastllm": ("import sys, json, time, torch, fastllm\n"
+    "fastllm": ("import sys, json, time, torch\n"
+                "from fastllm import LLM\n"
                 "path, threads, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])\n"
                 "torch.set_num_threads(threads)\n"
                 "start = time.perf_counter()\n"
-                "fastllm.LLM(path, **options)\n"
+                "LLM(path, **options)\n"
                 "print(time.perf_counter() - start)\n"),
     "llama_cpp": ("import sys, json, time, llama_cpp\n"
                   "path, options = sys.argv[1], json.loads(sys.argv[3])\n"
