@@ -2,7 +2,8 @@
 // weight matrix, so its cost is streaming the weights from memory once: the few-row kernel
 // here reads each weight row once for all the activation rows and keeps the activations in L1,
 // where a general GEMM call reaches about half the memory bandwidth for one row. Many rows
-// (prefill) are compute-bound and go to ATen's GEMM.
+// (prefill) are compute-bound: ATen's GEMM for float32 weights (and bfloat16 ones where the CPU
+// multiplies bfloat16), panels of a 16-bit weight converted to float32 otherwise.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -25,19 +26,41 @@ void stream_weights(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
   });
 }
 
-// Many rows (compute-bound): ATen's GEMM. In 16 bits only where the CPU multiplies bfloat16
-// natively (AVX512-BF16, which oneDNN uses): elsewhere ATen's 16-bit GEMM ran 7-8x slower than
-// its float32 one (AMD EPYC, AVX2, 2 threads: 17 against 140 GFLOP/s), so x and the weight go
-// through the float32 GEMM and the float32 sums are rounded once, as the 16-bit GEMM rounds
-// them.
+// Many rows against a 16-bit weight: x in float32 through the weight's panels
+// (gemm_weight_panels), the float32 sums rounded once to x's dtype.
+at::Tensor linear_weight_panels(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), n_out = weight.size(0), k_len = weight.size(1);
+  const auto x_float = x.to(at::kFloat).contiguous();
+  const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  auto y = at::empty({rows, n_out}, x_float.options());
+  const float* xp = x_float.const_data_ptr<float>();
+  const float* bp = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
+  float* yp = y.mutable_data_ptr<float>();
+  // One task per panel: enough of them (4 a thread on the smallest projections) that the
+  // threads finish together.
+  const auto run = [&](const auto* w) {
+    at::parallel_for(0, (n_out + kPanelRows - 1) / kPanelRows, 1, [&](int64_t b, int64_t e) {
+      gemm_weight_panels(xp, rows, k_len, w, weight.stride(0), bp, yp, n_out, b * kPanelRows,
+                         std::min(n_out, e * kPanelRows));
+    });
+  };
+  AT_DISPATCH_SWITCH(weight.scalar_type(), "fastllm::linear_weight_panels",
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { run(weight.const_data_ptr<scalar_t>()); })
+                     AT_DISPATCH_CASE(at::kHalf, [&] { run(weight.const_data_ptr<scalar_t>()); }));
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// Many rows (compute-bound): ATen's GEMM in float32, and in bfloat16 where the CPU multiplies
+// it natively (AVX512-BF16, which oneDNN uses); elsewhere ATen's 16-bit GEMM ran 7-8x slower
+// than its float32 one (AMD EPYC, AVX2, 2 threads: 17 against 140 GFLOP/s), so 16-bit weights
+// go through the float32 panels.
 at::Tensor linear_gemm(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   const at::ScalarType dtype = x.scalar_type();
   if (dtype == at::kFloat || (dtype == at::kBFloat16 && cpu_has_avx512_bf16()))
     return at::linear(x, weight, bias);
-  const auto bias_float = bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat))
-                                           : std::nullopt;
-  return at::linear(x.to(at::kFloat), weight.to(at::kFloat), bias_float).to(dtype);
+  return linear_weight_panels(x, weight, bias);
 }
 
 // float32 activations times 16-bit weights, each weight converted exactly to float32 as it is
@@ -45,8 +68,9 @@ at::Tensor linear_gemm(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor linear_upcast_weights_cpu(const at::Tensor& x, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0), n_out = weight.size(0), k_len = weight.size(1);
-  if ((rows > kMaxUpcastStreamRows && !batch_invariant()) || k_len == 0)
-    return at::linear(x, weight.to(at::kFloat), bias);
+  if (k_len == 0) return at::linear(x, weight.to(at::kFloat), bias);
+  if (rows > kMaxUpcastStreamRows && !batch_invariant())
+    return linear_weight_panels(x, weight, bias);
   auto y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
   const auto x_c = x.contiguous();

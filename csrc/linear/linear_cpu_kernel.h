@@ -15,7 +15,10 @@
 #define FASTLLM_BF16_DOT 1
 #endif
 
+#include <vector>
+
 #include "common/vec.h"
+#include "common/vec_gemm.h"
 
 namespace fastllm {
 namespace {
@@ -155,6 +158,49 @@ inline void stream_weight_rows(const x_t* x, int64_t rows, const w_t* w, int64_t
   for (; n + kTileRows <= end; n += kTileRows)
     tile_all_rows<kTileRows>(x, rows, w + n * ldw, ldw, bias, y, ldy, n, k_len);
   for (; n < end; ++n) tile_all_rows<1>(x, rows, w + n * ldw, ldw, bias, y, ldy, n, k_len);
+}
+
+// Many activation rows against 16-bit weights (compute-bound): y[m * ldy + n] = x[m] . w[n]
+// (+ bias[n]) for every row m of x (float32 [rows, k_len], dense) and the weight rows n in
+// [begin, end). kPanelRows weight rows at a time are converted to float32 and laid out k-major,
+// then every activation row meets them in common/vec_gemm.h's register tiles, k in blocks of
+// kPanelBlockK (a block of the panel stays in L1); no float32 copy of the whole weight is made.
+// Each (row, weight row) sum runs over k in order whatever the tile, so a row's result does not
+// depend on the others.
+constexpr int64_t kPanelRows = 32;
+constexpr int64_t kPanelBlockK = 128;
+
+template <typename w_t>
+void gemm_weight_panels(const float* x, int64_t rows, int64_t k_len, const w_t* w, int64_t ldw,
+                        const float* bias, float* y, int64_t ldy, int64_t begin, int64_t end) {
+  std::vector<float> converted(kPanelRows * k_len), panel(kPanelRows * k_len),
+      sums(rows * kPanelRows);
+  float block[detail::kGemmRows * kPanelRows];  // a tile's products over one block of k
+  for (int64_t n0 = begin; n0 < end; n0 += kPanelRows) {
+    const int64_t cols = std::min(kPanelRows, end - n0);
+    for (int64_t j = 0; j < cols; ++j)
+      convert_to_float(w + (n0 + j) * ldw, converted.data() + j * k_len, k_len);
+    for (int64_t k = 0; k < k_len; ++k)
+      for (int64_t j = 0; j < kPanelRows; ++j)
+        panel[k * kPanelRows + j] = j < cols ? converted[j * k_len + k] : 0.f;
+    // A tile's activation rows stay in L1 across the panel's columns. Each block's products
+    // are summed apart and then added to the row's sums: a float32 sum of k_len terms in one
+    // chain errs about 4x as much as ATen's GEMM (1029 values).
+    for (int64_t k0 = 0; k0 < k_len; k0 += kPanelBlockK) {
+      for (int64_t m = 0; m < rows; m += detail::kGemmRows) {
+        const int64_t tile_rows = std::min<int64_t>(detail::kGemmRows, rows - m);
+        float* dst = sums.data() + m * kPanelRows;
+        gemm_f32(tile_rows, kPanelRows, std::min(kPanelBlockK, k_len - k0), x + m * k_len + k0,
+                 k_len, panel.data() + k0 * kPanelRows, kPanelRows, k0 == 0 ? dst : block,
+                 kPanelRows, /*accumulate=*/false);
+        if (k0 > 0)
+          for (int64_t i = 0; i < tile_rows * kPanelRows; ++i) dst[i] += block[i];
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t j = 0; j < cols; ++j)
+        y[m * ldy + n0 + j] = sums[m * kPanelRows + j] + (bias ? bias[n0 + j] : 0.f);
+  }
 }
 
 // Weight rows per parallel task: enough that a task's weights (>= 64 KiB) dwarf its

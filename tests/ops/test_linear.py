@@ -1,8 +1,9 @@
 """The linear op of every backend (conftest.py) against a float64 product.
 
-Row counts cover both CPU paths (the weight-streaming kernel for few rows, ATen's GEMM past its
-threshold: 64 rows in float32, 8 in bfloat16, 4 in float16) and their edges; feature counts
-cover whole SIMD vectors, tails shorter than one, and tiles of weight rows with a remainder.
+Row counts cover both CPU paths (the weight-streaming kernel for few rows, a GEMM past its
+threshold: 64 rows in float32, 8 in bfloat16, 4 in float16; ATen's, or converted panels of a
+16-bit weight) and their edges; feature counts cover whole SIMD vectors, tails shorter than one,
+and tiles of weight rows with a remainder.
 Every dtype is held to flash-attention's 2x rule against a float64 product of the same inputs
 (the plain composition: the float32 product, rounded to the dtype).
 """
@@ -59,6 +60,23 @@ def test_16_bit_weights_under_float32(backend, weight_dtype, rows, in_features, 
     if backend.name == "cpu" and rows <= 16:  # the streaming kernel: the upcast weight's sums
         torch.testing.assert_close(got, ops.linear(x, weight.float(), bias), atol=1e-5,
                                    rtol=1e-6)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_many_row_product_with_16_bit_weights_does_not_depend_on_the_other_rows(
+        weight_dtype, device):
+    """float32 rows past the streaming kernel's 16 against 16-bit weights take the CPU's
+    converted weight panels: a row's result is bitwise the same in any batch that takes it (its
+    sums run over k in the same blocks whatever its tile)."""
+    if device.type != "cpu":
+        pytest.skip("the CPU's weight panels")
+    weight = torch.randn(70, 1029).to(weight_dtype)
+    bias = torch.randn(70)
+    x = torch.randn(90, 1029)
+    together = ops.linear(x, weight, bias)
+    for first, rows in ((0, 17), (7, 40), (45, 45)):
+        part = ops.linear(x[first:first + rows], weight, bias)
+        assert torch.equal(part, together[first:first + rows]), (first, rows)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
