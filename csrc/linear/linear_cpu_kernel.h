@@ -165,8 +165,8 @@ inline void stream_weight_rows(const x_t* x, int64_t rows, const w_t* w, int64_t
 // [begin, end). kPanelRows weight rows at a time are converted to float32 and laid out k-major,
 // then every activation row meets them in common/vec_gemm.h's register tiles, k in blocks of
 // kPanelBlockK (a block of the panel stays in L1); no float32 copy of the whole weight is made.
-// Each (row, weight row) sum runs over k in order whatever the tile, so a row's result does not
-// depend on the others.
+// Each (row, weight row) sum takes the same blocks of k in the same order whatever the tile, so
+// a row's result does not depend on the others.
 constexpr int64_t kPanelRows = 32;
 constexpr int64_t kPanelBlockK = 128;
 
