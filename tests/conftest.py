@@ -176,18 +176,26 @@ def backend(request) -> Iterator[Backend]:
     if name == "cuda_sim":
         yield Backend(name, request.getfixturevalue("cuda_sim_ops"), torch.device("cpu"))
     elif name.startswith("cpu-"):  # the CPU kernels with one instruction set
-        from fastllm import _C
-
-        previous = _C.set_cpu_isa(name.removeprefix("cpu-"))
-        try:
+        with cpu_isa(name.removeprefix("cpu-")):
             yield Backend(name, torch.ops.fastllm, torch.device("cpu"))
-        finally:
-            _C.set_cpu_isa(previous)
     else:
         if name == "cuda" and not torch.cuda.is_available():
             pytest.skip("no CUDA device")
         namespace = torch.ops.fastllm_composite if name == "composite" else torch.ops.fastllm
         yield Backend(name, namespace, torch.device("cpu" if name == "composite" else name))
+
+
+@contextlib.contextmanager
+def cpu_isa(name: str):
+    """Runs the block with the CPU kernels of instruction set ``name`` (one of
+    ``fastllm._C.cpu_isas()``), then restores the one in use."""
+    from fastllm import _C
+
+    previous = _C.set_cpu_isa(name)
+    try:
+        yield
+    finally:
+        _C.set_cpu_isa(previous)
 
 
 @contextlib.contextmanager

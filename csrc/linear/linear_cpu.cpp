@@ -45,9 +45,10 @@ at::Tensor linear_weight_panels(const at::Tensor& x, const at::Tensor& weight,
                          std::min(n_out, e * kPanelRows));
     });
   };
-  AT_DISPATCH_SWITCH(weight.scalar_type(), "fastllm::linear_weight_panels",
-                     AT_DISPATCH_CASE(at::kBFloat16, [&] { run(weight.const_data_ptr<scalar_t>()); })
-                     AT_DISPATCH_CASE(at::kHalf, [&] { run(weight.const_data_ptr<scalar_t>()); }));
+  AT_DISPATCH_SWITCH(
+      weight.scalar_type(), "fastllm::linear_weight_panels",
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { run(weight.const_data_ptr<scalar_t>()); })
+      AT_DISPATCH_CASE(at::kHalf, [&] { run(weight.const_data_ptr<scalar_t>()); }));
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 

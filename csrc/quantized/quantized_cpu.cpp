@@ -3,9 +3,9 @@
 // Decode rows (a few activation rows) stream the weights, so their cost is bytes: the weight
 // stays in its 4.5 to 8.5 bits per value, and the activations are quantized on the fly to int16
 // blocks of 32 (one float scale each), so each sub-block's dot product is integer multiply-adds
-// and one float multiply-add. Prefill rows are compute-bound: tiles of weight rows are
-// dequantized to float32 a panel at a time for the ISA's GEMM. The kernels (quantized_cpu_kernel.h) are
-// built once per instruction set and picked at run time (common/cpu_isa.h).
+// and one float multiply-add. Prefill rows are compute-bound: weight rows are dequantized to
+// float32 a panel at a time for the ISA's GEMM. The kernels (quantized_cpu_kernel.h) are built
+// once per instruction set and picked at run time (common/cpu_isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -116,7 +116,6 @@ struct Avx2 {
   // The prefill GEMM's tile: 6 x 2 vectors, 12 of the 16 registers.
   static constexpr int kGemmRows = 6, kGemmVecs = 2, kFloats = 8;
   using Floats = __m256;
-  static Floats zeros() { return _mm256_setzero_ps(); }
   static Floats load(const float* p) { return _mm256_loadu_ps(p); }
   static Floats broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }

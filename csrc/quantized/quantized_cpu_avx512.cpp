@@ -107,7 +107,6 @@ struct Avx512 {
   // The prefill GEMM's tile: 12 x 2 vectors, 24 of the 32 registers.
   static constexpr int kGemmRows = 12, kGemmVecs = 2, kFloats = 16;
   using Floats = __m512;
-  static Floats zeros() { return _mm512_setzero_ps(); }
   static Floats load(const float* p) { return _mm512_loadu_ps(p); }
   static Floats broadcast(const float* p) { return _mm512_set1_ps(*p); }
   static Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }

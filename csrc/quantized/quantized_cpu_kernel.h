@@ -26,7 +26,7 @@
 //                               product is exact, so a fused multiply-add rounds as ggml does)
 //   Floats, kFloats             a float vector and its lanes (the prefill GEMM's)
 //   kGemmRows, kGemmVecs        the GEMM's register tile: activation rows x weight-row vectors
-//   zeros(), load(p), broadcast(p), fmadd(a, b, c), store(p, v)   on Floats
+//   load(p), broadcast(p), fmadd(a, b, c), store(p, v)   on Floats
 #pragma once
 
 #include <algorithm>

@@ -36,7 +36,6 @@ struct Scalar {
   static float sum(Acc acc) { return acc; }
   static constexpr int kGemmRows = 4, kGemmVecs = 4, kFloats = 1;
   using Floats = float;
-  static Floats zeros() { return 0.f; }
   static Floats load(const float* p) { return *p; }
   static Floats broadcast(const float* p) { return *p; }
   static Floats fmadd(Floats a, Floats b, Floats c) { return std::fma(a, b, c); }

@@ -64,12 +64,10 @@ def test_16_bit_weights_under_float32(backend, weight_dtype, rows, in_features, 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_a_many_row_product_with_16_bit_weights_does_not_depend_on_the_other_rows(
-        weight_dtype, device):
+        weight_dtype):
     """float32 rows past the streaming kernel's 16 against 16-bit weights take the CPU's
     converted weight panels: a row's result is bitwise the same in any batch that takes it (its
     sums run over k in the same blocks whatever its tile)."""
-    if device.type != "cpu":
-        pytest.skip("the CPU's weight panels")
     weight = torch.randn(70, 1029).to(weight_dtype)
     bias = torch.randn(70)
     x = torch.randn(90, 1029)
