@@ -1,7 +1,8 @@
 // The quantized CPU kernels with AVX2 and FMA: this file is compiled with those flags (and
 // without AVX-512's) whatever the build targets (CMakeLists.txt), and runs on CPUs that have
 // them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h). Where the
-// activations are int16, the weights' integers are widened to int16 and meet them in vpmaddwd;
+// activations are int16, the weights' integers (Q8_0's signed, as stored) are widened to int16
+// and meet them in vpmaddwd;
 // where they are single bytes (Q4_0, the K-quants: quantized_cpu.h), the weights' unsigned
 // bytes meet them in vpmaddubsw (pairs of products into int16, never saturating: u <= 63), and
 // vpmaddwd sums the pairs into the same int32 lanes of 4 values as the AVX-512 kernels' vpdpbusd,
@@ -22,6 +23,9 @@ struct Avx2 {
   // One activation row takes four weight rows too: with eight, a unit's accumulators, scales
   // and offsets spill out of the registers.
   static constexpr int kActRows = 2, kTileRows = 4, kOneRowTileRows = 4;
+  // Q8_0's int8 sign-extend into vpmaddwd's int16 straight from memory: no zero point to add
+  // and take back through the activations' sums.
+  static constexpr bool kSignedQ8_0 = true;
   struct Ints {
     __m256i low, high;  // values 0..15, 16..31
   };
@@ -39,6 +43,16 @@ struct Avx2 {
 
   template <BlockFormat F, int kSub>
   static auto weights(const uint8_t* block) {
+    if constexpr (F == BlockFormat::kQ8_0) {
+      const auto* q = reinterpret_cast<const __m128i*>(block + 2);
+      return Ints{_mm256_cvtepi8_epi16(_mm_loadu_si128(q)),
+                  _mm256_cvtepi8_epi16(_mm_loadu_si128(q + 1))};
+    } else if constexpr (F == BlockFormat::kQ4_1) {
+      // The 16 bytes widened once: low nibbles are values 0..15, high nibbles 16..31.
+      const __m256i both = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+      return Ints{_mm256_and_si256(both, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16(both, 4)};
+    }
     const __m256i bytes = sub_block_bytes<F, kSub>(block);
     if constexpr (kByteActivations<F> && F != BlockFormat::kQ6_K) {
       return bytes;
@@ -68,23 +82,23 @@ struct Avx2 {
     }
   }
   static Acc zero() { return _mm256_setzero_ps(); }
-  static Acc fma(__m256i dots, float scale, Acc acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(scale), acc);
+  static Acc fma(__m256i dots, const float* scale, Acc acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_broadcast_ss(scale), acc);
   }
   // A lane sums 4 products of at most 255 * 32767: an int32.
-  static Acc dot_fma(Ints w, Ints x, float scale, Acc acc) {
+  static Acc dot_fma(Ints w, Ints x, const float* scale, Acc acc) {
     return fma(_mm256_add_epi32(_mm256_madd_epi16(w.low, x.low),
                                 _mm256_madd_epi16(w.high, x.high)),
                scale, acc);
   }
   // A pair's two products are at most 2 * 31 * 127 (Q5_K): an int16.
-  static Acc dot_fma(__m256i u, Bytes x, float scale, Acc acc) {
+  static Acc dot_fma(__m256i u, Bytes x, const float* scale, Acc acc) {
     return fma(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x.x), _mm256_set1_epi16(1)), scale,
                acc);
   }
   // (u - 32) . x per pair: within 2 * 32 * 127 (u . x within 2 * 63 * 127), times an int8
   // scale per pair, summed in lanes of 4 values: an int32.
-  static Acc dot_fma(Q6KWeights w, BytesAndZero x, float scale, Acc acc) {
+  static Acc dot_fma(Q6KWeights w, BytesAndZero x, const float* scale, Acc acc) {
     const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(w.u, x.x), x.zero);
     return fma(_mm256_madd_epi16(pairs, w.scales), scale, acc);
   }

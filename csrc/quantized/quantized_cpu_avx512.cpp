@@ -23,6 +23,7 @@ struct Avx512 {
   // One activation row leaves registers (32 of them) for twice the weight rows: twice the
   // streams in flight (a Qwen3-0.6B shape's Q8_0 products, 2 threads: 13 -> 17.6 GB/s).
   static constexpr int kActRows = 4, kTileRows = 4, kOneRowTileRows = 8;
+  static constexpr bool kSignedQ8_0 = false;  // vpdpbusd takes the weights unsigned
   using Acc = __m256;
   struct SplitBytes {
     __m256i high, low;
@@ -68,17 +69,17 @@ struct Avx512 {
   static __m256i dot(__m256i u, SplitBytes x) {
     return _mm256_dpbusd_epi32(_mm256_slli_epi32(dot(u, x.high), 8), u, x.low);
   }
-  static Acc dot_fma(__m256i u, SplitBytes x, float scale, Acc acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u, x)), _mm256_set1_ps(scale), acc);
+  static Acc dot_fma(__m256i u, SplitBytes x, const float* scale, Acc acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u, x)), _mm256_broadcast_ss(scale), acc);
   }
-  static Acc dot_fma(__m256i u, Bytes x, float scale, Acc acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u, x.x)), _mm256_set1_ps(scale), acc);
+  static Acc dot_fma(__m256i u, Bytes x, const float* scale, Acc acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot(u, x.x)), _mm256_broadcast_ss(scale), acc);
   }
   // |(u - 32) . x| <= 4 * 32 * 127 per lane, times an int8 scale: an int32.
-  static Acc dot_fma(Q6KWeights w, BytesAndZero x, float scale, Acc acc) {
+  static Acc dot_fma(Q6KWeights w, BytesAndZero x, const float* scale, Acc acc) {
     const __m256i dots = _mm256_sub_epi32(dot(w.u, x.x), x.zero);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(dots, w.scales)),
-                           _mm256_set1_ps(scale), acc);
+                           _mm256_broadcast_ss(scale), acc);
   }
   static void store_values(__m256i u, float scale, float offset, float* out) {
     const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);

@@ -19,9 +19,11 @@
 //   Acc                         float lanes of partial sums
 //   weights<F, kSub>(block)     sub-block kSub's integers (block_formats.h's sub_block_ints),
 //                               in the form the Isa multiplies format F's in
+//   kSignedQ8_0                 whether weights<kQ8_0> are Q8_0's int8 as stored (no offset),
+//                               not sub_block_ints' unsigned ones
 //   activations<F>(x, i)        activation sub-block i in the matching form
 //   zero(), sum(acc)            an empty accumulator; the sum of its lanes, in a fixed order
-//   dot_fma(w, x, scale, acc)   acc + scale * (w . x), spread over the lanes
+//   dot_fma(w, x, scale, acc)   acc + *scale * (w . x), spread over the lanes
 //   store_values(w, scale, offset, out)   out[j] = scale * w_j + offset, the 32 values (the
 //                               product is exact, so a fused multiply-add rounds as ggml does)
 //   Floats, kFloats             a float vector and its lanes (the prefill GEMM's)
@@ -58,11 +60,11 @@ inline SubBlockFloats<S> load_floats(const float* p) {
   return v;
 }
 
-template <int S>
-inline float lane(const SubBlockFloats<S>& v, int s) {
-  if constexpr (S == 1) return v;
-  else return v[s];
-}
+// Whether the Isa's integers for format F are signed, so the weights' offsets are all 0.
+template <class Isa, BlockFormat F>
+constexpr bool kSignedInts = F == BlockFormat::kQ8_0 && Isa::kSignedQ8_0;
+template <class Isa, BlockFormat F>
+constexpr bool kOffsets = kHasOffset<F> && !kSignedInts<Isa, F>;
 
 // Sub-blocks are taken in units of 8: a K-quant's block, or 8 blocks of the other formats,
 // whose scales are handled as vectors; a row's last blocks of those, fewer than 8, one by one.
@@ -96,12 +98,17 @@ inline void dot_unit(const ActivationBlocks& x, int64_t row0, const uint8_t* w, 
     scale[r] = load_floats<U>(s);
     offset[r] = load_floats<U>(o);
   }
-  Floats combined[M][R];  // weight scale * activation scale
+  // Weight scale * activation scale, kept in memory: each sub-block's product broadcasts from
+  // there in one load, where taking a lane of a register costs shuffles on the vector ports.
+  alignas(32) float combined[M][R][U];
   for (int m = 0; m < M; ++m) {
     const int64_t i = (row0 + m) * x.blocks + first;  // the activations' first sub-block
     const Floats x_scale = load_floats<U>(x.scales + i);
-    for (int r = 0; r < R; ++r) combined[m][r] = scale[r] * x_scale;
-    if constexpr (kHasOffset<F>) {
+    for (int r = 0; r < R; ++r) {
+      const Floats product = scale[r] * x_scale;
+      __builtin_memcpy(combined[m][r], &product, sizeof(product));
+    }
+    if constexpr (kOffsets<Isa, F>) {
       const Floats x_sum = load_floats<U>(x.sums + i);
       for (int r = 0; r < R; ++r) offsets[m][r] += offset[r] * x_sum;
     }
@@ -115,7 +122,7 @@ inline void dot_unit(const ActivationBlocks& x, int64_t row0, const uint8_t* w, 
       for (int r = 0; r < R; ++r) {
         const auto wq = Isa::template weights<F, kSub % S>(blocks[r] + kSub / S * bytes);
         for (int m = 0; m < M; ++m)
-          acc[m][r] = Isa::dot_fma(wq, xs[m], lane<U>(combined[m][r], kSub), acc[m][r]);
+          acc[m][r] = Isa::dot_fma(wq, xs[m], &combined[m][r][kSub], acc[m][r]);
       }
     }(), ...);
   }(std::make_integer_sequence<int, U>());
@@ -193,6 +200,7 @@ void dequantize_rows(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
       float* values = out + (n - begin) * in_features + b * layout.values;
       float scale[S], offset[S];
       block_affine<F>(block, scale, offset);
+      if constexpr (kSignedInts<Isa, F>) offset[0] = 0.f;
       [&]<int... kSub>(std::integer_sequence<int, kSub...>) {
         (Isa::store_values(Isa::template weights<F, kSub>(block), scale[kSub], offset[kSub],
                            values + kSub * kSubBlockValues), ...);

@@ -9,6 +9,7 @@ namespace {
 
 struct Scalar {
   static constexpr int kActRows = 4, kTileRows = 4, kOneRowTileRows = 4;
+  static constexpr bool kSignedQ8_0 = false;
   struct Ints {
     int16_t v[kSubBlockValues];
   };
@@ -25,10 +26,10 @@ struct Scalar {
     return x.values + i * kSubBlockValues;
   }
   static Acc zero() { return 0.f; }
-  static Acc dot_fma(const Ints& w, const int16_t* x, float scale, Acc acc) {
+  static Acc dot_fma(const Ints& w, const int16_t* x, const float* scale, Acc acc) {
     int64_t dot = 0;  // 32 products of up to 4096 * 32639 would overflow an int32
     for (int j = 0; j < kSubBlockValues; ++j) dot += int32_t(w.v[j]) * x[j];
-    return std::fma(float(dot), scale, acc);
+    return std::fma(float(dot), *scale, acc);
   }
   static void store_values(const Ints& w, float scale, float offset, float* out) {
     for (int j = 0; j < kSubBlockValues; ++j) out[j] = std::fma(float(w.v[j]), scale, offset);
