@@ -1,8 +1,8 @@
 // The quantized CPU kernels with AVX2 and FMA: this file is compiled with those flags (and
 // without AVX-512's) whatever the build targets (CMakeLists.txt), and runs on CPUs that have
 // them but not AVX-512 VNNI, or when FASTLLM_CPU_ISA=avx2 (common/cpu_isa.h). Where the
-// activations are int16, the weights' integers (Q8_0's signed, as stored) are widened to int16
-// and meet them in vpmaddwd;
+// activations are int16, the weights' integers (Q8_0's signed, as stored; Q4_1's bytes
+// widened before their nibbles are split) are widened to int16 and meet them in vpmaddwd;
 // where they are single bytes (Q4_0, the K-quants: quantized_cpu.h), the weights' unsigned
 // bytes meet them in vpmaddubsw (pairs of products into int16, never saturating: u <= 63), and
 // vpmaddwd sums the pairs into the same int32 lanes of 4 values as the AVX-512 kernels' vpdpbusd,
@@ -20,8 +20,8 @@ namespace {
 
 struct Avx2 {
   // 16 registers: two activation rows' accumulators for four weight rows, and their operands.
-  // One activation row takes four weight rows too: with eight, a unit's accumulators, scales
-  // and offsets spill out of the registers.
+  // One activation row takes four weight rows too: eight ran no faster (Q8_0 and Q4_1, from
+  // L2 and from memory), and a unit's accumulators and offsets then spill out of the registers.
   static constexpr int kActRows = 2, kTileRows = 4, kOneRowTileRows = 4;
   // Q8_0's int8 sign-extend into vpmaddwd's int16 straight from memory: no zero point to add
   // and take back through the activations' sums.
