@@ -39,11 +39,18 @@ inline int64_t max_stream_rows(at::ScalarType dtype) {
 // activation rows, so they switch to GEMM (on an upcast copy) earlier.
 constexpr int64_t kMaxUpcastStreamRows = 16;
 
-// A tile: kActRows activation rows x kTileRows weight rows of float32 sums. Eight weight rows
-// keep eight streams in flight, which the hardware prefetchers need to approach the memory
-// bandwidth (four reached about 80% of it).
+// A tile: kActRows activation rows x kTileRows weight rows of float32 sums. With AVX-512,
+// eight weight rows keep eight streams in flight, which the hardware prefetchers needed to
+// approach the memory bandwidth (four reached about 80% of it). With AVX2 (an AMD EPYC Zen 3
+// VM) rows interleaved in a tile drew less from memory than one row at a time in address order
+// (SmolLM2's F16 projections, 2 threads: 11.7-12.3 GB/s with eight or four, 13.0-13.2 with one;
+// the quantized kernels' AVX2 one-row tiles say more).
 constexpr int kActRows = 4;
+#if defined(CPU_CAPABILITY_AVX512)
 constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 1;
+#endif
 // The float path asks for the next tile's weights as it reads this one's (as the quantized
 // kernel does), into L2 (more misses in flight than L1 takes): SmolLM2's F16 projections, 2
 // threads, 15.8 -> 18.3 GB/s into L1, 22 into L2.

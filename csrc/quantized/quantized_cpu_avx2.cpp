@@ -19,10 +19,23 @@ namespace fastllm {
 namespace {
 
 struct Avx2 {
-  // 16 registers: two activation rows' accumulators for four weight rows, and their operands.
-  // One activation row takes four weight rows too: eight ran no faster (Q8_0 and Q4_1, from
-  // L2 and from memory), and a unit's accumulators and offsets then spill out of the registers.
-  static constexpr int kActRows = 2, kTileRows = 4, kOneRowTileRows = 4;
+  // 16 registers: two activation rows' accumulators for up to four weight rows, and their
+  // operands.
+  static constexpr int kActRows = 2;
+  // Weight rows are read one at a time, in address order: on an AMD EPYC (Zen 3) VM, a tile
+  // that interleaves two or four rows ~1 KB apart drew half the bandwidth from memory whatever
+  // the prefetch distance (a Qwen3-0.6B shape's Q8_0 products, 2 threads, one activation row:
+  // 7.3-9.6 -> 12.6-15.0 GB/s, four rows: 5.4-5.6 -> 6.8-7.0; its Q4_K_M file's, one row:
+  // 8.6-8.8 -> 11.0-11.1). Q4_0 and Q4_1 do more arithmetic per byte and stay compute-bound
+  // there, so they keep four weight rows sharing each activation load (SmolLM2's Q4_0
+  // products, one row: 7.2-7.6 GB/s with four, 6.2-6.4 with one).
+  template <BlockFormat F>
+  static constexpr int kTileRows = F == BlockFormat::kQ4_0 || F == BlockFormat::kQ4_1 ||
+                                           F == BlockFormat::kQ5_0 || F == BlockFormat::kQ5_1
+                                       ? 4
+                                       : 1;
+  template <BlockFormat F>
+  static constexpr int kOneRowTileRows = kTileRows<F>;
   // Q8_0's int8 sign-extend into vpmaddwd's int16 straight from memory: no zero point to add
   // and take back through the activations' sums.
   static constexpr bool kSignedQ8_0 = true;

@@ -14,8 +14,8 @@
 // no multiply-add on its own (it could do so in one tile size and not another).
 //
 // What an Isa provides:
-//   kActRows, kTileRows         activation rows and weight rows of a register tile
-//   kOneRowTileRows             weight rows of a tile for a single activation row
+//   kActRows, kTileRows<F>      activation rows and weight rows of a register tile
+//   kOneRowTileRows<F>          weight rows of a tile for a single activation row
 //   Acc                         float lanes of partial sums
 //   weights<F, kSub>(block)     sub-block kSub's integers (block_formats.h's sub_block_ints),
 //                               in the form the Isa multiplies format F's in
@@ -180,12 +180,13 @@ inline void tile_all_rows(const ActivationBlocks& x, const uint8_t* w, int64_t l
 template <class Isa, BlockFormat F>
 void decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, int64_t begin,
                  int64_t end, const float* bias, float* y, int64_t ldy) {
+  constexpr int kOneRowTile = Isa::template kOneRowTileRows<F>, kTile = Isa::template kTileRows<F>;
   int64_t n = begin;
   if (x.rows == 1)
-    for (; n + Isa::kOneRowTileRows <= end; n += Isa::kOneRowTileRows)
-      tile_all_rows<Isa, F, Isa::kOneRowTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
-  for (; n + Isa::kTileRows <= end; n += Isa::kTileRows)
-    tile_all_rows<Isa, F, Isa::kTileRows>(x, w + n * ldw, ldw, bias, y, ldy, n);
+    for (; n + kOneRowTile <= end; n += kOneRowTile)
+      tile_all_rows<Isa, F, kOneRowTile>(x, w + n * ldw, ldw, bias, y, ldy, n);
+  for (; n + kTile <= end; n += kTile)
+    tile_all_rows<Isa, F, kTile>(x, w + n * ldw, ldw, bias, y, ldy, n);
   for (; n < end; ++n) tile_all_rows<Isa, F, 1>(x, w + n * ldw, ldw, bias, y, ldy, n);
 }
 

@@ -8,7 +8,11 @@ namespace fastllm {
 namespace {
 
 struct Scalar {
-  static constexpr int kActRows = 4, kTileRows = 4, kOneRowTileRows = 4;
+  static constexpr int kActRows = 4;
+  template <BlockFormat>
+  static constexpr int kTileRows = 4;
+  template <BlockFormat>
+  static constexpr int kOneRowTileRows = 4;
   static constexpr bool kSignedQ8_0 = false;
   struct Ints {
     int16_t v[kSubBlockValues];
