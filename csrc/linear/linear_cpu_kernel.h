@@ -41,10 +41,10 @@ constexpr int64_t kMaxUpcastStreamRows = 16;
 
 // A tile: kActRows activation rows x kTileRows weight rows of float32 sums. With AVX-512,
 // eight weight rows keep eight streams in flight, which the hardware prefetchers needed to
-// approach the memory bandwidth (four reached about 80% of it). With AVX2 (an AMD EPYC Zen 3
-// VM) rows interleaved in a tile drew less from memory than one row at a time in address order
-// (SmolLM2's F16 projections, 2 threads: 11.7-12.3 GB/s with eight or four, 13.0-13.2 with one;
-// the quantized kernels' AVX2 one-row tiles say more).
+// approach the memory bandwidth (four reached about 80% of it). Elsewhere one row at a time, in
+// address order: with AVX2 (an AMD EPYC Zen 3 VM) rows interleaved in a tile drew less from
+// memory (SmolLM2's F16 projections, 2 threads: 11.7-12.3 GB/s with eight or four, 13.0-13.2
+// with one; the quantized kernels' AVX2 tiles say more).
 constexpr int kActRows = 4;
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kTileRows = 8;
