@@ -4,8 +4,10 @@
 // stays in its 4.5 to 8.5 bits per value, and the activations are quantized on the fly to int16
 // blocks of 32 (one float scale each), so each sub-block's dot product is integer multiply-adds
 // and one float multiply-add. Prefill rows are compute-bound: weight rows are dequantized to
-// float32 a panel at a time for the ISA's GEMM. The kernels (quantized_cpu_kernel.h) are built
-// once per instruction set and picked at run time (common/cpu_isa.h).
+// float32 a panel at a time for the ISA's GEMM, or, where the ISA has one (AVX2), repacked a
+// panel at a time for a GEMM on the decode rows' byte activations (Q4_0, Q4_K, Q5_K). The
+// kernels (quantized_cpu_kernel.h) are built once per instruction set and picked at run time
+// (common/cpu_isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -113,12 +115,14 @@ at::Tensor dequantize_cpu(const at::Tensor& weight, int64_t weight_type, at::Sca
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-// Decode rows: the activations quantized from x's dtype, the float32 sums of each task's block
-// of weight rows rounded to y's dtype by the task (no float32 copies of x or y).
+// Rows from quantized activations (decode rows, or the byte GEMM's prefill rows: `rows_fn`):
+// the activations quantized from x's dtype, the float32 sums of each task's block of at least
+// `grain` weight rows rounded to y's dtype by the task (no float32 copies of x or y).
 template <typename scalar_t>
-void quantized_decode_rows(const at::Tensor& x, const CpuKernels& cpu, BlockFormat format,
-                           const uint8_t* w, int64_t ldw, const std::optional<at::Tensor>& bias,
-                           at::Tensor& y) {
+void quantized_activation_rows(const at::Tensor& x, DecodeRowsFn rows_fn, BlockFormat format,
+                               const uint8_t* w, int64_t ldw,
+                               const std::optional<at::Tensor>& bias, int64_t grain,
+                               at::Tensor& y) {
   const int64_t rows = x.size(0), n_out = y.size(1), k_len = x.size(1);
   const auto x_c = x.contiguous();
   const QuantizedActivations xq = quantize_activations(x_c.const_data_ptr<scalar_t>(), rows,
@@ -130,10 +134,8 @@ void quantized_decode_rows(const at::Tensor& x, const CpuKernels& cpu, BlockForm
   std::vector<float> sums(direct ? 0 : rows * n_out);
   scalar_t* out = y.mutable_data_ptr<scalar_t>();
   float* dst = direct ? reinterpret_cast<float*>(out) : sums.data();
-  // Grain: enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
-  const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
   at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-    cpu.decode_rows(activations, w, ldw, begin, end, bias_data, dst, n_out);
+    rows_fn(activations, w, ldw, begin, end, bias_data, dst, n_out);
     if constexpr (!direct)
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = begin; j < end; ++j) out[r * n_out + j] = scalar_t(dst[r * n_out + j]);
@@ -151,16 +153,28 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const int64_t ldw = weight.stride(0);
   const CpuKernels cpu = isa_kernels(format);
   if (rows <= kMaxStreamRows || batch_invariant()) {  // batch-invariant: decode rows for all
+    // Enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
+    const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
     FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
-      quantized_decode_rows<scalar_t>(x, cpu, format, w, ldw, bias, y);
+      quantized_activation_rows<scalar_t>(x, cpu.decode_rows, format, w, ldw, bias, grain, y);
     });
     return y;
   }
-  // Compute-bound. Where the CPU multiplies bfloat16 natively, dequantized tiles of weight
-  // rows and the activations go through ATen's bfloat16 GEMM (float32 sums, a bfloat16
-  // result): about 1.7x the float32 GEMM's speed, within 2^-7 of the sum of |x w| (llama.cpp's
-  // 8-bit activations err about as much). Elsewhere the ISA's float32 GEMM takes the weight rows
-  // dequantized a panel at a time (gemm_rows).
+  // Compute-bound. The byte GEMM where the ISA has one for the format (AVX2: 1.7-1.8x the
+  // float32 GEMM below on SmolLM2's Q4_0 and a Qwen3-0.6B shape's Q4_K layers, 512 rows, 2
+  // threads; it wins from about 6 rows on, but decode rows keep up to kMaxStreamRows, each
+  // row's bits the same in any batch of them).
+  if (cpu.byte_gemm_rows) {
+    FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
+      quantized_activation_rows<scalar_t>(x, cpu.byte_gemm_rows, format, w, ldw, bias, 32, y);
+    });
+    return y;
+  }
+  // Where the CPU multiplies bfloat16 natively, dequantized tiles of weight rows and the
+  // activations go through ATen's bfloat16 GEMM (float32 sums, a bfloat16 result): about 1.7x
+  // the float32 GEMM's speed, within 2^-7 of the sum of |x w| (llama.cpp's 8-bit activations
+  // err about as much). Elsewhere the ISA's float32 GEMM takes the weight rows dequantized a
+  // panel at a time (gemm_rows).
   const auto x_float = x.to(at::kFloat).contiguous();
   auto y_float = x.scalar_type() == at::kFloat ? y : at::empty({rows, n_out}, x_float.options());
   if (cpu_isa() != CpuIsa::kAvx512 || !cpu_has_avx512_bf16()) {

@@ -66,6 +66,9 @@ struct CpuKernels {
   DecodeRowsFn decode_rows;
   DequantizeRowsFn dequantize_rows;
   GemmRowsFn gemm_rows;
+  // Prefill rows from byte activations (Q4_0, Q4_K, Q5_K), where the instruction set has them;
+  // else null.
+  DecodeRowsFn byte_gemm_rows;
 };
 
 // The kernels for `format`; null where the translation unit was built without its instruction
@@ -78,8 +81,9 @@ CpuKernels cpu_kernels_scalar(BlockFormat format);
 CpuKernels isa_kernels(BlockFormat format);
 
 // Up to this many activation rows the integer kernel streams the weights once for all of them;
-// past it the product is compute-bound and the dequantize + GEMM path wins (decode rows and
-// prefill rows differ in their last bits: int16 activations against a GEMM's). The GEMM path
+// past it the product is compute-bound and a GEMM wins (decode rows and prefill rows differ in
+// their last bits: int16 activations against a GEMM's, or the byte GEMM's sums in another
+// order; the byte GEMM wins from fewer rows, quantized_cpu.cpp). The dequantize + GEMM path
 // pays for dequantizing the whole weight, so it wins only past 44-64 rows (SmolLM2's Q8_0 and
 // Q4_0, the Qwen3 shape's Q4_K, 2 threads); at 17-32 rows streaming took 1.3-2.8x less time,
 // which is a draft model's catch-up chunk, a verification step or a batch of 32 decodes.

@@ -147,6 +147,29 @@ struct Avx2 {
   static Floats broadcast(const float* p) { return _mm256_broadcast_ss(p); }
   static Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
+  static Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
+  // The prefill byte GEMM.
+  static constexpr bool kByteGemm = true;
+  static constexpr int kByteGemmRows = 2;
+  using Quads = __m256i;
+  static void store_bytes(uint8_t* p, __m256i w) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+  }
+  static Quads load_quads(const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static Quads broadcast_quad(const int8_t* p) {
+    return _mm256_set1_epi32(int(read_u32(reinterpret_cast<const uint8_t*>(p))));
+  }
+  static Quads zero_quads() { return _mm256_setzero_si256(); }
+  static Quads add_quad_products(Quads w, Quads x, Quads pairs) {
+    return _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w, x));
+  }
+  static Quads pair_sums(Quads pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+  static Quads add_ints(Quads a, Quads b) { return _mm256_add_epi32(a, b); }
+  static Floats scale_ints(Quads ints, Floats scale, Floats acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, acc);
+  }
   static float sum(Acc acc) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));

@@ -29,6 +29,16 @@
 //   Floats, kFloats             a float vector and its lanes (the prefill GEMM's)
 //   kGemmRows, kGemmVecs        the GEMM's register tile: activation rows x weight-row vectors
 //   load(p), broadcast(p), fmadd(a, b, c), store(p, v)   on Floats
+// and, where kByteGemm (the prefill byte GEMM of the formats with byte activations):
+//   Quads, kByteGemmRows        an integer vector whose 32-bit lanes are 4 bytes each (a weight
+//                               row's 4 consecutive unsigned integers, or an activation row's 4
+//                               int8); the GEMM's register tile: activation rows x 2 Quads
+//   store_bytes(p, w)           the 32 integers weights<F, kSub> gave, as bytes
+//   load_quads(p), broadcast_quad(p), zero_quads()
+//   add_quad_products(w, x, a)  a + the products w x of each lane, summed by pairs (int16)
+//   pair_sums(a)                the int16 pairs summed by lanes of 4 bytes (int32)
+//   add_ints(a, b)              int32 lanes
+//   scale_ints(ints, scale, acc)   acc + float(ints) * scale
 #pragma once
 
 #include <algorithm>
@@ -281,12 +291,118 @@ void gemm_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, in
   }
 }
 
+// The formats of the byte GEMM: those with byte activations but Q6_K, whose int8 scales
+// change every 16 values.
+template <BlockFormat F>
+constexpr bool kByteGemmFormat = kByteActivations<F> && F != BlockFormat::kQ6_K;
+// Groups of 4 values whose products one int16 pair sum holds: a group adds at most
+// 2 * 127 * (the largest integer) to it (|x| <= kByteActivationMax): 8 groups of 4-bit
+// integers (30480), 4 of Q5_K's 5-bit ones (31496).
+template <BlockFormat F>
+constexpr int kQuadsPerPairSum = F == BlockFormat::kQ5_K ? 4 : 8;
+
+// Prefill rows of the kByteGemmFormat formats (Q4_0, Q4_K, Q5_K), compute-bound:
+// y[m * ldy + n] = (activation row m) . (weight row n) (+ bias[n]) from byte activations, as
+// decode_rows, with the weight rows' integers repacked a panel of kCols rows at a time so
+// that each 32-bit lane holds 4 consecutive integers of one row: one 8-bit multiply-add of a
+// panel vector and 4 of an activation row's bytes (broadcast) is 32 products, where a float
+// GEMM's multiply-add is 8. Each sub-block's integer sums are exact; the float sums run over
+// the sub-blocks in order whatever the tile, so a row's result does not depend on the others.
+template <class Isa, BlockFormat F>
+void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, int64_t begin,
+                    int64_t end, const float* bias, float* y, int64_t ldy) {
+  constexpr int S = kSubBlocks<F>, MR = Isa::kByteGemmRows, kQuads = kSubBlockValues / 4;
+  constexpr int kLanes = 8, kCols = 2 * kLanes, kPairSums = kQuads / kQuadsPerPairSum<F>;
+  constexpr int64_t bytes = block_layout(F).bytes;
+  const int64_t blocks = x.blocks, k_len = blocks * kSubBlockValues;
+  // A panel: per sub-block, its kQuads groups of 4 integers of each of the kCols weight rows;
+  // and the rows' scales and offsets per sub-block.
+  std::vector<uint8_t> quads(blocks * kQuads * kCols * 4);
+  std::vector<float> scales(blocks * kCols), offsets(blocks * kCols);
+  for (int64_t n0 = begin; n0 < end; n0 += kCols) {
+    const int cols = int(std::min<int64_t>(kCols, end - n0));
+    for (int j = 0; j < kCols; ++j) {
+      // Rows past the weight's end: a copy of its last row, whose results are not stored.
+      const uint8_t* row = w + (n0 + std::min(j, cols - 1)) * ldw;
+      for (int64_t b = 0; b < blocks / S; ++b) {
+        const uint8_t* block = row + b * bytes;
+        float scale[S], offset[S];
+        block_affine<F>(block, scale, offset);
+        [&]<int... kSub>(std::integer_sequence<int, kSub...>) {
+          ([&] {
+            const int64_t sub = b * S + kSub;
+            alignas(32) uint8_t ints[kSubBlockValues];
+            Isa::store_bytes(ints, Isa::template weights<F, kSub>(block));
+            for (int q = 0; q < kQuads; ++q)
+              __builtin_memcpy(&quads[((sub * kQuads + q) * kCols + j) * 4], ints + 4 * q, 4);
+            scales[sub * kCols + j] = scale[kSub];
+            offsets[sub * kCols + j] = offset[kSub];
+          }(), ...);
+        }(std::make_integer_sequence<int, S>());
+      }
+    }
+    const auto run = [&](auto tile_rows, int64_t m0) {
+      constexpr int R = decltype(tile_rows)::value;
+      typename Isa::Floats acc[R][2];
+      for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = Isa::zero();
+      for (int64_t sub = 0; sub < blocks; ++sub) {
+        const uint8_t* panel = quads.data() + sub * kQuads * kCols * 4;
+        typename Isa::Quads ints[R][2];
+        for (int m = 0; m < R; ++m) ints[m][0] = ints[m][1] = Isa::zero_quads();
+        for (int part = 0; part < kPairSums; ++part) {
+          typename Isa::Quads pairs[R][2];
+          for (int m = 0; m < R; ++m) pairs[m][0] = pairs[m][1] = Isa::zero_quads();
+          for (int q = part * kQuadsPerPairSum<F>; q < (part + 1) * kQuadsPerPairSum<F>; ++q) {
+            const typename Isa::Quads w0 = Isa::load_quads(panel + q * kCols * 4);
+            const typename Isa::Quads w1 = Isa::load_quads(panel + (q * kCols + kLanes) * 4);
+            for (int m = 0; m < R; ++m) {
+              const auto xq =
+                  Isa::broadcast_quad(x.low + (m0 + m) * k_len + sub * kSubBlockValues + 4 * q);
+              pairs[m][0] = Isa::add_quad_products(w0, xq, pairs[m][0]);
+              pairs[m][1] = Isa::add_quad_products(w1, xq, pairs[m][1]);
+            }
+          }
+          for (int m = 0; m < R; ++m)
+            for (int v = 0; v < 2; ++v)
+              ints[m][v] = Isa::add_ints(ints[m][v], Isa::pair_sums(pairs[m][v]));
+        }
+        for (int m = 0; m < R; ++m) {
+          const int64_t i = (m0 + m) * blocks + sub;
+          const auto x_scale = Isa::broadcast(x.scales + i), x_sum = Isa::broadcast(x.sums + i);
+          for (int v = 0; v < 2; ++v) {
+            const float* at = scales.data() + sub * kCols + v * kLanes;
+            const auto combined = Isa::mul(Isa::load(at), x_scale);
+            acc[m][v] = Isa::scale_ints(ints[m][v], combined, acc[m][v]);
+            acc[m][v] = Isa::fmadd(Isa::load(offsets.data() + sub * kCols + v * kLanes), x_sum,
+                                   acc[m][v]);
+          }
+        }
+      }
+      for (int m = 0; m < R; ++m) {
+        alignas(32) float out[kCols];
+        Isa::store(out, acc[m][0]);
+        Isa::store(out + kLanes, acc[m][1]);
+        for (int j = 0; j < cols; ++j)
+          y[(m0 + m) * ldy + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.f);
+      }
+    };
+    int64_t m = 0;
+    for (; m + MR <= x.rows; m += MR) run(std::integral_constant<int, MR>(), m);
+    [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
+      ((x.rows - m == kRows + 1 ? run(std::integral_constant<int, kRows + 1>(), m) : void()),
+       ...);
+    }(std::make_integer_sequence<int, MR - 1>());
+  }
+}
+
 template <class Isa>
 CpuKernels cpu_kernels_for(BlockFormat format) {
   return visit_block_format(format, [](auto f) {
-    return CpuKernels{&decode_rows<Isa, decltype(f)::value>,
-                      &dequantize_rows<Isa, decltype(f)::value>,
-                      &gemm_rows<Isa, decltype(f)::value>};
+    constexpr BlockFormat F = decltype(f)::value;
+    DecodeRowsFn byte_gemm = nullptr;
+    if constexpr (Isa::kByteGemm && kByteGemmFormat<F>) byte_gemm = &byte_gemm_rows<Isa, F>;
+    return CpuKernels{&decode_rows<Isa, F>, &dequantize_rows<Isa, F>, &gemm_rows<Isa, F>,
+                      byte_gemm};
   });
 }
 

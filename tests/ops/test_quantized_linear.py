@@ -81,7 +81,8 @@ def test_dequantize_equals_gguf(type_name, backend):
         assert torch.equal(low, expected.to(dtype))
 
 
-# Rows past this take the CPU's dequantize + GEMM path (kMaxStreamRows, quantized_cpu.cpp).
+# Rows past this take the CPU's GEMM path (kMaxStreamRows, quantized_cpu.cpp): AVX2's byte GEMM
+# for Q4_0 and the K-quants but Q6_K, else dequantized tiles.
 CPU_STREAM_ROWS = 32
 
 
@@ -123,8 +124,8 @@ def case_ids(cases: list) -> list[str]:
 # tail; weight rows in tiles of 4 and alone), up to 8 in CUDA's GEMV; past them tiles of 128
 # dequantized weight rows (each ISA's dequantization: test_dequantize_equals_gguf) for a GEMM,
 # on the CPU panels of 4-32 weight rows in groups of 4, in tiles of 4-12 activation rows and
-# blocks of 128 values of k: full ones and tails of each. The CPU's ISAs and the simulator run
-# DECODE_CASES.
+# blocks of 128 values of k (AVX2's byte GEMM: panels of 16 weight rows, tiles of 2 activation
+# rows): full ones and tails of each. The CPU's ISAs and the simulator run DECODE_CASES.
 DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 8, 9)), (1, (1, 1)), (3, (1, 1)),
                 (4, (64, 2))]
 MORE_CASES = [(5, (7, 3)), (17, (7, 3)), (32, (7, 3)), (33, (7, 3)), (33, (1, 1)),
