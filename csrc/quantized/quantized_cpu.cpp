@@ -5,7 +5,7 @@
 // blocks of 32 (one float scale each), so each sub-block's dot product is integer multiply-adds
 // and one float multiply-add. Prefill rows are compute-bound: weight rows are dequantized to
 // float32 a panel at a time for the ISA's GEMM, or, where the ISA has one (AVX2), repacked a
-// panel at a time for a GEMM on the decode rows' byte activations (Q4_0, Q4_K, Q5_K). The
+// panel at a time for a GEMM on the decode rows' byte activations (Q4_0, the K-quants). The
 // kernels (quantized_cpu_kernel.h) are built once per instruction set and picked at run time
 // (common/cpu_isa.h).
 #include <ATen/ATen.h>

@@ -66,8 +66,8 @@ struct CpuKernels {
   DecodeRowsFn decode_rows;
   DequantizeRowsFn dequantize_rows;
   GemmRowsFn gemm_rows;
-  // Prefill rows from byte activations (Q4_0, Q4_K, Q5_K), where the instruction set has them;
-  // else null.
+  // Prefill rows from byte activations (Q4_0, the K-quants), where the instruction set has
+  // them; else null.
   DecodeRowsFn byte_gemm_rows;
 };
 

@@ -155,6 +155,7 @@ struct Avx2 {
   static void store_bytes(uint8_t* p, __m256i w) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
   }
+  static void store_bytes(uint8_t* p, Q6KWeights w) { store_bytes(p, w.u); }
   static Quads load_quads(const uint8_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }

@@ -33,7 +33,8 @@
 //   Quads, kByteGemmRows        an integer vector whose 32-bit lanes are 4 bytes each (a weight
 //                               row's 4 consecutive unsigned integers, or an activation row's 4
 //                               int8); the GEMM's register tile: activation rows x 2 Quads
-//   store_bytes(p, w)           the 32 integers weights<F, kSub> gave, as bytes
+//   store_bytes(p, w)           the 32 unsigned integers weights<F, kSub> gave, as bytes
+//                               (Q6_K's as stored: 0..63, its int8 scales not applied)
 //   load_quads(p), broadcast_quad(p), zero_quads()
 //   add_quad_products(w, x, a)  a + the products w x of each lane, summed by pairs (int16)
 //   pair_sums(a)                the int16 pairs summed by lanes of 4 bytes (int32)
@@ -291,34 +292,44 @@ void gemm_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, in
   }
 }
 
-// The formats of the byte GEMM: those with byte activations but Q6_K, whose int8 scales
-// change every 16 values.
+// Scale groups of a sub-block in the byte GEMM: Q6_K's int8 scales change every 16 values.
 template <BlockFormat F>
-constexpr bool kByteGemmFormat = kByteActivations<F> && F != BlockFormat::kQ6_K;
+constexpr int kScaleGroups = F == BlockFormat::kQ6_K ? 2 : 1;
 // Groups of 4 values whose products one int16 pair sum holds: a group adds at most
 // 2 * 127 * (the largest integer) to it (|x| <= kByteActivationMax): 8 groups of 4-bit
-// integers (30480), 4 of Q5_K's 5-bit ones (31496).
+// integers (30480), 4 of Q5_K's 5-bit ones (31496), 2 of Q6_K's 6-bit ones (32004).
 template <BlockFormat F>
-constexpr int kQuadsPerPairSum = F == BlockFormat::kQ5_K ? 4 : 8;
+constexpr int kQuadsPerPairSum = F == BlockFormat::kQ6_K ? 2 : F == BlockFormat::kQ5_K ? 4 : 8;
 
-// Prefill rows of the kByteGemmFormat formats (Q4_0, Q4_K, Q5_K), compute-bound:
+// Prefill rows of the formats with byte activations (Q4_0 and the K-quants), compute-bound:
 // y[m * ldy + n] = (activation row m) . (weight row n) (+ bias[n]) from byte activations, as
-// decode_rows, with the weight rows' integers repacked a panel of kCols rows at a time so
-// that each 32-bit lane holds 4 consecutive integers of one row: one 8-bit multiply-add of a
-// panel vector and 4 of an activation row's bytes (broadcast) is 32 products, where a float
-// GEMM's multiply-add is 8. Each sub-block's integer sums are exact; the float sums run over
-// the sub-blocks in order whatever the tile, so a row's result does not depend on the others.
+// decode_rows, with the weight rows' unsigned integers repacked a panel of kCols rows at a
+// time so that each 32-bit lane holds 4 consecutive integers of one row: one 8-bit multiply-add
+// of a panel vector and 4 of an activation row's bytes (broadcast) is 32 products, where a
+// float GEMM's multiply-add is 8. Each scale group's integer sums are exact; the float sums
+// run over the groups in order whatever the tile, so a row's result does not depend on the
+// others.
 template <class Isa, BlockFormat F>
 void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, int64_t begin,
                     int64_t end, const float* bias, float* y, int64_t ldy) {
-  constexpr int S = kSubBlocks<F>, MR = Isa::kByteGemmRows, kQuads = kSubBlockValues / 4;
-  constexpr int kLanes = 8, kCols = 2 * kLanes, kPairSums = kQuads / kQuadsPerPairSum<F>;
+  constexpr int S = kSubBlocks<F>, MR = Isa::kByteGemmRows, G = kScaleGroups<F>;
+  constexpr int kQuads = kSubBlockValues / 4, kGroupQuads = kQuads / G;
+  constexpr int kLanes = 8, kCols = 2 * kLanes, kParts = kGroupQuads / kQuadsPerPairSum<F>;
   constexpr int64_t bytes = block_layout(F).bytes;
   const int64_t blocks = x.blocks, k_len = blocks * kSubBlockValues;
+  // Each scale group's activation sum times the sub-block's scale: the blocks' own sums, or
+  // Q6_K's halves.
+  std::vector<float> group_sums(G == 1 ? 0 : x.rows * blocks * G);
+  for (int64_t i = 0; i < int64_t(group_sums.size()); ++i) {
+    int32_t sum = 0;
+    for (int64_t v = 0; v < kSubBlockValues / G; ++v) sum += x.low[i * (kSubBlockValues / G) + v];
+    group_sums[i] = x.scales[i / G] * float(sum);
+  }
+  const float* x_sums = G == 1 ? x.sums : group_sums.data();
   // A panel: per sub-block, its kQuads groups of 4 integers of each of the kCols weight rows;
-  // and the rows' scales and offsets per sub-block.
+  // and the rows' scales and offsets per scale group.
   std::vector<uint8_t> quads(blocks * kQuads * kCols * 4);
-  std::vector<float> scales(blocks * kCols), offsets(blocks * kCols);
+  std::vector<float> scales(blocks * G * kCols), offsets(blocks * G * kCols);
   for (int64_t n0 = begin; n0 < end; n0 += kCols) {
     const int cols = int(std::min<int64_t>(kCols, end - n0));
     for (int j = 0; j < kCols; ++j) {
@@ -335,8 +346,16 @@ void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, in
             Isa::store_bytes(ints, Isa::template weights<F, kSub>(block));
             for (int q = 0; q < kQuads; ++q)
               __builtin_memcpy(&quads[((sub * kQuads + q) * kCols + j) * 4], ints + 4 * q, 4);
-            scales[sub * kCols + j] = scale[kSub];
-            offsets[sub * kCols + j] = offset[kSub];
+            for (int g = 0; g < G; ++g) {
+              const int64_t at = (sub * G + g) * kCols + j;
+              if constexpr (F == BlockFormat::kQ6_K) {  // d * the group's int8 scale, exact
+                scales[at] = scale[kSub] * float(int8_t(block[192 + G * kSub + g]));
+                offsets[at] = -32.f * scales[at];
+              } else {
+                scales[at] = scale[kSub];
+                offsets[at] = offset[kSub];
+              }
+            }
           }(), ...);
         }(std::make_integer_sequence<int, S>());
       }
@@ -346,35 +365,39 @@ void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, in
       typename Isa::Floats acc[R][2];
       for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = Isa::zero();
       for (int64_t sub = 0; sub < blocks; ++sub) {
-        const uint8_t* panel = quads.data() + sub * kQuads * kCols * 4;
-        typename Isa::Quads ints[R][2];
-        for (int m = 0; m < R; ++m) ints[m][0] = ints[m][1] = Isa::zero_quads();
-        for (int part = 0; part < kPairSums; ++part) {
-          typename Isa::Quads pairs[R][2];
-          for (int m = 0; m < R; ++m) pairs[m][0] = pairs[m][1] = Isa::zero_quads();
-          for (int q = part * kQuadsPerPairSum<F>; q < (part + 1) * kQuadsPerPairSum<F>; ++q) {
-            const typename Isa::Quads w0 = Isa::load_quads(panel + q * kCols * 4);
-            const typename Isa::Quads w1 = Isa::load_quads(panel + (q * kCols + kLanes) * 4);
-            for (int m = 0; m < R; ++m) {
-              const auto xq =
-                  Isa::broadcast_quad(x.low + (m0 + m) * k_len + sub * kSubBlockValues + 4 * q);
-              pairs[m][0] = Isa::add_quad_products(w0, xq, pairs[m][0]);
-              pairs[m][1] = Isa::add_quad_products(w1, xq, pairs[m][1]);
+        for (int g = 0; g < G; ++g) {
+          const uint8_t* panel = quads.data() + (sub * kQuads + g * kGroupQuads) * kCols * 4;
+          typename Isa::Quads ints[R][2];
+          for (int m = 0; m < R; ++m) ints[m][0] = ints[m][1] = Isa::zero_quads();
+          for (int part = 0; part < kParts; ++part) {
+            typename Isa::Quads pairs[R][2];
+            for (int m = 0; m < R; ++m) pairs[m][0] = pairs[m][1] = Isa::zero_quads();
+            for (int q = part * kQuadsPerPairSum<F>; q < (part + 1) * kQuadsPerPairSum<F>; ++q) {
+              const typename Isa::Quads w0 = Isa::load_quads(panel + q * kCols * 4);
+              const typename Isa::Quads w1 = Isa::load_quads(panel + (q * kCols + kLanes) * 4);
+              for (int m = 0; m < R; ++m) {
+                const auto xq = Isa::broadcast_quad(x.low + (m0 + m) * k_len +
+                                                    sub * kSubBlockValues +
+                                                    4 * (g * kGroupQuads + q));
+                pairs[m][0] = Isa::add_quad_products(w0, xq, pairs[m][0]);
+                pairs[m][1] = Isa::add_quad_products(w1, xq, pairs[m][1]);
+              }
             }
+            for (int m = 0; m < R; ++m)
+              for (int v = 0; v < 2; ++v)
+                ints[m][v] = Isa::add_ints(ints[m][v], Isa::pair_sums(pairs[m][v]));
           }
-          for (int m = 0; m < R; ++m)
-            for (int v = 0; v < 2; ++v)
-              ints[m][v] = Isa::add_ints(ints[m][v], Isa::pair_sums(pairs[m][v]));
-        }
-        for (int m = 0; m < R; ++m) {
-          const int64_t i = (m0 + m) * blocks + sub;
-          const auto x_scale = Isa::broadcast(x.scales + i), x_sum = Isa::broadcast(x.sums + i);
-          for (int v = 0; v < 2; ++v) {
-            const float* at = scales.data() + sub * kCols + v * kLanes;
-            const auto combined = Isa::mul(Isa::load(at), x_scale);
-            acc[m][v] = Isa::scale_ints(ints[m][v], combined, acc[m][v]);
-            acc[m][v] = Isa::fmadd(Isa::load(offsets.data() + sub * kCols + v * kLanes), x_sum,
-                                   acc[m][v]);
+          const float* group_scales = scales.data() + (sub * G + g) * kCols;
+          const float* group_offsets = offsets.data() + (sub * G + g) * kCols;
+          for (int m = 0; m < R; ++m) {
+            const int64_t i = (m0 + m) * blocks + sub;
+            const auto x_scale = Isa::broadcast(x.scales + i);
+            const auto x_sum = Isa::broadcast(x_sums + i * G + g);
+            for (int v = 0; v < 2; ++v) {
+              const auto combined = Isa::mul(Isa::load(group_scales + v * kLanes), x_scale);
+              acc[m][v] = Isa::scale_ints(ints[m][v], combined, acc[m][v]);
+              acc[m][v] = Isa::fmadd(Isa::load(group_offsets + v * kLanes), x_sum, acc[m][v]);
+            }
           }
         }
       }
@@ -400,7 +423,7 @@ CpuKernels cpu_kernels_for(BlockFormat format) {
   return visit_block_format(format, [](auto f) {
     constexpr BlockFormat F = decltype(f)::value;
     DecodeRowsFn byte_gemm = nullptr;
-    if constexpr (Isa::kByteGemm && kByteGemmFormat<F>) byte_gemm = &byte_gemm_rows<Isa, F>;
+    if constexpr (Isa::kByteGemm && kByteActivations<F>) byte_gemm = &byte_gemm_rows<Isa, F>;
     return CpuKernels{&decode_rows<Isa, F>, &dequantize_rows<Isa, F>, &gemm_rows<Isa, F>,
                       byte_gemm};
   });

@@ -82,7 +82,7 @@ def test_dequantize_equals_gguf(type_name, backend):
 
 
 # Rows past this take the CPU's GEMM path (kMaxStreamRows, quantized_cpu.cpp): AVX2's byte GEMM
-# for Q4_0 and the K-quants but Q6_K, else dequantized tiles.
+# for Q4_0 and the K-quants, else dequantized tiles.
 CPU_STREAM_ROWS = 32
 
 
@@ -205,7 +205,7 @@ def _prefill_isa(isa: str):
 
 
 @pytest.mark.parametrize("isa", [_prefill_isa(isa) for isa in _C.cpu_isas()])
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
 def test_a_prefill_row_does_not_depend_on_the_others(type_name, isa):
     """On the CPU's float32 GEMM path too (past CPU_STREAM_ROWS rows) a row's result is bitwise
     the same in any batch that takes it: its sums run over k in order whatever its tile."""
