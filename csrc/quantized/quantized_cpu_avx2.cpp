@@ -148,7 +148,8 @@ struct Avx2 {
   static Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
   static Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
-  // The prefill byte GEMM.
+  // The prefill byte GEMM: two activation rows against two vectors of 8 weight rows, 4 int16
+  // pair sums, 4 int32 sums and 4 float accumulators.
   static constexpr bool kByteGemm = true;
   static constexpr int kByteGemmRows = 2;
   using Quads = __m256i;

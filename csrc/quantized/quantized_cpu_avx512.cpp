@@ -20,9 +20,11 @@ namespace fastllm {
 namespace {
 
 struct Avx512 {
+  // Prefill rows take ATen's bfloat16 GEMM where the CPU has AVX512-BF16, else the float32
+  // one: a VNNI byte GEMM (AVX2's, with vpdpbusd) is not written.
+  static constexpr bool kByteGemm = false;
   // One activation row leaves registers (32 of them) for twice the weight rows: twice the
   // streams in flight (a Qwen3-0.6B shape's Q8_0 products, 2 threads: 13 -> 17.6 GB/s).
-  static constexpr bool kByteGemm = false;
   static constexpr int kActRows = 4;
   template <BlockFormat>
   static constexpr int kTileRows = 4;

@@ -8,7 +8,7 @@ namespace fastllm {
 namespace {
 
 struct Scalar {
-  static constexpr bool kByteGemm = false;
+  static constexpr bool kByteGemm = false;  // prefill rows take the float32 GEMM
   static constexpr int kActRows = 4;
   template <BlockFormat>
   static constexpr int kTileRows = 4;
