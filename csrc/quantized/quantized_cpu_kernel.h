@@ -30,7 +30,7 @@
 //   kGemmRows, kGemmVecs        the GEMM's register tile: activation rows x weight-row vectors
 //   load(p), broadcast(p), fmadd(a, b, c), store(p, v)   on Floats
 // and, where kByteGemm (the prefill byte GEMM of the formats with byte activations):
-//   Quads, kByteGemmRows        an integer vector whose 32-bit lanes are 4 bytes each (a weight
+//   Quads, kByteGemmRows        an integer vector of kFloats 32-bit lanes of 4 bytes each (a weight
 //                               row's 4 consecutive unsigned integers, or an activation row's 4
 //                               int8); the GEMM's register tile: activation rows x 2 Quads
 //   store_bytes(p, w)           the 32 unsigned integers weights<F, kSub> gave, as bytes
@@ -314,7 +314,8 @@ void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, in
                     int64_t end, const float* bias, float* y, int64_t ldy) {
   constexpr int S = kSubBlocks<F>, MR = Isa::kByteGemmRows, G = kScaleGroups<F>;
   constexpr int kQuads = kSubBlockValues / 4, kGroupQuads = kQuads / G;
-  constexpr int kLanes = 8, kCols = 2 * kLanes, kParts = kGroupQuads / kQuadsPerPairSum<F>;
+  constexpr int kLanes = Isa::kFloats, kCols = 2 * kLanes;
+  constexpr int kParts = kGroupQuads / kQuadsPerPairSum<F>;
   constexpr int64_t bytes = block_layout(F).bytes;
   const int64_t blocks = x.blocks, k_len = blocks * kSubBlockValues;
   // Each scale group's activation sum times the sub-block's scale: the blocks' own sums, or
