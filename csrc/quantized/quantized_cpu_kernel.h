@@ -168,6 +168,17 @@ inline void dot_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* w, 
   }
 }
 
+// Calls run(std::integral_constant<int, R>(), m) for tiles of R = MR rows from m = 0 on, then
+// for the last rows, fewer than MR, as a tile of their number: every row of [0, rows) once.
+template <int MR, class Run>
+inline void for_row_tiles(int64_t rows, const Run& run) {
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) run(std::integral_constant<int, MR>(), m);
+  [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
+    ((rows - m == kRows + 1 ? run(std::integral_constant<int, kRows + 1>(), m) : void()), ...);
+  }(std::make_integer_sequence<int, MR - 1>());
+}
+
 // Every activation row against weight rows [n, n + R).
 template <class Isa, BlockFormat F, int R>
 inline void tile_all_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
@@ -179,13 +190,7 @@ inline void tile_all_rows(const ActivationBlocks& x, const uint8_t* w, int64_t l
       for (int r = 0; r < R; ++r)
         y[(m + i) * ldy + n + r] = sums[i][r] + (bias ? bias[n + r] : 0.f);
   };
-  int64_t m = 0;
-  for (; m + Isa::kActRows <= x.rows; m += Isa::kActRows)
-    run(std::integral_constant<int, Isa::kActRows>(), m);
-  // The last rows, fewer than a tile: a tile of their number.
-  [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
-    ((x.rows - m == kRows + 1 ? run(std::integral_constant<int, kRows + 1>(), m) : void()), ...);
-  }(std::make_integer_sequence<int, Isa::kActRows - 1>());
+  for_row_tiles<Isa::kActRows>(x.rows, run);
 }
 
 template <class Isa, BlockFormat F>
@@ -279,12 +284,7 @@ void gemm_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, in
               x + m * k_len + k0, k_len, block, panels.data() + (p * k_len + k0) * kCols,
               sums.data() + m * kGroupCols + p * kCols, kGroupCols);
       };
-      int64_t m = 0;
-      for (; m + MR <= rows; m += MR) run(std::integral_constant<int, MR>(), m);
-      [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
-        ((rows - m == kRows + 1 ? run(std::integral_constant<int, kRows + 1>(), m) : void()),
-         ...);
-      }(std::make_integer_sequence<int, MR - 1>());
+      for_row_tiles<MR>(rows, run);
     }
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t j = 0; j < group_cols; ++j)
@@ -410,12 +410,7 @@ void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, in
           y[(m0 + m) * ldy + n0 + j] = out[j] + (bias ? bias[n0 + j] : 0.f);
       }
     };
-    int64_t m = 0;
-    for (; m + MR <= x.rows; m += MR) run(std::integral_constant<int, MR>(), m);
-    [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
-      ((x.rows - m == kRows + 1 ? run(std::integral_constant<int, kRows + 1>(), m) : void()),
-       ...);
-    }(std::make_integer_sequence<int, MR - 1>());
+    for_row_tiles<MR>(x.rows, run);
   }
 }
 
