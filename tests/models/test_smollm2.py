@@ -102,17 +102,29 @@ def hf_model(smollm2_path) -> transformers.PreTrainedModel:
             smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
 
 
+# Greedy continuations whose agreement with HF is measured: in bfloat16 a single 64-token
+# continuation moves by a token or two with the path its prompt takes (a prefix cached by an
+# earlier test or not), as HF's own bfloat16 does; over several prompts the rate is steady.
+AGREEMENT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+                       "Explain photosynthesis in two sentences.",
+                       "List three uses of a paperclip.", "How do I boil an egg?"]
+
+
 def test_greedy_tokens_agree_with_hf_gguf_loading(device_llm, hf_model):
     """Teacher-forced: HF's argmax (float32, on the CPU) at every position of fastllm's greedy
-    continuation."""
+    continuations of several chat prompts, at least 95% of them in all."""
     llm = device_llm
-    prompt = llm.client.make_requests([llm.chat_prompt(QUESTION)], None)[0].prompt_token_ids
-    [out] = llm.generate([{"prompt_token_ids": prompt}],
-                         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
-                         use_tqdm=False)
-    generated = out.outputs[0].token_ids
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
-    agree = (logits.argmax(-1) == torch.tensor(generated)).float().mean().item()
-    assert agree >= 0.95, f"{agree:.1%} of fastllm's greedy tokens are HF's argmax"
-
+    prompts = [request.prompt_token_ids for request in llm.client.make_requests(
+        [llm.chat_prompt([{"role": "user", "content": q}]) for q in AGREEMENT_QUESTIONS], None)]
+    outs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
+                        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                        use_tqdm=False)
+    agreed = []
+    for prompt, out in zip(prompts, outs):
+        generated = out.outputs[0].token_ids
+        assert len(generated) == 64
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
+        agreed.append(int((logits.argmax(-1) == torch.tensor(generated)).sum()))
+    agree = sum(agreed) / (64 * len(prompts))
+    assert agree >= 0.95, f"{agree:.1%} of fastllm's greedy tokens are HF's argmax ({agreed} of 64)"
