@@ -370,7 +370,10 @@ def test_moe_quantized_grouped_path_runs_quantized_linear(sim, type_name):
     with num_threads(1):
         expected = reference.moe(x.double(), logits, gate_up, down.double(), 2, True,
                                  gate_up_type=weight_type)
-    torch.testing.assert_close(got.double(), expected, atol=F32_TOL, rtol=F32_TOL)
+        plain = reference.moe(x, logits, gate_up, down, 2, True, gate_up_type=weight_type)
+    # Outputs in the hundreds, some near 0 by cancellation: an absolute tolerance fits neither,
+    # so the float32 composition's own error is the measure.
+    assert_within_twice_plain_error(got.double(), plain.double(), expected)
 
 
 # --- scheduling order -----------------------------------------------------------------------
