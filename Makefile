@@ -36,8 +36,13 @@ build: $(BUILD_STAMP)
 
 # The peer a CPU user would pick: llama.cpp through llama-cpp-python, built from its sdist for
 # this CPU (about 7 minutes on 2 cores). Only `make bench` builds it, never `make test`.
+# Without its AMX path (-U__AMX_INT8__, the macro ggml builds that path under): on a Sapphire
+# Rapids VM it dies with SIGILL (a tile instruction in ggml_backend_amx_mul_mat) on the first
+# prompt; its AVX-512 VNNI kernels serve there. --no-cache-dir: no wheel built with other
+# flags is reused.
 $(PEERS_STAMP): $(DEPS_STAMP) requirements-bench.txt
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install --no-binary llama-cpp-python -r requirements-bench.txt
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-U__AMX_INT8__ -DCMAKE_CXX_FLAGS=-U__AMX_INT8__" \
+	  $(PIP) install --no-cache-dir --no-binary llama-cpp-python -r requirements-bench.txt
 	touch $@
 
 test: build
