@@ -200,7 +200,7 @@ that raises ValueError. Safe to use from several threads.)doc")
   m.def(
       "cpu_isa", [] { return std::string(fastllm::cpu_isa_name(fastllm::cpu_isa())); },
       "The instruction set the per-ISA CPU kernels run with: the widest this CPU has, or the "
-      "environment variable FASTLLM_CPU_ISA (avx512, avx2 or scalar), read once.");
+      "environment variable FASTLLM_CPU_ISA (amx, avx512, avx2 or scalar), read once.");
   m.def(
       "set_cpu_isa",
       [](const std::string& name) {

@@ -81,8 +81,8 @@ class Backend:
 # code and kernels on CPU tensors through tests/cuda's simulator; it is slow, so only tests
 # marked `cuda_sim` (a representative subset of each grid) run on it. "cuda" is reported as
 # skipped where there is no GPU; "mps" only where it exists. Tests marked `cpu_isas` run "cpu"
-# once per instruction set this CPU runs the per-ISA kernels with ("cpu-avx512", "cpu-avx2",
-# "cpu-scalar": fastllm._C.cpu_isas()).
+# once per instruction set this CPU runs the per-ISA kernels with ("cpu-amx", "cpu-avx512",
+# "cpu-avx2", "cpu-scalar": fastllm._C.cpu_isas()).
 BACKENDS = ["cpu", "composite", "cuda_sim", "cuda"] + (
     ["mps"] if torch.backends.mps.is_available() else [])
 CPU_TENSOR_BACKENDS = {"cpu", "composite", "cuda_sim"}

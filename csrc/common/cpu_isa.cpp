@@ -10,7 +10,7 @@
 namespace fastllm {
 namespace {
 
-constexpr CpuIsa kIsas[] = {CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kScalar};
+constexpr CpuIsa kIsas[] = {CpuIsa::kAmx, CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kScalar};
 
 bool cpu_has(CpuIsa isa) {
   switch (isa) {
@@ -24,6 +24,9 @@ bool cpu_has(CpuIsa isa) {
     case CpuIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
+    case CpuIsa::kAmx:
+      return cpu_has(CpuIsa::kAvx512) && cpu_has_avx512_bf16() &&
+             __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
 #endif
     default: return false;
   }
@@ -51,6 +54,7 @@ std::atomic<int> current{-1};  // an int of CpuIsa; -1 until first read
 
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
+    case CpuIsa::kAmx: return "amx";
     case CpuIsa::kAvx512: return "avx512";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kScalar: break;
@@ -62,7 +66,7 @@ CpuIsa parse_cpu_isa(const std::string& name) {
   const auto* isa = std::find_if(std::begin(kIsas), std::end(kIsas),
                                  [&](CpuIsa isa) { return name == cpu_isa_name(isa); });
   TORCH_CHECK_VALUE(isa != std::end(kIsas), "unknown CPU instruction set '", name,
-                    "'; expected avx512, avx2 or scalar");
+                    "'; expected amx, avx512, avx2 or scalar");
   return *isa;
 }
 

@@ -3,10 +3,11 @@
 // Decode rows (a few activation rows) stream the weights, so their cost is bytes: the weight
 // stays in its 4.5 to 8.5 bits per value, and the activations are quantized on the fly to int16
 // blocks of 32 (one float scale each), so each sub-block's dot product is integer multiply-adds
-// and one float multiply-add. Prefill rows are compute-bound: weight rows are dequantized to
-// float32 a panel at a time for the ISA's GEMM, or, where the ISA has one (AVX2), repacked a
-// panel at a time for a GEMM on the decode rows' byte activations (Q4_0, the K-quants). The
-// kernels (quantized_cpu_kernel.h) are built once per instruction set and picked at run time
+// and one float multiply-add. Prefill rows are compute-bound: weight rows are repacked a panel
+// at a time for a GEMM on the decode rows' byte activations (Q4_0, the K-quants; AVX2 and
+// AVX-512), or dequantized to float32 a panel at a time for the ISA's float GEMM, or to tiles
+// for oneDNN's bfloat16 GEMM (AMX, and the other formats with AVX512-BF16). The kernels
+// (quantized_cpu_kernel.h) are built once per instruction set and picked at run time
 // (common/cpu_isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -90,6 +91,7 @@ template QuantizedActivations quantize_activations(const c10::Half*, int64_t, in
 CpuKernels isa_kernels(BlockFormat format) {
   CpuKernels kernels{};
   switch (cpu_isa()) {
+    case CpuIsa::kAmx:  // the AVX-512 kernels; prefill rows take oneDNN's GEMM
     case CpuIsa::kAvx512: kernels = cpu_kernels_avx512(format); break;
     case CpuIsa::kAvx2: kernels = cpu_kernels_avx2(format); break;
     case CpuIsa::kScalar: kernels = cpu_kernels_scalar(format); break;
@@ -162,9 +164,12 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   }
   // Compute-bound. The byte GEMM where the ISA has one for the format (AVX2: 1.7-1.8x the
   // float32 GEMM below on SmolLM2's Q4_0 and a Qwen3-0.6B shape's Q4_K layers, 512 rows, 2
-  // threads; it wins from about 6 rows on, but decode rows keep up to kMaxStreamRows, each
-  // row's bits the same in any batch of them).
-  if (cpu.byte_gemm_rows) {
+  // threads; AVX-512: 2.6-3.0x oneDNN's bfloat16 GEMM without AMX on those and the Qwen3
+  // shape's Q6_K layers; it wins from about 6 rows on, but decode rows keep up to kMaxStreamRows, each row's bits
+  // the same in any batch of them). Not with AMX: there oneDNN's bfloat16 GEMM on AMX tiles
+  // took 0.5-0.95x its time (Q6_K the least, Q4_0 the most; Sapphire Rapids, 2 threads).
+  const CpuIsa isa = cpu_isa();
+  if (cpu.byte_gemm_rows && isa != CpuIsa::kAmx) {
     FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
       quantized_activation_rows<scalar_t>(x, cpu.byte_gemm_rows, format, w, ldw, bias, 32, y);
     });
@@ -177,7 +182,9 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   // panel at a time (gemm_rows).
   const auto x_float = x.to(at::kFloat).contiguous();
   auto y_float = x.scalar_type() == at::kFloat ? y : at::empty({rows, n_out}, x_float.options());
-  if (cpu_isa() != CpuIsa::kAvx512 || !cpu_has_avx512_bf16()) {
+  const bool bf16_gemm =
+      isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && cpu_has_avx512_bf16());
+  if (!bf16_gemm) {
     const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     const float* bias_data = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
     const float* xp = x_float.const_data_ptr<float>();

@@ -164,10 +164,16 @@ struct Avx2 {
     return _mm256_set1_epi32(int(read_u32(reinterpret_cast<const uint8_t*>(p))));
   }
   static Quads zero_quads() { return _mm256_setzero_si256(); }
+  // Partial sums are int16 pairs: a group of 4 values adds at most 2 * 127 * (the largest
+  // integer) to a pair (|x| <= kByteActivationMax), so one holds 8 groups of 4-bit integers
+  // (30480), 4 of Q5_K's 5-bit ones (31496), 2 of Q6_K's 6-bit ones (32004).
+  template <BlockFormat F>
+  static constexpr int kPartialSumQuads =
+      F == BlockFormat::kQ6_K ? 2 : F == BlockFormat::kQ5_K ? 4 : 8;
   static Quads add_quad_products(Quads w, Quads x, Quads pairs) {
     return _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w, x));
   }
-  static Quads pair_sums(Quads pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+  static Quads lane_sums(Quads pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
   static Quads add_ints(Quads a, Quads b) { return _mm256_add_epi32(a, b); }
   static Floats scale_ints(Quads ints, Floats scale, Floats acc) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), scale, acc);

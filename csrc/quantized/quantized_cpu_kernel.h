@@ -36,9 +36,10 @@
 //   store_bytes(p, w)           the 32 unsigned integers weights<F, kSub> gave, as bytes
 //                               (Q6_K's as stored: 0..63, its int8 scales not applied)
 //   load_quads(p), broadcast_quad(p), zero_quads()
-//   add_quad_products(w, x, a)  a + the products w x of each lane, summed by pairs (int16)
-//   pair_sums(a)                the int16 pairs summed by lanes of 4 bytes (int32)
-//   add_ints(a, b)              int32 lanes
+//   kPartialSumQuads<F>         how many groups of 4 values' products one partial sum holds
+//   add_quad_products(w, x, a)  partial sums a + the products w x of each lane
+//   lane_sums(a)                the partial sums as int32, one per lane of 4 bytes
+//   add_ints(a, b)              int32 lanes; mul(a, b) on Floats
 //   scale_ints(ints, scale, acc)   acc + float(ints) * scale
 #pragma once
 
@@ -295,18 +296,13 @@ void gemm_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, in
 // Scale groups of a sub-block in the byte GEMM: Q6_K's int8 scales change every 16 values.
 template <BlockFormat F>
 constexpr int kScaleGroups = F == BlockFormat::kQ6_K ? 2 : 1;
-// Groups of 4 values whose products one int16 pair sum holds: a group adds at most
-// 2 * 127 * (the largest integer) to it (|x| <= kByteActivationMax): 8 groups of 4-bit
-// integers (30480), 4 of Q5_K's 5-bit ones (31496), 2 of Q6_K's 6-bit ones (32004).
-template <BlockFormat F>
-constexpr int kQuadsPerPairSum = F == BlockFormat::kQ6_K ? 2 : F == BlockFormat::kQ5_K ? 4 : 8;
 
 // Prefill rows of the formats with byte activations (Q4_0 and the K-quants), compute-bound:
 // y[m * ldy + n] = (activation row m) . (weight row n) (+ bias[n]) from byte activations, as
 // decode_rows, with the weight rows' unsigned integers repacked a panel of kCols rows at a
 // time so that each 32-bit lane holds 4 consecutive integers of one row: one 8-bit multiply-add
-// of a panel vector and 4 of an activation row's bytes (broadcast) is 32 products, where a
-// float GEMM's multiply-add is 8. Each scale group's integer sums are exact; the float sums
+// of a panel vector and 4 of an activation row's bytes (broadcast) is 4 products a lane, where
+// a float GEMM's multiply-add is 1. Each scale group's integer sums are exact; the float sums
 // run over the groups in order whatever the tile, so a row's result does not depend on the
 // others.
 template <class Isa, BlockFormat F>
@@ -315,7 +311,8 @@ void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, in
   constexpr int S = kSubBlocks<F>, MR = Isa::kByteGemmRows, G = kScaleGroups<F>;
   constexpr int kQuads = kSubBlockValues / 4, kGroupQuads = kQuads / G;
   constexpr int kLanes = Isa::kFloats, kCols = 2 * kLanes;
-  constexpr int kParts = kGroupQuads / kQuadsPerPairSum<F>;
+  constexpr int kPartQuads = std::min(kGroupQuads, Isa::template kPartialSumQuads<F>);
+  constexpr int kParts = kGroupQuads / kPartQuads;
   constexpr int64_t bytes = block_layout(F).bytes;
   const int64_t blocks = x.blocks, k_len = blocks * kSubBlockValues;
   // Each scale group's activation sum times the sub-block's scale: the blocks' own sums, or
@@ -363,30 +360,31 @@ void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, in
     }
     const auto run = [&](auto tile_rows, int64_t m0) {
       constexpr int R = decltype(tile_rows)::value;
+      constexpr float kZero = 0.f;
       typename Isa::Floats acc[R][2];
-      for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = Isa::zero();
+      for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = Isa::broadcast(&kZero);
       for (int64_t sub = 0; sub < blocks; ++sub) {
         for (int g = 0; g < G; ++g) {
           const uint8_t* panel = quads.data() + (sub * kQuads + g * kGroupQuads) * kCols * 4;
           typename Isa::Quads ints[R][2];
           for (int m = 0; m < R; ++m) ints[m][0] = ints[m][1] = Isa::zero_quads();
           for (int part = 0; part < kParts; ++part) {
-            typename Isa::Quads pairs[R][2];
-            for (int m = 0; m < R; ++m) pairs[m][0] = pairs[m][1] = Isa::zero_quads();
-            for (int q = part * kQuadsPerPairSum<F>; q < (part + 1) * kQuadsPerPairSum<F>; ++q) {
+            typename Isa::Quads partial[R][2];
+            for (int m = 0; m < R; ++m) partial[m][0] = partial[m][1] = Isa::zero_quads();
+            for (int q = part * kPartQuads; q < (part + 1) * kPartQuads; ++q) {
               const typename Isa::Quads w0 = Isa::load_quads(panel + q * kCols * 4);
               const typename Isa::Quads w1 = Isa::load_quads(panel + (q * kCols + kLanes) * 4);
               for (int m = 0; m < R; ++m) {
                 const auto xq = Isa::broadcast_quad(x.low + (m0 + m) * k_len +
                                                     sub * kSubBlockValues +
                                                     4 * (g * kGroupQuads + q));
-                pairs[m][0] = Isa::add_quad_products(w0, xq, pairs[m][0]);
-                pairs[m][1] = Isa::add_quad_products(w1, xq, pairs[m][1]);
+                partial[m][0] = Isa::add_quad_products(w0, xq, partial[m][0]);
+                partial[m][1] = Isa::add_quad_products(w1, xq, partial[m][1]);
               }
             }
             for (int m = 0; m < R; ++m)
               for (int v = 0; v < 2; ++v)
-                ints[m][v] = Isa::add_ints(ints[m][v], Isa::pair_sums(pairs[m][v]));
+                ints[m][v] = Isa::add_ints(ints[m][v], Isa::lane_sums(partial[m][v]));
           }
           const float* group_scales = scales.data() + (sub * G + g) * kCols;
           const float* group_offsets = offsets.data() + (sub * G + g) * kCols;

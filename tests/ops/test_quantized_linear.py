@@ -81,17 +81,28 @@ def test_dequantize_equals_gguf(type_name, backend):
         assert torch.equal(low, expected.to(dtype))
 
 
-# Rows past this take the CPU's GEMM path (kMaxStreamRows, quantized_cpu.cpp): AVX2's byte GEMM
-# for Q4_0 and the K-quants, else dequantized tiles.
+# Rows past this take the CPU's GEMM path (kMaxStreamRows, quantized_cpu.cpp): the byte GEMM
+# for Q4_0 and the K-quants (AVX2, AVX-512), oneDNN's bfloat16 GEMM (AMX; AVX-512 on a CPU
+# with AVX512-BF16 for the other types), else the ISA's float32 GEMM.
 CPU_STREAM_ROWS = 32
+CPU_HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+
+
+def takes_bfloat16_gemm(backend_name: str, weight_type: int) -> bool:
+    """Whether the CPU backend's prefill rows of this type go through oneDNN's bfloat16 GEMM."""
+    if not backend_name.startswith("cpu"):
+        return False
+    isa = backend_name.removeprefix("cpu-") if "-" in backend_name else _C.cpu_isa()
+    byte_activations = ops.BLOCK_FORMATS[weight_type][0] in K_QUANTS | {"Q4_0"}
+    return isa == "amx" or (isa == "avx512" and CPU_HAS_AVX512_BF16 and not byte_activations)
 
 
 def gemm_error_bound(backend, x: torch.Tensor, weight: torch.Tensor,
                      weight_type: int) -> torch.Tensor | float:
-    """What the CPU's bfloat16 GEMM adds to the error (AVX-512 machines with AVX512-BF16; others
-    take the float32 GEMM, well within it): x and the dequantized weights rounded to bfloat16
-    (2^-9 each) and the result too (2^-9 of at most the sum of |x w|): 2^-7 of that sum."""
-    if backend.name not in ("cpu", "cpu-avx512") or x.shape[0] <= CPU_STREAM_ROWS:
+    """What the CPU's bfloat16 GEMM adds to the error (the float32 and byte GEMMs stay well
+    within the activations' bound): x and the dequantized weights rounded to bfloat16 (2^-9
+    each) and the result too (2^-9 of at most the sum of |x w|): 2^-7 of that sum."""
+    if not takes_bfloat16_gemm(backend.name, weight_type) or x.shape[0] <= CPU_STREAM_ROWS:
         return 0.0
     return 2**-7 * (x.double().abs() @ reference.dequantize(weight, weight_type).abs().T)
 
@@ -124,8 +135,8 @@ def case_ids(cases: list) -> list[str]:
 # tail; weight rows in tiles of 4 and alone), up to 8 in CUDA's GEMV; past them tiles of 128
 # dequantized weight rows (each ISA's dequantization: test_dequantize_equals_gguf) for a GEMM,
 # on the CPU panels of 4-32 weight rows in groups of 4, in tiles of 4-12 activation rows and
-# blocks of 128 values of k (AVX2's byte GEMM: panels of 16 weight rows, tiles of 2 activation
-# rows): full ones and tails of each. The CPU's ISAs and the simulator run DECODE_CASES.
+# blocks of 128 values of k (the byte GEMM: panels of 16 weight rows and tiles of 2 activation
+# rows with AVX2, 32 and 4 with AVX-512): full ones and tails of each. The CPU's ISAs and the simulator run DECODE_CASES.
 DECODE_CASES = [*((rows, (7, 3)) for rows in (1, 2, 3, 8, 9)), (1, (1, 1)), (3, (1, 1)),
                 (4, (64, 2))]
 MORE_CASES = [(5, (7, 3)), (17, (7, 3)), (32, (7, 3)), (33, (7, 3)), (33, (1, 1)),
@@ -196,20 +207,15 @@ def test_a_row_does_not_depend_on_the_others(type_name, backend):
         assert torch.equal(together, alone), batch
 
 
-def _prefill_isa(isa: str):
-    """``isa`` as a parameter, skipped where its prefill rows do not take the ISA's own GEMM."""
-    if isa == "avx512" and "avx512_bf16" in Path("/proc/cpuinfo").read_text():
-        return pytest.param(isa, marks=pytest.mark.skip(
-            reason="this CPU has AVX512-BF16: AVX-512 prefill rows take oneDNN's bfloat16 GEMM"))
-    return isa
-
-
-@pytest.mark.parametrize("isa", [_prefill_isa(isa) for isa in _C.cpu_isas()])
+@pytest.mark.parametrize("isa", _C.cpu_isas())
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
 def test_a_prefill_row_does_not_depend_on_the_others(type_name, isa):
-    """On the CPU's float32 GEMM path too (past CPU_STREAM_ROWS rows) a row's result is bitwise
-    the same in any batch that takes it: its sums run over k in order whatever its tile."""
+    """On the CPU's float32 and byte GEMM paths too (past CPU_STREAM_ROWS rows) a row's result
+    is bitwise the same in any batch that takes it: its sums run over k in order whatever its
+    tile."""
     weight_type = TYPES[type_name]
+    if takes_bfloat16_gemm(f"cpu-{isa}", weight_type):
+        pytest.skip(f"{isa}'s {type_name} prefill rows take oneDNN's bfloat16 GEMM")
     weight = quantized_weight(70, 512 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
     x = torch.randn(90, 512)
     with cpu_isa(isa):
@@ -333,7 +339,7 @@ print(_C.cpu_isa())
     env = {**os.environ, "FASTLLM_CPU_ISA": "avx9"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["unknown CPU instruction set 'avx9'; expected avx512, avx2 or scalar",
+    assert out == ["unknown CPU instruction set 'avx9'; expected amx, avx512, avx2 or scalar",
                    "scalar"]
 
 

@@ -243,9 +243,10 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
     32) quantize the activations to int16 blocks of 32 (int8 for Q4_0 and the K-quants, as
     llama.cpp does) and take integer dot products with the weight's blocks (AVX-512 VNNI, or
     AVX2, or plain C++: the widest the CPU has, or the environment variable
-    ``FASTLLM_CPU_ISA=avx512|avx2|scalar``), streaming the weight once in its own size; more
-    rows take a GEMM: with AVX2, Q4_0's and the K-quants' on those 8-bit activations; else
-    on dequantized tiles of the weight. On CUDA up to 8 rows run a GEMV
+    ``FASTLLM_CPU_ISA=amx|avx512|avx2|scalar``), streaming the weight once in its own size;
+    more rows take a GEMM: with AMX, oneDNN's bfloat16 GEMM on dequantized tiles; with AVX-512
+    or AVX2, Q4_0's and the K-quants' on those 8-bit activations; else on dequantized tiles of
+    the weight. On CUDA up to 8 rows run a GEMV
     that decodes the blocks in registers (float32 sums); more rows dequantize the weight to x's
     dtype for cuBLAS. Within those decode rows a row's result does not depend on the others.
     """
