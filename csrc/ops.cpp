@@ -13,6 +13,7 @@
 #include "gguf/gguf_bindings.h"
 #include "kv_cache/kv_cache_bindings.h"
 #include "mask_cache/mask_cache.h"
+#include "quantized/quantized.h"
 #include "sampling/philox.h"
 
 namespace {
@@ -210,6 +211,9 @@ that raises ValueError. Safe to use from several threads.)doc")
       py::arg("name"),
       "Runs the per-ISA CPU kernels with instruction set `name` (one of cpu_isas()) from now on, "
       "on every thread; returns the previous one.");
+  m.def("interleave_q4_0_rows", &fastllm::interleave_q4_0_rows, py::arg("weight"),
+        "A Q4_0 weight [rows, row bytes] (rows a multiple of 16) in the CPU decode kernel's "
+        "layout, weight type 1002: each group of 16 rows interleaved.");
   fastllm::bind_kv_cache(m);
   fastllm::bind_decoder(m);
   fastllm::bind_gguf(m);

@@ -42,6 +42,14 @@ enum class BlockFormat : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 
+// fastllm's own weight type, never in a file: Q4_0 blocks with the rows of each group of
+// kInterleavedRows interleaved, the layout of the AVX-512 decode kernel
+// (quantized_cpu_avx512.cpp). Group g (rows 16 g .. 16 g + 15) keeps their bytes, block after
+// block; a group's block is the 16 rows' float16 scales, then 4 runs of 64 bytes, run q holding
+// bytes 4q..4q+3 of each row's 16 bytes of nibbles, row after row. Only the CPU ops take it.
+constexpr int64_t kInterleavedQ4_0 = 1002;
+constexpr int64_t kInterleavedRows = 16;
+
 // Values of a sub-block: the unit of one scale (the activations' too).
 constexpr int64_t kSubBlockValues = 32;
 

@@ -9,16 +9,24 @@
 
 namespace fastllm {
 
+// A Q4_0 weight [rows, row bytes] (rows a multiple of kInterleavedRows) in the interleaved
+// layout (block_formats.h: kInterleavedQ4_0), and back.
+at::Tensor interleave_q4_0_rows(const at::Tensor& weight);
+at::Tensor deinterleave_q4_0_rows(const at::Tensor& weight);
+
 // Checks a block-quantized weight [out_features, row bytes] (uint8, rows contiguous) of ggml type
-// `weight_type`; returns its format and sets in_features from the row length.
+// `weight_type`; returns its format and sets in_features from the row length. Where
+// `interleaved` is given (the CPU ops), kInterleavedQ4_0 is taken too (format Q4_0, the weight
+// contiguous, whole groups of rows), and *interleaved says whether it was.
 BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type,
-                                   int64_t& in_features);
+                                   int64_t& in_features, bool* interleaved = nullptr);
 
 // Also checks x [rows, in_features] (float storage, on the weight's device) and the optional
 // bias [out_features] of x's dtype.
 BlockFormat check_quantized_linear_inputs(const at::Tensor& x, const at::Tensor& weight,
                                           int64_t weight_type,
-                                          const std::optional<at::Tensor>& bias);
+                                          const std::optional<at::Tensor>& bias,
+                                          bool* interleaved = nullptr);
 
 // The ATen composition, for every device without a kernel of its own (and the CPU's many-row
 // path's shape): dequantize, then a float matmul.

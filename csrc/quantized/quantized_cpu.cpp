@@ -103,9 +103,13 @@ CpuKernels isa_kernels(BlockFormat format) {
 
 namespace {
 
-at::Tensor dequantize_cpu(const at::Tensor& weight, int64_t weight_type, at::ScalarType dtype) {
+at::Tensor dequantize_cpu(const at::Tensor& weight_in, int64_t weight_type,
+                          at::ScalarType dtype) {
   int64_t in_features = 0;
-  const BlockFormat format = check_quantized_weight(weight, weight_type, in_features);
+  bool interleaved = false;
+  const BlockFormat format = check_quantized_weight(weight_in, weight_type, in_features,
+                                                    &interleaved);
+  const at::Tensor weight = interleaved ? deinterleave_q4_0_rows(weight_in) : weight_in;
   const int64_t rows = weight.size(0);
   auto out = at::empty({rows, in_features}, weight.options().dtype(at::kFloat));
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
@@ -119,12 +123,13 @@ at::Tensor dequantize_cpu(const at::Tensor& weight, int64_t weight_type, at::Sca
 
 // Rows from quantized activations (decode rows, or the byte GEMM's prefill rows: `rows_fn`):
 // the activations quantized from x's dtype, the float32 sums of each task's block of at least
-// `grain` weight rows rounded to y's dtype by the task (no float32 copies of x or y).
+// `grain` weight rows (whole units of `unit` rows) rounded to y's dtype by the task (no
+// float32 copies of x or y).
 template <typename scalar_t>
 void quantized_activation_rows(const at::Tensor& x, DecodeRowsFn rows_fn, BlockFormat format,
                                const uint8_t* w, int64_t ldw,
                                const std::optional<at::Tensor>& bias, int64_t grain,
-                               at::Tensor& y) {
+                               int64_t unit, at::Tensor& y) {
   const int64_t rows = x.size(0), n_out = y.size(1), k_len = x.size(1);
   const auto x_c = x.contiguous();
   const QuantizedActivations xq = quantize_activations(x_c.const_data_ptr<scalar_t>(), rows,
@@ -136,7 +141,8 @@ void quantized_activation_rows(const at::Tensor& x, DecodeRowsFn rows_fn, BlockF
   std::vector<float> sums(direct ? 0 : rows * n_out);
   scalar_t* out = y.mutable_data_ptr<scalar_t>();
   float* dst = direct ? reinterpret_cast<float*>(out) : sums.data();
-  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_out / unit, (grain + unit - 1) / unit, [&](int64_t first, int64_t last) {
+    const int64_t begin = first * unit, end = last * unit;
     rows_fn(activations, w, ldw, begin, end, bias_data, dst, n_out);
     if constexpr (!direct)
       for (int64_t r = 0; r < rows; ++r)
@@ -144,21 +150,31 @@ void quantized_activation_rows(const at::Tensor& x, DecodeRowsFn rows_fn, BlockF
   });
 }
 
-at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
+at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in,
                                 int64_t weight_type, const std::optional<at::Tensor>& bias) {
-  const BlockFormat format = check_quantized_linear_inputs(x, weight, weight_type, bias);
-  const int64_t rows = x.size(0), n_out = weight.size(0), k_len = x.size(1);
+  bool interleaved = false;
+  const BlockFormat format =
+      check_quantized_linear_inputs(x, weight_in, weight_type, bias, &interleaved);
+  const int64_t rows = x.size(0), n_out = weight_in.size(0), k_len = x.size(1);
   auto y = at::empty({rows, n_out}, x.options());
   if (rows == 0 || n_out == 0) return y;
   if (k_len == 0) return bias.has_value() ? y.copy_(bias->expand({rows, n_out})) : y.zero_();
+  const CpuKernels cpu = isa_kernels(format);
+  const bool decode = rows <= kMaxStreamRows || batch_invariant();  // batch-invariant: all rows
+  // The interleaved layout's own kernel, or (prefill; an instruction set without that kernel)
+  // the weight back in rows for the others.
+  const bool interleaved_kernel = interleaved && decode && cpu.interleaved_decode_rows;
+  const at::Tensor weight =
+      interleaved && !interleaved_kernel ? deinterleave_q4_0_rows(weight_in) : weight_in;
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t ldw = weight.stride(0);
-  const CpuKernels cpu = isa_kernels(format);
-  if (rows <= kMaxStreamRows || batch_invariant()) {  // batch-invariant: decode rows for all
+  if (decode) {
     // Enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
     const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
+    const DecodeRowsFn rows_fn = interleaved_kernel ? cpu.interleaved_decode_rows : cpu.decode_rows;
+    const int64_t unit = interleaved_kernel ? kInterleavedRows : 1;
     FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
-      quantized_activation_rows<scalar_t>(x, cpu.decode_rows, format, w, ldw, bias, grain, y);
+      quantized_activation_rows<scalar_t>(x, rows_fn, format, w, ldw, bias, grain, unit, y);
     });
     return y;
   }
@@ -171,7 +187,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
   const CpuIsa isa = cpu_isa();
   if (cpu.byte_gemm_rows && isa != CpuIsa::kAmx) {
     FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
-      quantized_activation_rows<scalar_t>(x, cpu.byte_gemm_rows, format, w, ldw, bias, 32, y);
+      quantized_activation_rows<scalar_t>(x, cpu.byte_gemm_rows, format, w, ldw, bias, 32, 1, y);
     });
     return y;
   }
@@ -213,6 +229,31 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace
+
+at::Tensor interleave_q4_0_rows(const at::Tensor& weight) {
+  int64_t in_features = 0;
+  check_quantized_weight(weight, int64_t(BlockFormat::kQ4_0), in_features);
+  TORCH_CHECK_VALUE(weight.size(0) % kInterleavedRows == 0, "interleaving takes whole groups of ",
+                    kInterleavedRows, " rows, got ", weight.size(0));
+  const int64_t groups = weight.size(0) / kInterleavedRows, blocks = in_features / 32;
+  // [group, row in group, block, 18 bytes] -> [group, block, the rows' scales | 4 runs of rows]
+  const auto v = weight.contiguous().view({groups, kInterleavedRows, blocks, 18});
+  const auto scales = v.narrow(3, 0, 2).permute({0, 2, 1, 3}).reshape({groups, blocks, -1});
+  const auto nibbles = v.narrow(3, 2, 16).view({groups, kInterleavedRows, blocks, 4, 4})
+                           .permute({0, 2, 3, 1, 4}).reshape({groups, blocks, -1});
+  return at::cat({scales, nibbles}, 2).view(weight.sizes());
+}
+
+at::Tensor deinterleave_q4_0_rows(const at::Tensor& weight) {
+  const int64_t groups = weight.size(0) / kInterleavedRows, blocks = weight.size(1) / 18;
+  const auto v = weight.view({groups, blocks, kInterleavedRows * 18});
+  const auto scales = v.narrow(2, 0, 2 * kInterleavedRows).view({groups, blocks, kInterleavedRows, 2})
+                          .permute({0, 2, 1, 3});
+  const auto nibbles = v.narrow(2, 2 * kInterleavedRows, 16 * kInterleavedRows)
+                           .view({groups, blocks, 4, kInterleavedRows, 4})
+                           .permute({0, 3, 1, 2, 4}).reshape({groups, kInterleavedRows, blocks, 16});
+  return at::cat({scales, nibbles}, 3).view(weight.sizes());
+}
 
 TORCH_LIBRARY_IMPL(fastllm, CPU, m) {
   m.impl("quantized_linear", &quantized_linear_cpu);

@@ -145,9 +145,78 @@ struct Avx512 {
   }
 };
 
+// Decode rows of Q4_0 weights in the interleaved layout (quantized.h: kInterleavedQ4_0). One
+// 64-byte run holds 4 bytes of each of a group's 16 rows: its low nibbles are values 4q..4q+3
+// of every row, its high nibbles 16 + 4q.., so one vpdpbusd multiplies 4 values of 16 rows and
+// the rows' sums stay in the lanes. Per block and activation row that is 8 vpdpbusd and one
+// float multiply-add for the 16 rows, where the row-major kernel takes 2 and 1 a row, and sums
+// its lanes at the end: a third of the instructions (SmolLM2's Q4_0 layers from L2, one
+// thread: 2.5x the speed), so the product streams at the memory's speed.
+constexpr int64_t kInterleavedBlockBytes = kInterleavedRows * 18;
+// Weight bytes fetched this far ahead of the block in use (into L1: one stream a thread): 16
+// blocks, 4.5 KiB (SmolLM2's Q4_0 layers, 2 threads: 1.2-1.3x the speed of no prefetch, 1152
+// and 2304 bytes ahead took 1.05-1.1x the time).
+constexpr int64_t kInterleavedPrefetchBytes = 16 * kInterleavedBlockBytes;
+
+// out rows (row0 + m) . (the group's 16 weight rows), for M activation rows, as decode_rows.
+template <int M>
+inline void interleaved_q4_0_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* group,
+                                  const float* bias, float* y, int64_t ldy) {
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = group + b * kInterleavedBlockBytes;
+    for (int64_t line = 0; line < kInterleavedBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + kInterleavedPrefetchBytes + line),
+                   _MM_HINT_T0);
+    __m512i low[4], high[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m512i run = _mm512_loadu_si512(block + 2 * kInterleavedRows + 64 * q);
+      low[q] = _mm512_and_si512(run, mask);
+      high[q] = _mm512_and_si512(_mm512_srli_epi16(run, 4), mask);
+    }
+    const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = (row0 + m) * x.blocks + b;
+      const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.low + i * kSubBlockValues);
+      __m512i low_sums = _mm512_setzero_si512(), high_sums = _mm512_setzero_si512();
+      for (int q = 0; q < 4; ++q) {
+        low_sums = _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(xs + 4 * q))));
+        high_sums =
+            _mm512_dpbusd_epi32(high_sums, high[q], _mm512_set1_epi32(int(read_u32(xs + 16 + 4 * q))));
+      }
+      // d (s u.x - 8 s sum x): the block's sum with Q4_0's zero point, times each row's scale.
+      const __m512 dots = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_add_epi32(low_sums, high_sums)), _mm512_set1_ps(x.scales[i]),
+          _mm512_set1_ps(-kZeroPoint<BlockFormat::kQ4_0> * x.sums[i]));
+      acc[m] = _mm512_fmadd_ps(dots, scales, acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m512 sums = bias ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m];
+    _mm512_storeu_ps(y + (row0 + m) * ldy, sums);
+  }
+}
+
+void interleaved_q4_0_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
+                                  int64_t begin, int64_t end, const float* bias, float* y,
+                                  int64_t ldy) {
+  for (int64_t n = begin; n < end; n += kInterleavedRows) {
+    for_row_tiles<Avx512::kActRows>(x.rows, [&](auto rows, int64_t m) {
+      interleaved_q4_0_tile<decltype(rows)::value>(x, m, w + n * ldw, bias ? bias + n : nullptr,
+                                                   y + n, ldy);
+    });
+  }
+}
+
 }  // namespace
 
-CpuKernels cpu_kernels_avx512(BlockFormat format) { return cpu_kernels_for<Avx512>(format); }
+CpuKernels cpu_kernels_avx512(BlockFormat format) {
+  CpuKernels kernels = cpu_kernels_for<Avx512>(format);
+  if (format == BlockFormat::kQ4_0) kernels.interleaved_decode_rows = &interleaved_q4_0_decode_rows;
+  return kernels;
+}
 
 }  // namespace fastllm
 #else

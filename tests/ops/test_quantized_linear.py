@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -363,3 +364,95 @@ def test_batch_invariant_rows_equal_each_row_alone(weight_type, dtype):
     if dtype == torch.bfloat16:  # the result's own rounding
         bound = bound + exact.abs() * 2.0 ** -8
     assert ((batch.double() - exact).abs() <= bound).all()
+
+
+# The CPU's interleaved Q4_0 (ops.cpu_decode_layout): 48 rows, three groups of 16, so each
+# thread's task starts on a group.
+INTERLEAVED_ROWS = 48
+
+
+@pytest.mark.parametrize("isa", _C.cpu_isas())
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 32, 33, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interleaved_q4_0_is_the_same_weight(rows, dtype, isa):
+    """Q4_0 in the AVX-512 decode kernel's layout gives the plain weight's products within the
+    kernel's error bound on every path (its own kernel for decode rows where the ISA has it,
+    else the rows put back in order for the ISA's kernels: then bit for bit the plain weight's
+    result), and dequantizes to the same values."""
+    q4_0 = TYPES["Q4_0"]
+    weight = quantized_weight(INTERLEAVED_ROWS, 18, q4_0, seed=rows)
+    interleaved = _C.interleave_q4_0_rows(weight)
+    assert interleaved.shape == weight.shape and not torch.equal(interleaved, weight)
+    x = (torch.randn(rows, in_features(weight, q4_0)) * 3).to(dtype)
+    bias = torch.randn(INTERLEAVED_ROWS).to(dtype)
+    with cpu_isa(isa):
+        got = ops.quantized_linear(x, interleaved, ops.INTERLEAVED_Q4_0, bias)
+        plain = ops.quantized_linear(x, weight, q4_0, bias)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(ops.dequantize(interleaved, ops.INTERLEAVED_Q4_0, out_dtype),
+                               ops.dequantize(weight, q4_0, out_dtype))
+    assert got.shape == plain.shape and got.dtype == dtype
+    if isa not in ("amx", "avx512") or rows > CPU_STREAM_ROWS:
+        assert torch.equal(got, plain)
+    exact = reference.quantized_linear(x.float(), weight, q4_0, bias.float())
+    bound = (activation_error_bound(x.float(), weight, q4_0, "cpu")
+             + gemm_error_bound(SimpleNamespace(name=f"cpu-{isa}"), x.float(), weight, q4_0))
+    if dtype == torch.bfloat16:  # the result's own rounding
+        bound = bound + exact.abs() * 2.0 ** -8
+    err = (got.double() - exact).abs()
+    assert (err <= bound).all(), f"max error {err.max():.3g}, bound there {bound[err.argmax()]}"
+
+
+@pytest.mark.parametrize("isa", _C.cpu_isas())
+def test_interleaved_q4_0_row_does_not_depend_on_the_others(isa):
+    """The interleaved kernel's decode rows too are bitwise the same alone or in any batch."""
+    weight = _C.interleave_q4_0_rows(quantized_weight(INTERLEAVED_ROWS, 16, TYPES["Q4_0"]))
+    x = torch.randn(16, 512)
+    with cpu_isa(isa):
+        alone = torch.cat([ops.quantized_linear(x[i:i + 1], weight, ops.INTERLEAVED_Q4_0)
+                           for i in range(16)])
+        for batch in (2, 3, 7, 16):
+            together = torch.cat([ops.quantized_linear(x[i:i + batch], weight,
+                                                       ops.INTERLEAVED_Q4_0)
+                                  for i in range(0, 16, batch)])
+            assert torch.equal(together, alone), batch
+
+
+def test_cpu_decode_layout():
+    """Q4_0 with whole groups of 16 rows is interleaved where the CPU kernels run AVX-512;
+    anything else (another type, other row counts, another instruction set) is kept as is."""
+    q4_0 = TYPES["Q4_0"]
+    weight = quantized_weight(INTERLEAVED_ROWS, 2, q4_0)
+    for isa in _C.cpu_isas():
+        with cpu_isa(isa):
+            data, weight_type = ops.cpu_decode_layout(weight, q4_0)
+            if isa in ("amx", "avx512"):
+                assert weight_type == ops.INTERLEAVED_Q4_0
+                assert torch.equal(data, _C.interleave_q4_0_rows(weight))
+            else:
+                assert data is weight and weight_type == q4_0
+            for kept in ((weight[:40], q4_0), (quantized_weight(16, 2, TYPES["Q8_0"]), 8)):
+                data, weight_type = ops.cpu_decode_layout(*kept)
+                assert data is kept[0] and weight_type == kept[1]
+    assert ops.block_format(ops.INTERLEAVED_Q4_0)[1:] == ops.BLOCK_FORMATS[q4_0][1:]
+
+
+@pytest.mark.cpu_inputs
+def test_interleaved_q4_0_bad_input(backend):
+    """The interleaved type on a backend without it, with rows that are not whole groups, or
+    not contiguous, is a ValueError naming the problem."""
+    weight = _C.interleave_q4_0_rows(quantized_weight(32, 2, TYPES["Q4_0"]))
+    x = torch.randn(2, 64)
+    if backend.name != "cpu":
+        with pytest.raises(ValueError, match=r"weight_type 1002 \(Q4_0 with rows interleaved by "
+                                             r"16\) is the CPU's decode layout"):
+            backend.ops.quantized_linear(x, weight, ops.INTERLEAVED_Q4_0)
+        return
+    with pytest.raises(ValueError, match="whole groups of 16 rows, got 24"):
+        backend.ops.quantized_linear(x, weight[:24], ops.INTERLEAVED_Q4_0)
+    with pytest.raises(ValueError, match="an interleaved Q4_0 weight must be contiguous"):
+        backend.ops.dequantize(weight[:, :18], ops.INTERLEAVED_Q4_0, torch.float32)
+    with pytest.raises(ValueError, match="interleaving takes whole groups of 16 rows, got 20"):
+        _C.interleave_q4_0_rows(quantized_weight(20, 2, TYPES["Q4_0"]))
+    with pytest.raises(ValueError, match=r"got 1001 \(the CPU also takes 1002"):
+        backend.ops.quantized_linear(x, weight, 1001)

@@ -110,7 +110,8 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     stacked weights stay in their blocks (uint8 ``[experts, rows, row bytes]``, with the
     :class:`~fastllm.models.decoder.Experts` module's ``gate_up_type`` / ``down_type``) when
     all their parts share one format. The others are cast to ``dtype``. Everything is placed on
-    ``device``. On the CPU, float32 models keep 16-bit projection, embedding and LM-head
+    ``device``; there a projection's or untied LM head's blocks take
+    :func:`fastllm.ops.cpu_decode_layout`'s order (Q4_0 interleaved by 16 rows on AVX-512). On the CPU, float32 models keep 16-bit projection, embedding and LM-head
     weights (a float16 GGUF, a bfloat16 checkpoint) in 16 bits: the linear op converts them
     exactly as it reads them, so the sums are the upcast weights' from half the bytes.
 
@@ -150,6 +151,8 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             continue
         if all(isinstance(t, QuantizedWeight) for t in tensors) and _QUANTIZABLE.search(name):
             runs = _format_runs(tensors, device)
+            if not _EMBEDDING.search(name):  # the table's rows are looked up in file order
+                runs = [ops.cpu_decode_layout(data, weight_type) for data, weight_type in runs]
             if len(runs) == 1:
                 state[name], quantized[name] = runs[0]
             else:  # parts in different formats: each run of rows stays in its own
@@ -197,6 +200,8 @@ _QUANTIZABLE = re.compile(r"(_proj|embed_tokens|lm_head)\.weight$")
 _EXPERTS = re.compile(r"\.mlp\.(gate_up|down)_proj$")
 # RMSNorm weights: the layers' and the final norm, q/k norms.
 _NORM = re.compile(r"norm\.weight$")
+# The embedding table (also the LM head when tied).
+_EMBEDDING = re.compile(r"^embed_tokens\.weight$")
 # The weights whose rows are the vocabulary, split among tensor-parallel ranks.
 _VOCABULARY = re.compile(r"^(embed_tokens|lm_head)\.weight$")
 

@@ -32,7 +32,7 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         """The float weight's shape, ``(rows, values per row)``."""
-        _, values, block_bytes = ops.BLOCK_FORMATS[self.weight_type]
+        _, values, block_bytes = ops.block_format(self.weight_type)
         return self.data.shape[0], self.data.shape[1] // block_bytes * values
 
 
@@ -53,7 +53,7 @@ class QuantizedLinear(nn.Module):
         return [ops.ProjectionPart(self.weight, self.weight_type, self.bias)]
 
     def extra_repr(self) -> str:
-        name, _, _ = ops.BLOCK_FORMATS[self.weight_type]
+        name, _, _ = ops.block_format(self.weight_type)
         rows, values = QuantizedWeight(self.weight, self.weight_type).shape
         return f"{name}, in_features={values}, out_features={rows}, bias={self.bias is not None}"
 
@@ -86,7 +86,7 @@ class SegmentedQuantizedLinear(nn.Module):
         return parts
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{ops.BLOCK_FORMATS[t][0]} x {getattr(self, f'segment{i}').shape[0]}"
+        return ", ".join(f"{ops.block_format(t)[0]} x {getattr(self, f'segment{i}').shape[0]}"
                          for i, t in enumerate(self.weight_types))
 
 
