@@ -211,9 +211,17 @@ that raises ValueError. Safe to use from several threads.)doc")
       py::arg("name"),
       "Runs the per-ISA CPU kernels with instruction set `name` (one of cpu_isas()) from now on, "
       "on every thread; returns the previous one.");
-  m.def("interleave_q4_0_rows", &fastllm::interleave_q4_0_rows, py::arg("weight"),
-        "A Q4_0 weight [rows, row bytes] (rows a multiple of 16) in the CPU decode kernel's "
-        "layout, weight type 1002: each group of 16 rows interleaved.");
+  m.def(
+      "interleave_rows",
+      [](const at::Tensor& weight, int64_t weight_type) {
+        TORCH_CHECK_VALUE(fastllm::is_interleaved_type(fastllm::kInterleavedTypes + weight_type),
+                          "interleaving takes Q4_0 (2) or Q4_K (12) blocks, got weight_type ",
+                          weight_type);
+        return fastllm::interleave_rows(weight, fastllm::BlockFormat(weight_type));
+      },
+      py::arg("weight"), py::arg("weight_type"),
+      "A Q4_0 or Q4_K weight [rows, row bytes] (rows a multiple of 16) in the CPU decode "
+      "kernels' layout, weight type 1000 + weight_type: each group of 16 rows interleaved.");
   fastllm::bind_kv_cache(m);
   fastllm::bind_decoder(m);
   fastllm::bind_gguf(m);

@@ -42,13 +42,21 @@ enum class BlockFormat : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 
-// fastllm's own weight type, never in a file: Q4_0 blocks with the rows of each group of
-// kInterleavedRows interleaved, the layout of the AVX-512 decode kernel
-// (quantized_cpu_avx512.cpp). Group g (rows 16 g .. 16 g + 15) keeps their bytes, block after
-// block; a group's block is the 16 rows' float16 scales, then 4 runs of 64 bytes, run q holding
-// bytes 4q..4q+3 of each row's 16 bytes of nibbles, row after row. Only the CPU ops take it.
-constexpr int64_t kInterleavedQ4_0 = 1002;
+// fastllm's own weight types, never in a file: Q4_0's and Q4_K's blocks with the rows of each
+// group of kInterleavedRows interleaved, the layout of the AVX-512 decode kernels
+// (quantized_cpu_avx512.cpp), type kInterleavedTypes + the ggml type. Group g (rows 16 g ..
+// 16 g + 15) keeps their bytes, block after block; each field of a group's block holds the 16
+// rows' bytes of that field in chunks: chunk c of every row, row after row, then chunk c + 1.
+// Q4_0's fields: the float16 scale, the 16 bytes of nibbles in chunks of 4 (one 32-bit lane of
+// a row's integers). Q4_K's: d, dmin, the 12 bytes of packed 6-bit scales in chunks of 1, the
+// 128 bytes of nibbles in chunks of 4. Only the CPU ops take them.
+constexpr int64_t kInterleavedTypes = 1000;
 constexpr int64_t kInterleavedRows = 16;
+
+constexpr bool is_interleaved_type(int64_t type) {
+  return type == kInterleavedTypes + int64_t(BlockFormat::kQ4_0) ||
+         type == kInterleavedTypes + int64_t(BlockFormat::kQ4_K);
+}
 
 // Values of a sub-block: the unit of one scale (the activations' too).
 constexpr int64_t kSubBlockValues = 32;

@@ -9,15 +9,15 @@
 
 namespace fastllm {
 
-// A Q4_0 weight [rows, row bytes] (rows a multiple of kInterleavedRows) in the interleaved
-// layout (block_formats.h: kInterleavedQ4_0), and back.
-at::Tensor interleave_q4_0_rows(const at::Tensor& weight);
-at::Tensor deinterleave_q4_0_rows(const at::Tensor& weight);
+// A Q4_0 or Q4_K weight [rows, row bytes] (rows a multiple of kInterleavedRows) in the
+// interleaved layout (block_formats.h: kInterleavedTypes), and back: `format` the blocks'.
+at::Tensor interleave_rows(const at::Tensor& weight, BlockFormat format);
+at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format);
 
 // Checks a block-quantized weight [out_features, row bytes] (uint8, rows contiguous) of ggml type
 // `weight_type`; returns its format and sets in_features from the row length. Where
-// `interleaved` is given (the CPU ops), kInterleavedQ4_0 is taken too (format Q4_0, the weight
-// contiguous, whole groups of rows), and *interleaved says whether it was.
+// `interleaved` is given (the CPU ops), the interleaved types are taken too (the format of their
+// blocks; the weight contiguous, whole groups of rows), and *interleaved says whether it was.
 BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type,
                                    int64_t& in_features, bool* interleaved = nullptr);
 

@@ -5,25 +5,29 @@ namespace fastllm {
 
 BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type,
                                    int64_t& in_features, bool* interleaved) {
-  const bool is_interleaved = weight_type == kInterleavedQ4_0;
-  TORCH_CHECK_VALUE(!is_interleaved || interleaved,
-                    "weight_type ", kInterleavedQ4_0, " (Q4_0 with rows interleaved by ",
-                    kInterleavedRows, ") is the CPU's decode layout; on ", weight.device(),
-                    " pass the weight's ggml blocks (Q4_0, 2)");
+  const bool is_interleaved = is_interleaved_type(weight_type);
+  const auto format = static_cast<BlockFormat>(is_interleaved ? weight_type - kInterleavedTypes
+                                                              : weight_type);
+  TORCH_CHECK_VALUE(!is_interleaved || interleaved, "weight_type ", weight_type, " (",
+                    block_layout(format).name, " with rows interleaved by ", kInterleavedRows,
+                    ") is the CPU's decode layout; on ", weight.device(),
+                    " pass the weight's ggml blocks (", block_layout(format).name, ", ",
+                    int64_t(format), ")");
   TORCH_CHECK_VALUE(is_interleaved || is_block_format(weight_type),
                     "weight_type must be a ggml type id of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 "
                     "(7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), got ", weight_type,
-                    interleaved ? " (the CPU also takes 1002: Q4_0 with rows interleaved by 16)"
+                    interleaved ? " (the CPU also takes 1002 and 1012: Q4_0 and Q4_K with rows "
+                                  "interleaved by 16)"
                                 : "");
-  const auto format = is_interleaved ? BlockFormat::kQ4_0 : static_cast<BlockFormat>(weight_type);
   check_rank(weight, 2, "weight", "[out_features, row bytes]");
   check_dtype(weight, at::kByte, "weight");
   if (interleaved) *interleaved = is_interleaved;
   if (is_interleaved) {
-    TORCH_CHECK_VALUE(weight.size(0) % kInterleavedRows == 0, "an interleaved Q4_0 weight has "
-                      "whole groups of ", kInterleavedRows, " rows, got ", weight.size(0));
-    TORCH_CHECK_VALUE(weight.is_contiguous(), "an interleaved Q4_0 weight must be contiguous, "
-                      "got strides ", weight.strides());
+    TORCH_CHECK_VALUE(weight.size(0) % kInterleavedRows == 0, "an interleaved ",
+                      block_layout(format).name, " weight has whole groups of ",
+                      kInterleavedRows, " rows, got ", weight.size(0));
+    TORCH_CHECK_VALUE(weight.is_contiguous(), "an interleaved ", block_layout(format).name,
+                      " weight must be contiguous, got strides ", weight.strides());
   }
   const BlockLayout layout = block_layout(format);
   TORCH_CHECK_VALUE(weight.size(1) % layout.bytes == 0, "a ", layout.name,

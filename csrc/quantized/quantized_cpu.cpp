@@ -109,7 +109,7 @@ at::Tensor dequantize_cpu(const at::Tensor& weight_in, int64_t weight_type,
   bool interleaved = false;
   const BlockFormat format = check_quantized_weight(weight_in, weight_type, in_features,
                                                     &interleaved);
-  const at::Tensor weight = interleaved ? deinterleave_q4_0_rows(weight_in) : weight_in;
+  const at::Tensor weight = interleaved ? deinterleave_rows(weight_in, format) : weight_in;
   const int64_t rows = weight.size(0);
   auto out = at::empty({rows, in_features}, weight.options().dtype(at::kFloat));
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
@@ -165,7 +165,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
   // the weight back in rows for the others.
   const bool interleaved_kernel = interleaved && decode && cpu.interleaved_decode_rows;
   const at::Tensor weight =
-      interleaved && !interleaved_kernel ? deinterleave_q4_0_rows(weight_in) : weight_in;
+      interleaved && !interleaved_kernel ? deinterleave_rows(weight_in, format) : weight_in;
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t ldw = weight.stride(0);
   if (decode) {
@@ -230,29 +230,53 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
 
 }  // namespace
 
-at::Tensor interleave_q4_0_rows(const at::Tensor& weight) {
-  int64_t in_features = 0;
-  check_quantized_weight(weight, int64_t(BlockFormat::kQ4_0), in_features);
-  TORCH_CHECK_VALUE(weight.size(0) % kInterleavedRows == 0, "interleaving takes whole groups of ",
-                    kInterleavedRows, " rows, got ", weight.size(0));
-  const int64_t groups = weight.size(0) / kInterleavedRows, blocks = in_features / 32;
-  // [group, row in group, block, 18 bytes] -> [group, block, the rows' scales | 4 runs of rows]
-  const auto v = weight.contiguous().view({groups, kInterleavedRows, blocks, 18});
-  const auto scales = v.narrow(3, 0, 2).permute({0, 2, 1, 3}).reshape({groups, blocks, -1});
-  const auto nibbles = v.narrow(3, 2, 16).view({groups, kInterleavedRows, blocks, 4, 4})
-                           .permute({0, 2, 3, 1, 4}).reshape({groups, blocks, -1});
-  return at::cat({scales, nibbles}, 2).view(weight.sizes());
+namespace {
+
+// A row's block as the interleaved layout splits it (block_formats.h: kInterleavedTypes).
+struct InterleavedField {
+  int64_t offset, bytes, chunk;
+};
+
+std::vector<InterleavedField> interleaved_fields(BlockFormat format) {
+  if (format == BlockFormat::kQ4_0) return {{0, 2, 2}, {2, 16, 4}};
+  TORCH_CHECK_VALUE(format == BlockFormat::kQ4_K, block_layout(format).name,
+                    " has no interleaved layout; Q4_0 and Q4_K have");
+  return {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
 }
 
-at::Tensor deinterleave_q4_0_rows(const at::Tensor& weight) {
-  const int64_t groups = weight.size(0) / kInterleavedRows, blocks = weight.size(1) / 18;
-  const auto v = weight.view({groups, blocks, kInterleavedRows * 18});
-  const auto scales = v.narrow(2, 0, 2 * kInterleavedRows).view({groups, blocks, kInterleavedRows, 2})
-                          .permute({0, 2, 1, 3});
-  const auto nibbles = v.narrow(2, 2 * kInterleavedRows, 16 * kInterleavedRows)
-                           .view({groups, blocks, 4, kInterleavedRows, 4})
-                           .permute({0, 3, 1, 2, 4}).reshape({groups, kInterleavedRows, blocks, 16});
-  return at::cat({scales, nibbles}, 3).view(weight.sizes());
+}  // namespace
+
+at::Tensor interleave_rows(const at::Tensor& weight, BlockFormat format) {
+  int64_t in_features = 0;
+  check_quantized_weight(weight, int64_t(format), in_features);
+  const auto fields = interleaved_fields(format);
+  TORCH_CHECK_VALUE(weight.size(0) % kInterleavedRows == 0, "interleaving takes whole groups of ",
+                    kInterleavedRows, " rows, got ", weight.size(0));
+  const int64_t groups = weight.size(0) / kInterleavedRows, bytes = block_layout(format).bytes;
+  const int64_t blocks = weight.size(1) / bytes;
+  // [group, row, block, field bytes] -> [group, block, chunk, row, chunk bytes], field by field.
+  const auto v = weight.contiguous().view({groups, kInterleavedRows, blocks, bytes});
+  std::vector<at::Tensor> parts;
+  for (const InterleavedField& f : fields)
+    parts.push_back(v.narrow(3, f.offset, f.bytes)
+                        .view({groups, kInterleavedRows, blocks, f.bytes / f.chunk, f.chunk})
+                        .permute({0, 2, 3, 1, 4})
+                        .reshape({groups, blocks, -1}));
+  return at::cat(parts, 2).view(weight.sizes());
+}
+
+at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format) {
+  const auto fields = interleaved_fields(format);
+  const int64_t groups = weight.size(0) / kInterleavedRows, bytes = block_layout(format).bytes;
+  const int64_t blocks = weight.size(1) / bytes;
+  const auto v = weight.view({groups, blocks, kInterleavedRows * bytes});
+  std::vector<at::Tensor> parts;
+  for (const InterleavedField& f : fields)
+    parts.push_back(v.narrow(2, kInterleavedRows * f.offset, kInterleavedRows * f.bytes)
+                        .view({groups, blocks, f.bytes / f.chunk, kInterleavedRows, f.chunk})
+                        .permute({0, 3, 1, 2, 4})
+                        .reshape({groups, kInterleavedRows, blocks, f.bytes}));
+  return at::cat(parts, 3).view(weight.sizes());
 }
 
 TORCH_LIBRARY_IMPL(fastllm, CPU, m) {

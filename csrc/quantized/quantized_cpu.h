@@ -69,8 +69,8 @@ struct CpuKernels {
   // Prefill rows from byte activations (Q4_0, the K-quants), where the instruction set has
   // them; else null.
   DecodeRowsFn byte_gemm_rows;
-  // Decode rows of the interleaved layout (quantized.h: kInterleavedQ4_0; begin and end whole
-  // groups of rows), where the instruction set has them (AVX-512, Q4_0); else null.
+  // Decode rows of the interleaved layout (block_formats.h: kInterleavedTypes; begin and end
+  // whole groups of rows), where the instruction set has them (AVX-512: Q4_0, Q4_K); else null.
   DecodeRowsFn interleaved_decode_rows = nullptr;
 };
 

@@ -145,67 +145,183 @@ struct Avx512 {
   }
 };
 
-// Decode rows of Q4_0 weights in the interleaved layout (quantized.h: kInterleavedQ4_0). One
-// 64-byte run holds 4 bytes of each of a group's 16 rows: its low nibbles are values 4q..4q+3
-// of every row, its high nibbles 16 + 4q.., so one vpdpbusd multiplies 4 values of 16 rows and
-// the rows' sums stay in the lanes. Per block and activation row that is 8 vpdpbusd and one
-// float multiply-add for the 16 rows, where the row-major kernel takes 2 and 1 a row, and sums
-// its lanes at the end: a third of the instructions (SmolLM2's Q4_0 layers from L2, one
-// thread: 2.5x the speed), so the product streams at the memory's speed.
-constexpr int64_t kInterleavedBlockBytes = kInterleavedRows * 18;
-// Weight bytes fetched this far ahead of the block in use (into L1: one stream a thread): 16
-// blocks, 4.5 KiB (SmolLM2's Q4_0 layers, 2 threads: 1.2-1.3x the speed of no prefetch, 1152
-// and 2304 bytes ahead took 1.05-1.1x the time).
-constexpr int64_t kInterleavedPrefetchBytes = 16 * kInterleavedBlockBytes;
+// Decode rows of the interleaved layouts (block_formats.h: kInterleavedTypes). A 64-byte chunk
+// run holds 4 bytes of each of a group's 16 rows: its low nibbles are 4 values of every row, its
+// high nibbles 4 more, so one vpdpbusd multiplies 4 values of 16 rows and the rows' sums stay in
+// the lanes. Per 32 values and activation row that is 8 vpdpbusd and a float multiply-add or
+// two for all 16 rows, where the row-major kernel takes 2 and 1 a row, and sums its lanes at
+// the end: a third of the instructions (SmolLM2's Q4_0 layers from L2, one thread: 2.5x the
+// speed), so the product streams at the memory's speed.
+//
+// Each group is one stream of bytes, fetched this far ahead (into L1) of the block in use
+// (SmolLM2's Q4_0 layers, 2 threads: 1.2-1.3x the speed of no prefetch; 1152 and 2304 bytes
+// ahead took 1.05-1.1x the time of 4608).
+constexpr int64_t kInterleavedPrefetchBytes = 4608;
 
-// out rows (row0 + m) . (the group's 16 weight rows), for M activation rows, as decode_rows.
-template <int M>
-inline void interleaved_q4_0_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* group,
-                                  const float* bias, float* y, int64_t ldy) {
-  const __m512i mask = _mm512_set1_epi8(0x0f);
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* block = group + b * kInterleavedBlockBytes;
-    for (int64_t line = 0; line < kInterleavedBlockBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kInterleavedPrefetchBytes + line),
-                   _MM_HINT_T0);
-    __m512i low[4], high[4];
-    for (int q = 0; q < 4; ++q) {
-      const __m512i run = _mm512_loadu_si512(block + 2 * kInterleavedRows + 64 * q);
+template <int64_t kBlockBytes>
+inline void prefetch_interleaved(const uint8_t* block) {
+  for (int64_t line = 0; line < kBlockBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kInterleavedPrefetchBytes + line),
+                 _MM_HINT_T0);
+}
+
+// The 16 rows' products of a chunk run at `chunks` (run q: values 4q..4q+3 in the low nibbles,
+// 4 more in the high) with an activation row's sub-blocks `low_x` and `high_x`, added to
+// `low_sums` and `high_sums`.
+struct NibbleRuns {
+  __m512i low[8], high[8];
+  template <int kRuns>
+  void load(const uint8_t* chunks) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int q = 0; q < kRuns; ++q) {
+      const __m512i run = _mm512_loadu_si512(chunks + 64 * q);
       low[q] = _mm512_and_si512(run, mask);
       high[q] = _mm512_and_si512(_mm512_srli_epi16(run, 4), mask);
     }
-    const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
-    for (int m = 0; m < M; ++m) {
-      const int64_t i = (row0 + m) * x.blocks + b;
-      const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.low + i * kSubBlockValues);
-      __m512i low_sums = _mm512_setzero_si512(), high_sums = _mm512_setzero_si512();
-      for (int q = 0; q < 4; ++q) {
-        low_sums = _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(xs + 4 * q))));
-        high_sums =
-            _mm512_dpbusd_epi32(high_sums, high[q], _mm512_set1_epi32(int(read_u32(xs + 16 + 4 * q))));
-      }
-      // d (s u.x - 8 s sum x): the block's sum with Q4_0's zero point, times each row's scale.
-      const __m512 dots = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_add_epi32(low_sums, high_sums)), _mm512_set1_ps(x.scales[i]),
-          _mm512_set1_ps(-kZeroPoint<BlockFormat::kQ4_0> * x.sums[i]));
-      acc[m] = _mm512_fmadd_ps(dots, scales, acc[m]);
+  }
+  // Q4_0's runs: values 4q.. and 16 + 4q.. of one sub-block x.
+  __m512i q4_0_dot(const uint8_t* x) const {
+    __m512i low_sums = _mm512_setzero_si512(), high_sums = _mm512_setzero_si512();
+    for (int q = 0; q < 4; ++q) {
+      low_sums = _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(x + 4 * q))));
+      high_sums = _mm512_dpbusd_epi32(high_sums, high[q],
+                                      _mm512_set1_epi32(int(read_u32(x + 16 + 4 * q))));
+    }
+    return _mm512_add_epi32(low_sums, high_sums);
+  }
+  // A Q4_K pair's runs: values 4q.. of sub-block x_low (low nibbles) and of x_high.
+  void q4_k_dots(const uint8_t* x_low, const uint8_t* x_high, __m512i& low_sums,
+                 __m512i& high_sums) const {
+    low_sums = high_sums = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q) {
+      low_sums = _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(x_low + 4 * q))));
+      high_sums = _mm512_dpbusd_epi32(high_sums, high[q],
+                                      _mm512_set1_epi32(int(read_u32(x_high + 4 * q))));
     }
   }
-  for (int m = 0; m < M; ++m) {
+};
+
+inline const uint8_t* activation_bytes(const ActivationBlocks& x, int64_t i) {
+  return reinterpret_cast<const uint8_t*>(x.low + i * kSubBlockValues);
+}
+
+inline __m512 float16s(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store_rows(const __m512 (&acc)[4], int m_count, int64_t row0, const float* bias,
+                       float* y, int64_t ldy) {
+  for (int m = 0; m < m_count; ++m) {
     const __m512 sums = bias ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias)) : acc[m];
     _mm512_storeu_ps(y + (row0 + m) * ldy, sums);
   }
 }
 
-void interleaved_q4_0_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
-                                  int64_t begin, int64_t end, const float* bias, float* y,
-                                  int64_t ldy) {
+// Rows row0.. row0 + M - 1 against a Q4_0 group: per block, the 16 scales, then 4 runs.
+template <int M>
+inline void interleaved_q4_0_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* group,
+                                  const float* bias, float* y, int64_t ldy) {
+  constexpr int64_t kBlockBytes = kInterleavedRows * 18;
+  __m512 acc[4];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = group + b * kBlockBytes;
+    prefetch_interleaved<kBlockBytes>(block);
+    NibbleRuns runs;
+    runs.load<4>(block + 2 * kInterleavedRows);
+    const __m512 scales = float16s(block);
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = (row0 + m) * x.blocks + b;
+      // d (s u.x - 8 s sum x): the block's sum with Q4_0's zero point, times each row's scale.
+      const __m512 dots = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(runs.q4_0_dot(activation_bytes(x, i))), _mm512_set1_ps(x.scales[i]),
+          _mm512_set1_ps(-kZeroPoint<BlockFormat::kQ4_0> * x.sums[i]));
+      acc[m] = _mm512_fmadd_ps(dots, scales, acc[m]);
+    }
+  }
+  store_rows(acc, M, row0, bias, y, ldy);
+}
+
+// Rows row0.. row0 + M - 1 against a Q4_K group: per super-block, the 16 d, the 16 dmin, the 12
+// bytes of 6-bit scales and mins (byte k of each row, row after row), then the 4 pairs of
+// sub-blocks' 8 runs each (low nibbles sub-block 2p, high 2p + 1).
+template <int M>
+inline void interleaved_q4_k_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* group,
+                                  const float* bias, float* y, int64_t ldy) {
+  constexpr int64_t kBlockBytes = kInterleavedRows * 144;
+  __m512 acc[4];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks / 8; ++b) {
+    const uint8_t* block = group + b * kBlockBytes;
+    prefetch_interleaved<kBlockBytes>(block);
+    // The sub-blocks' scales and mins of the 16 rows (block_formats.h: unpack_k_scales), as
+    // floats, kept in memory: each is a multiply-add's operand once per activation row.
+    alignas(64) float scales[8][kInterleavedRows], mins[8][kInterleavedRows];
+    {
+      __m128i packed[12];
+      for (int k = 0; k < 12; ++k)
+        packed[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + 16 * k));
+      const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
+      // The top 2 bits of each byte of v, moved to bits 4-5.
+      const auto top = [&](__m128i v) {
+        return _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(v, 6), two), 4);
+      };
+      for (int j = 0; j < 8; ++j) {
+        const __m128i scale =
+            j < 4 ? _mm_and_si128(packed[j], six)
+                  : _mm_or_si128(_mm_and_si128(packed[j + 4], four), top(packed[j - 4]));
+        const __m128i min =
+            j < 4 ? _mm_and_si128(packed[j + 4], six)
+                  : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(packed[j + 4], 4), four),
+                                 top(packed[j]));
+        _mm512_store_ps(scales[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale)));
+        _mm512_store_ps(mins[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(min)));
+      }
+    }
+    __m512 sums[4], min_sums[4];
+    for (int m = 0; m < M; ++m) sums[m] = min_sums[m] = _mm512_setzero_ps();
+    for (int p = 0; p < 4; ++p) {
+      NibbleRuns runs;
+      runs.load<8>(block + 256 + 512 * p);
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (row0 + m) * x.blocks + 8 * b + 2 * p;  // sub-block 2p's activations
+        __m512i low_sums, high_sums;
+        runs.q4_k_dots(activation_bytes(x, i), activation_bytes(x, i + 1), low_sums, high_sums);
+        // sc s u.x per sub-block, and mn s sum x for the mins.
+        sums[m] = _mm512_fmadd_ps(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(low_sums), _mm512_set1_ps(x.scales[i])),
+            _mm512_load_ps(scales[2 * p]), sums[m]);
+        sums[m] = _mm512_fmadd_ps(
+            _mm512_mul_ps(_mm512_cvtepi32_ps(high_sums), _mm512_set1_ps(x.scales[i + 1])),
+            _mm512_load_ps(scales[2 * p + 1]), sums[m]);
+        min_sums[m] = _mm512_fmadd_ps(_mm512_load_ps(mins[2 * p]), _mm512_set1_ps(x.sums[i]),
+                                      min_sums[m]);
+        min_sums[m] = _mm512_fmadd_ps(_mm512_load_ps(mins[2 * p + 1]),
+                                      _mm512_set1_ps(x.sums[i + 1]), min_sums[m]);
+      }
+    }
+    const __m512 d = float16s(block), dmin = float16s(block + 2 * kInterleavedRows);
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm512_fmadd_ps(d, sums[m], acc[m]);
+      acc[m] = _mm512_fnmadd_ps(dmin, min_sums[m], acc[m]);
+    }
+  }
+  store_rows(acc, M, row0, bias, y, ldy);
+}
+
+template <BlockFormat F>
+void interleaved_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
+                             int64_t begin, int64_t end, const float* bias, float* y,
+                             int64_t ldy) {
+  static_assert(Avx512::kActRows <= 4);
   for (int64_t n = begin; n < end; n += kInterleavedRows) {
     for_row_tiles<Avx512::kActRows>(x.rows, [&](auto rows, int64_t m) {
-      interleaved_q4_0_tile<decltype(rows)::value>(x, m, w + n * ldw, bias ? bias + n : nullptr,
-                                                   y + n, ldy);
+      constexpr int M = decltype(rows)::value;
+      const float* group_bias = bias ? bias + n : nullptr;
+      if constexpr (F == BlockFormat::kQ4_0)
+        interleaved_q4_0_tile<M>(x, m, w + n * ldw, group_bias, y + n, ldy);
+      else
+        interleaved_q4_k_tile<M>(x, m, w + n * ldw, group_bias, y + n, ldy);
     });
   }
 }
@@ -214,7 +330,10 @@ void interleaved_q4_0_decode_rows(const ActivationBlocks& x, const uint8_t* w, i
 
 CpuKernels cpu_kernels_avx512(BlockFormat format) {
   CpuKernels kernels = cpu_kernels_for<Avx512>(format);
-  if (format == BlockFormat::kQ4_0) kernels.interleaved_decode_rows = &interleaved_q4_0_decode_rows;
+  if (format == BlockFormat::kQ4_0)
+    kernels.interleaved_decode_rows = &interleaved_decode_rows<BlockFormat::kQ4_0>;
+  if (format == BlockFormat::kQ4_K)
+    kernels.interleaved_decode_rows = &interleaved_decode_rows<BlockFormat::kQ4_K>;
   return kernels;
 }
 

@@ -366,37 +366,41 @@ def test_batch_invariant_rows_equal_each_row_alone(weight_type, dtype):
     assert ((batch.double() - exact).abs() <= bound).all()
 
 
-# The CPU's interleaved Q4_0 (ops.cpu_decode_layout): 48 rows, three groups of 16, so each
-# thread's task starts on a group.
+# The CPU's interleaved layouts (ops.cpu_decode_layout): 48 rows, three groups of 16, so each
+# thread's task starts on a group; 576 values (Q4_0's 18 blocks) or 512 (Q4_K's 2).
 INTERLEAVED_ROWS = 48
+INTERLEAVED = {"Q4_0": (ops.INTERLEAVED_Q4_0, 18), "Q4_K": (ops.INTERLEAVED_Q4_K, 2)}
 
 
 @pytest.mark.parametrize("isa", _C.cpu_isas())
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 32, 33, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interleaved_q4_0_is_the_same_weight(rows, dtype, isa):
-    """Q4_0 in the AVX-512 decode kernel's layout gives the plain weight's products within the
-    kernel's error bound on every path (its own kernel for decode rows where the ISA has it,
+@pytest.mark.parametrize("type_name", INTERLEAVED)
+def test_interleaved_weight_is_the_same_weight(type_name, rows, dtype, isa):
+    """A weight in the AVX-512 decode kernels' layout gives the plain weight's products within
+    the kernel's error bound on every path (its own kernel for decode rows where the ISA has it,
     else the rows put back in order for the ISA's kernels: then bit for bit the plain weight's
     result), and dequantizes to the same values."""
-    q4_0 = TYPES["Q4_0"]
-    weight = quantized_weight(INTERLEAVED_ROWS, 18, q4_0, seed=rows)
-    interleaved = _C.interleave_q4_0_rows(weight)
+    weight_type = TYPES[type_name]
+    interleaved_type, blocks = INTERLEAVED[type_name]
+    weight = quantized_weight(INTERLEAVED_ROWS, blocks, weight_type, seed=rows)
+    interleaved = _C.interleave_rows(weight, weight_type)
     assert interleaved.shape == weight.shape and not torch.equal(interleaved, weight)
-    x = (torch.randn(rows, in_features(weight, q4_0)) * 3).to(dtype)
+    x = (torch.randn(rows, in_features(weight, weight_type)) * 3).to(dtype)
     bias = torch.randn(INTERLEAVED_ROWS).to(dtype)
     with cpu_isa(isa):
-        got = ops.quantized_linear(x, interleaved, ops.INTERLEAVED_Q4_0, bias)
-        plain = ops.quantized_linear(x, weight, q4_0, bias)
+        got = ops.quantized_linear(x, interleaved, interleaved_type, bias)
+        plain = ops.quantized_linear(x, weight, weight_type, bias)
         for out_dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(ops.dequantize(interleaved, ops.INTERLEAVED_Q4_0, out_dtype),
-                               ops.dequantize(weight, q4_0, out_dtype))
+            assert torch.equal(ops.dequantize(interleaved, interleaved_type, out_dtype),
+                               ops.dequantize(weight, weight_type, out_dtype))
     assert got.shape == plain.shape and got.dtype == dtype
     if isa not in ("amx", "avx512") or rows > CPU_STREAM_ROWS:
         assert torch.equal(got, plain)
-    exact = reference.quantized_linear(x.float(), weight, q4_0, bias.float())
-    bound = (activation_error_bound(x.float(), weight, q4_0, "cpu")
-             + gemm_error_bound(SimpleNamespace(name=f"cpu-{isa}"), x.float(), weight, q4_0))
+    exact = reference.quantized_linear(x.float(), weight, weight_type, bias.float())
+    bound = (activation_error_bound(x.float(), weight, weight_type, "cpu")
+             + gemm_error_bound(SimpleNamespace(name=f"cpu-{isa}"), x.float(), weight,
+                                weight_type))
     if dtype == torch.bfloat16:  # the result's own rounding
         bound = bound + exact.abs() * 2.0 ** -8
     err = (got.double() - exact).abs()
@@ -404,55 +408,69 @@ def test_interleaved_q4_0_is_the_same_weight(rows, dtype, isa):
 
 
 @pytest.mark.parametrize("isa", _C.cpu_isas())
-def test_interleaved_q4_0_row_does_not_depend_on_the_others(isa):
-    """The interleaved kernel's decode rows too are bitwise the same alone or in any batch."""
-    weight = _C.interleave_q4_0_rows(quantized_weight(INTERLEAVED_ROWS, 16, TYPES["Q4_0"]))
+@pytest.mark.parametrize("type_name", INTERLEAVED)
+def test_interleaved_row_does_not_depend_on_the_others(type_name, isa):
+    """The interleaved kernels' decode rows too are bitwise the same alone or in any batch."""
+    weight_type = TYPES[type_name]
+    interleaved_type, _ = INTERLEAVED[type_name]
+    weight = quantized_weight(INTERLEAVED_ROWS, 512 // ops.BLOCK_FORMATS[weight_type][1],
+                              weight_type)
+    weight = _C.interleave_rows(weight, weight_type)
     x = torch.randn(16, 512)
     with cpu_isa(isa):
-        alone = torch.cat([ops.quantized_linear(x[i:i + 1], weight, ops.INTERLEAVED_Q4_0)
+        alone = torch.cat([ops.quantized_linear(x[i:i + 1], weight, interleaved_type)
                            for i in range(16)])
         for batch in (2, 3, 7, 16):
-            together = torch.cat([ops.quantized_linear(x[i:i + batch], weight,
-                                                       ops.INTERLEAVED_Q4_0)
+            together = torch.cat([ops.quantized_linear(x[i:i + batch], weight, interleaved_type)
                                   for i in range(0, 16, batch)])
             assert torch.equal(together, alone), batch
 
 
 def test_cpu_decode_layout():
-    """Q4_0 with whole groups of 16 rows is interleaved where the CPU kernels run AVX-512;
-    anything else (another type, other row counts, another instruction set) is kept as is."""
-    q4_0 = TYPES["Q4_0"]
-    weight = quantized_weight(INTERLEAVED_ROWS, 2, q4_0)
-    for isa in _C.cpu_isas():
-        with cpu_isa(isa):
-            data, weight_type = ops.cpu_decode_layout(weight, q4_0)
-            if isa in ("amx", "avx512"):
-                assert weight_type == ops.INTERLEAVED_Q4_0
-                assert torch.equal(data, _C.interleave_q4_0_rows(weight))
-            else:
-                assert data is weight and weight_type == q4_0
-            for kept in ((weight[:40], q4_0), (quantized_weight(16, 2, TYPES["Q8_0"]), 8)):
-                data, weight_type = ops.cpu_decode_layout(*kept)
-                assert data is kept[0] and weight_type == kept[1]
-    assert ops.block_format(ops.INTERLEAVED_Q4_0)[1:] == ops.BLOCK_FORMATS[q4_0][1:]
+    """Q4_0 and Q4_K with whole groups of 16 rows are interleaved where the CPU kernels run
+    AVX-512; anything else (another type, other row counts, another instruction set) is kept as
+    it is."""
+    for type_name, (interleaved_type, blocks) in INTERLEAVED.items():
+        weight_type = TYPES[type_name]
+        weight = quantized_weight(INTERLEAVED_ROWS, blocks, weight_type)
+        for isa in _C.cpu_isas():
+            with cpu_isa(isa):
+                data, layout_type = ops.cpu_decode_layout(weight, weight_type)
+                if isa in ("amx", "avx512"):
+                    assert layout_type == interleaved_type
+                    assert torch.equal(data, _C.interleave_rows(weight, weight_type))
+                else:
+                    assert data is weight and layout_type == weight_type
+                for kept in ((weight[:40], weight_type),
+                             (quantized_weight(16, 2, TYPES["Q8_0"]), TYPES["Q8_0"])):
+                    data, layout_type = ops.cpu_decode_layout(*kept)
+                    assert data is kept[0] and layout_type == kept[1]
+        assert ops.block_format(interleaved_type) == (
+            f"{type_name} interleaved by 16", *ops.BLOCK_FORMATS[weight_type][1:])
 
 
 @pytest.mark.cpu_inputs
-def test_interleaved_q4_0_bad_input(backend):
-    """The interleaved type on a backend without it, with rows that are not whole groups, or
-    not contiguous, is a ValueError naming the problem."""
-    weight = _C.interleave_q4_0_rows(quantized_weight(32, 2, TYPES["Q4_0"]))
-    x = torch.randn(2, 64)
+def test_interleaved_weight_bad_input(backend):
+    """An interleaved type on a backend without it, with rows that are not whole groups, or not
+    contiguous, is a ValueError naming the problem; so is interleaving another format."""
+    q4_k = TYPES["Q4_K"]
+    weight = _C.interleave_rows(quantized_weight(32, 1, q4_k), q4_k)
+    x = torch.randn(2, 256)
     if backend.name != "cpu":
-        with pytest.raises(ValueError, match=r"weight_type 1002 \(Q4_0 with rows interleaved by "
-                                             r"16\) is the CPU's decode layout"):
-            backend.ops.quantized_linear(x, weight, ops.INTERLEAVED_Q4_0)
+        with pytest.raises(ValueError, match=r"weight_type 1012 \(Q4_K with rows interleaved by "
+                                             r"16\) is the CPU's decode layout; on cpu pass the "
+                                             r"weight's ggml blocks \(Q4_K, 12\)"):
+            backend.ops.quantized_linear(x, weight, ops.INTERLEAVED_Q4_K)
         return
-    with pytest.raises(ValueError, match="whole groups of 16 rows, got 24"):
-        backend.ops.quantized_linear(x, weight[:24], ops.INTERLEAVED_Q4_0)
-    with pytest.raises(ValueError, match="an interleaved Q4_0 weight must be contiguous"):
-        backend.ops.dequantize(weight[:, :18], ops.INTERLEAVED_Q4_0, torch.float32)
+    with pytest.raises(ValueError, match="an interleaved Q4_K weight has whole groups of 16 rows, "
+                                         "got 24"):
+        backend.ops.quantized_linear(x, weight[:24], ops.INTERLEAVED_Q4_K)
+    with pytest.raises(ValueError, match="an interleaved Q4_K weight must be contiguous"):
+        backend.ops.dequantize(weight[:, :72], ops.INTERLEAVED_Q4_K, torch.float32)
     with pytest.raises(ValueError, match="interleaving takes whole groups of 16 rows, got 20"):
-        _C.interleave_q4_0_rows(quantized_weight(20, 2, TYPES["Q4_0"]))
-    with pytest.raises(ValueError, match=r"got 1001 \(the CPU also takes 1002"):
+        _C.interleave_rows(quantized_weight(20, 2, TYPES["Q4_0"]), TYPES["Q4_0"])
+    with pytest.raises(ValueError, match="interleaving takes Q4_0 \\(2\\) or Q4_K \\(12\\) "
+                                         "blocks, got weight_type 8"):
+        _C.interleave_rows(quantized_weight(16, 2, TYPES["Q8_0"]), TYPES["Q8_0"])
+    with pytest.raises(ValueError, match=r"got 1001 \(the CPU also takes 1002 and 1012"):
         backend.ops.quantized_linear(x, weight, 1001)
