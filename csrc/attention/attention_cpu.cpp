@@ -147,6 +147,29 @@ inline void for_each_key_row(const Problem& pb, const Tile& t, const scalar_t* c
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane c of the result is the sum of a[c]'s 16 lanes: a tree of in-lane unpacks and 128-bit
+// shuffles, 45 instructions for the 16 sums where reducing each vector alone takes 8 with a
+// long dependency chain.
+inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
+  __m512 pairs[8], quads[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: a_2k's and a_2k+1's elements 0+2, 1+3
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
+                             _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the sums of a_4k .. a_4k+3
+    const __m512d x = _mm512_castps_pd(pairs[2 * k]), y = _mm512_castps_pd(pairs[2 * k + 1]);
+    quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Then over the four 128-bit lanes: the 16 sums in order.
+  const auto halves = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
+}
+#endif
+
 // s[r, c] = q_r . k_c for a direct tile, key rows read in place.
 template <typename scalar_t>
 void scores_direct(const Problem& pb, const Tile& t, const float* qf,
@@ -154,6 +177,35 @@ void scores_direct(const Problem& pb, const Tile& t, const float* qf,
                    int64_t lds) {
   constexpr int64_t W = VecF::size();
   const int64_t D = pb.head_dim;
+#if defined(CPU_CAPABILITY_AVX512)
+  // 16 keys at a time, their row's 16 products summed at once (sum_lanes_16) into s's columns
+  // (lds is whole vectors: keys past nk score 0, and the softmax clears them).
+  const int64_t G = pb.group, hp = t.heads_per_pos(pb);
+  for (int64_t c0 = 0; c0 < nk; c0 += W) {
+    const int64_t n = std::min(W, nk - c0);
+    for (int64_t c = c0 + kPrefetchRows; c < std::min(nk, c0 + W + kPrefetchRows); ++c)
+      for (int64_t j = 0; j < t.n_kv; ++j) prefetch_row(k_rows[c] + j * head_stride, D);
+    for (int64_t r = 0; r < t.rows(pb); ++r) {
+      const float* qr = qf + r * D;
+      const int64_t head = r % hp / G;  // the row's kv head within the tile
+      __m512 products[16];
+      for (int64_t c = 0; c < W; ++c) {
+        VecF acc0(0.f), acc1(0.f);
+        if (c < n) {
+          const scalar_t* kc = k_rows[c0 + c] + head * head_stride;
+          int64_t d = 0;
+          for (; d + 2 * W <= D; d += 2 * W) {
+            acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+            acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), load_as_float(kc + d + W), acc1);
+          }
+          if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
+        }
+        products[c] = acc0 + acc1;
+      }
+      _mm512_storeu_ps(s + r * lds + c0, sum_lanes_16(products));
+    }
+  }
+#else
   for_each_key_row(pb, t, k_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
     const float* qr = qf + r * D;
     VecF acc0(0.f), acc1(0.f);
@@ -166,6 +218,38 @@ void scores_direct(const Problem& pb, const Tile& t, const float* qf,
     s[r * lds + c] =
         at::vec::vec_reduce_all<float>([](VecF& x, VecF& y) { return x + y; }, acc0 + acc1);
   });
+#endif
+}
+
+// Vectors of output a direct tile keeps in registers while the value rows stream past: half
+// the registers (32 with AVX-512, 16 with AVX2).
+constexpr int kOutputVectors = VecF::size() == 16 ? 16 : 8;
+
+// o[r, :] += sum_c p[r, c] * v_c for rows [r0, r0 + rows) (rows <= R) of one kv head, whose
+// value rows are v_rows[c] + head_offset, V vectors each: the rows' outputs stay in registers
+// over the keys, each value row converted once for them.
+template <int V, int R, typename scalar_t>
+inline void pv_rows(const scalar_t* const* v_rows, int64_t head_offset, int64_t nk,
+                    const float* p, int64_t ldp, int64_t r0, int64_t rows, float* o,
+                    int64_t ldo) {
+  constexpr int64_t W = VecF::size();
+  VecF acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V && r < rows; ++v) acc[r][v] = VecF::loadu(o + (r0 + r) * ldo + v * W);
+  for (int64_t c = 0; c < nk; ++c) {
+    if (c + kPrefetchRows < nk) prefetch_row(v_rows[c + kPrefetchRows] + head_offset, V * W);
+    const scalar_t* vc = v_rows[c] + head_offset;
+    VecF values[V];
+    for (int v = 0; v < V; ++v) values[v] = load_as_float(vc + v * W);
+    for (int r = 0; r < R && r < rows; ++r) {
+      const float pc = p[(r0 + r) * ldp + c];
+      if (pc == 0.f) continue;  // masked or underflowed: nothing to add
+      const VecF pv(pc);
+      for (int v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(pv, values[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V && r < rows; ++v) acc[r][v].store(o + (r0 + r) * ldo + v * W);
 }
 
 // o[r, :] += sum_c p[r, c] * v_c for a direct tile, value rows read in place.
@@ -174,7 +258,20 @@ void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp,
                const scalar_t* const* v_rows, int64_t head_stride, int64_t nk, float* o,
                int64_t ldo) {
   constexpr int64_t W = VecF::size();
-  const int64_t D = pb.head_dim;
+  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
+  // Each kv head's rows, as many at a time as their outputs fit in kOutputVectors.
+  const auto by_head = [&]<int V>() {
+    constexpr int R = std::max(1, kOutputVectors / V);
+    for (int64_t i = 0; i < t.n_pos; ++i)
+      for (int64_t j = 0; j < t.n_kv; ++j)
+        for (int64_t g = 0; g < G; g += R)
+          pv_rows<V, R>(v_rows, j * head_stride, nk, p, ldp, i * hp + j * G + g,
+                        std::min<int64_t>(R, G - g), o, ldo);
+  };
+  // (The outputs and a value row in registers: up to 8 vectors a row with AVX-512's 32.)
+  if (D == 4 * W) return by_head.template operator()<4>();
+  if constexpr (kOutputVectors >= 16)
+    if (D == 8 * W) return by_head.template operator()<8>();
   for_each_key_row(pb, t, v_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* vc) {
     const float pc = p[r * ldp + c];
     if (pc == 0.f) return;  // masked or underflowed: nothing to add
