@@ -238,10 +238,16 @@ struct InterleavedField {
 };
 
 std::vector<InterleavedField> interleaved_fields(BlockFormat format) {
-  if (format == BlockFormat::kQ4_0) return {{0, 2, 2}, {2, 16, 4}};
-  TORCH_CHECK_VALUE(format == BlockFormat::kQ4_K, block_layout(format).name,
-                    " has no interleaved layout; Q4_0 and Q4_K have");
-  return {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
+  switch (format) {
+    case BlockFormat::kQ4_0: return {{0, 2, 2}, {2, 16, 4}};
+    case BlockFormat::kQ4_1: return {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
+    case BlockFormat::kQ5_0: return {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}};
+    case BlockFormat::kQ4_K: return {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
+    default: break;
+  }
+  TORCH_CHECK_VALUE(false, block_layout(format).name, " has no interleaved layout; Q4_0, Q4_1, "
+                    "Q5_0 and Q4_K have");
+  return {};
 }
 
 }  // namespace

@@ -179,30 +179,56 @@ struct NibbleRuns {
       high[q] = _mm512_and_si512(_mm512_srli_epi16(run, 4), mask);
     }
   }
-  // Q4_0's runs: values 4q.. and 16 + 4q.. of one sub-block x.
-  __m512i q4_0_dot(const uint8_t* x) const {
+  // Q5_0's fifth bits of values 4q.. (bits 4q.. of a row's 32) and 16 + 4q.., from the lanes'
+  // 32-bit words `bits`: the byte holding them copied to a lane's 4 bytes (vpshufb), byte k's
+  // bit tested (vptestmb) into 16 or 0.
+  void add_fifth_bits(__m512i bits) {
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    // Byte 4k of each 128-bit lane's word k, 4 times: vpshufb's indices of a lane's first byte.
+    const __m512i first_bytes = _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c0c0c, 0x08080808,
+                                                                     0x04040404, 0));
+    for (int q = 0; q < 4; ++q) {
+      const __m512i pick_bit = _mm512_set1_epi32(0x08040201 << (4 * (q % 2)));
+      for (int half = 0; half < 2; ++half) {
+        const int byte = 2 * half + q / 2;  // of the lane's word: bits 8 byte .. 8 byte + 7
+        const __m512i copies = _mm512_shuffle_epi8(
+            bits, _mm512_add_epi32(_mm512_set1_epi32(0x01010101 * byte), first_bytes));
+        const __m512i fifth =
+            _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(copies, pick_bit), sixteen);
+        (half ? high : low)[q] = _mm512_or_si512((half ? high : low)[q], fifth);
+      }
+    }
+  }
+  // The runs' products with one sub-block's activation bytes x: values 4q.. and 16 + 4q...
+  __m512i dot(const uint8_t* x) const {
     __m512i low_sums = _mm512_setzero_si512(), high_sums = _mm512_setzero_si512();
     for (int q = 0; q < 4; ++q) {
-      low_sums = _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(x + 4 * q))));
+      low_sums =
+          _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(x + 4 * q))));
       high_sums = _mm512_dpbusd_epi32(high_sums, high[q],
                                       _mm512_set1_epi32(int(read_u32(x + 16 + 4 * q))));
     }
     return _mm512_add_epi32(low_sums, high_sums);
+  }
+  // With int16 activations, x = 256 high + low: |256 (u.high) + u.low| <= 32 * 31 * 32767.
+  __m512i dot(const uint8_t* high_x, const uint8_t* low_x) const {
+    return _mm512_add_epi32(_mm512_slli_epi32(dot(high_x), 8), dot(low_x));
   }
   // A Q4_K pair's runs: values 4q.. of sub-block x_low (low nibbles) and of x_high.
   void q4_k_dots(const uint8_t* x_low, const uint8_t* x_high, __m512i& low_sums,
                  __m512i& high_sums) const {
     low_sums = high_sums = _mm512_setzero_si512();
     for (int q = 0; q < 8; ++q) {
-      low_sums = _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(x_low + 4 * q))));
+      low_sums =
+          _mm512_dpbusd_epi32(low_sums, low[q], _mm512_set1_epi32(int(read_u32(x_low + 4 * q))));
       high_sums = _mm512_dpbusd_epi32(high_sums, high[q],
                                       _mm512_set1_epi32(int(read_u32(x_high + 4 * q))));
     }
   }
 };
 
-inline const uint8_t* activation_bytes(const ActivationBlocks& x, int64_t i) {
-  return reinterpret_cast<const uint8_t*>(x.low + i * kSubBlockValues);
+inline const uint8_t* activation_bytes(const int8_t* bytes, int64_t i) {
+  return reinterpret_cast<const uint8_t*>(bytes + i * kSubBlockValues);
 }
 
 inline __m512 float16s(const uint8_t* p) {
@@ -217,26 +243,40 @@ inline void store_rows(const __m512 (&acc)[4], int m_count, int64_t row0, const 
   }
 }
 
-// Rows row0.. row0 + M - 1 against a Q4_0 group: per block, the 16 scales, then 4 runs.
-template <int M>
-inline void interleaved_q4_0_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* group,
-                                  const float* bias, float* y, int64_t ldy) {
-  constexpr int64_t kBlockBytes = kInterleavedRows * 18;
+// Rows row0.. row0 + M - 1 against a group of 32-value blocks: per block, the 16 scales; Q4_1's
+// 16 minimums, Q5_0's 16 words of fifth bits; then 4 runs.
+template <BlockFormat F, int M>
+inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
+                                     const uint8_t* group, const float* bias, float* y,
+                                     int64_t ldy) {
+  constexpr int64_t kRowBytes = block_layout(F).bytes, kBlockBytes = kInterleavedRows * kRowBytes;
+  constexpr int64_t kRuns = kBlockBytes - 16 * 4 * 4;  // the runs end the block
   __m512 acc[4];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* block = group + b * kBlockBytes;
     prefetch_interleaved<kBlockBytes>(block);
     NibbleRuns runs;
-    runs.load<4>(block + 2 * kInterleavedRows);
+    runs.load<4>(block + kRuns);
+    if constexpr (F == BlockFormat::kQ5_0)
+      runs.add_fifth_bits(_mm512_loadu_si512(block + 2 * kInterleavedRows));
     const __m512 scales = float16s(block);
     for (int m = 0; m < M; ++m) {
       const int64_t i = (row0 + m) * x.blocks + b;
-      // d (s u.x - 8 s sum x): the block's sum with Q4_0's zero point, times each row's scale.
-      const __m512 dots = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(runs.q4_0_dot(activation_bytes(x, i))), _mm512_set1_ps(x.scales[i]),
-          _mm512_set1_ps(-kZeroPoint<BlockFormat::kQ4_0> * x.sums[i]));
+      __m512i ints;
+      if constexpr (kByteActivations<F>)
+        ints = runs.dot(activation_bytes(x.low, i));
+      else
+        ints = runs.dot(activation_bytes(x.high, i), activation_bytes(x.low, i));
+      // d (s u.x - z s sum x): the block's sum with the zero point z, times each row's scale;
+      // Q4_1's minimums m (s sum x) apart.
+      const __m512 dots =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(x.scales[i]),
+                          _mm512_set1_ps(-kZeroPoint<F> * x.sums[i]));
       acc[m] = _mm512_fmadd_ps(dots, scales, acc[m]);
+      if constexpr (F == BlockFormat::kQ4_1)
+        acc[m] = _mm512_fmadd_ps(float16s(block + 2 * kInterleavedRows),
+                                 _mm512_set1_ps(x.sums[i]), acc[m]);
     }
   }
   store_rows(acc, M, row0, bias, y, ldy);
@@ -286,7 +326,8 @@ inline void interleaved_q4_k_tile(const ActivationBlocks& x, int64_t row0, const
       for (int m = 0; m < M; ++m) {
         const int64_t i = (row0 + m) * x.blocks + 8 * b + 2 * p;  // sub-block 2p's activations
         __m512i low_sums, high_sums;
-        runs.q4_k_dots(activation_bytes(x, i), activation_bytes(x, i + 1), low_sums, high_sums);
+        runs.q4_k_dots(activation_bytes(x.low, i), activation_bytes(x.low, i + 1), low_sums,
+                       high_sums);
         // sc s u.x per sub-block, and mn s sum x for the mins.
         sums[m] = _mm512_fmadd_ps(
             _mm512_mul_ps(_mm512_cvtepi32_ps(low_sums), _mm512_set1_ps(x.scales[i])),
@@ -318,10 +359,10 @@ void interleaved_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_
     for_row_tiles<Avx512::kActRows>(x.rows, [&](auto rows, int64_t m) {
       constexpr int M = decltype(rows)::value;
       const float* group_bias = bias ? bias + n : nullptr;
-      if constexpr (F == BlockFormat::kQ4_0)
-        interleaved_q4_0_tile<M>(x, m, w + n * ldw, group_bias, y + n, ldy);
-      else
+      if constexpr (F == BlockFormat::kQ4_K)
         interleaved_q4_k_tile<M>(x, m, w + n * ldw, group_bias, y + n, ldy);
+      else
+        interleaved_block32_tile<F, M>(x, m, w + n * ldw, group_bias, y + n, ldy);
     });
   }
 }
@@ -330,10 +371,11 @@ void interleaved_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_
 
 CpuKernels cpu_kernels_avx512(BlockFormat format) {
   CpuKernels kernels = cpu_kernels_for<Avx512>(format);
-  if (format == BlockFormat::kQ4_0)
-    kernels.interleaved_decode_rows = &interleaved_decode_rows<BlockFormat::kQ4_0>;
-  if (format == BlockFormat::kQ4_K)
-    kernels.interleaved_decode_rows = &interleaved_decode_rows<BlockFormat::kQ4_K>;
+  visit_block_format(format, [&](auto f) {
+    constexpr BlockFormat F = decltype(f)::value;
+    if constexpr (is_interleaved_type(kInterleavedTypes + int64_t(F)))
+      kernels.interleaved_decode_rows = &interleaved_decode_rows<F>;
+  });
   return kernels;
 }
 

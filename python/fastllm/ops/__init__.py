@@ -27,7 +27,8 @@ from fastllm.ops.decoder_layers import (DecoderLayers, DecoderLayerWeights, Expe
                                        ProjectionPart)
 
 __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeights",
-           "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_K", "INTERLEAVED_TYPES", "ProjectionPart",
+           "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_1", "INTERLEAVED_Q4_K", "INTERLEAVED_Q5_0",
+           "INTERLEAVED_TYPES", "ProjectionPart",
            "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
            "batch_invariant", "block_format", "cpu_decode_layout", "dequantize", "gelu_tanh_and_mul", "linear", "moe",
            "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
@@ -40,42 +41,44 @@ __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeigh
 BLOCK_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                  7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
-# fastllm's own weight types, never in a file: Q4_0's and Q4_K's blocks with each group of 16
-# rows interleaved, the layout of the CPU's AVX-512 decode kernels (:func:`cpu_decode_layout`):
-# ``INTERLEAVED_TYPES + `` the ggml type. The CPU ops take them; other devices take the ggml
-# blocks.
+# fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's and Q4_K's blocks with
+# each group of 16 rows interleaved, the layout of the CPU's AVX-512 decode kernels
+# (:func:`cpu_decode_layout`): ``INTERLEAVED_TYPES +`` the ggml type. The CPU ops take them;
+# other devices take the ggml blocks.
 INTERLEAVED_TYPES = 1000
-INTERLEAVED_Q4_0 = INTERLEAVED_TYPES + 2
-INTERLEAVED_Q4_K = INTERLEAVED_TYPES + 12
+INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q4_K = (
+    INTERLEAVED_TYPES + t for t in (2, 3, 6, 12))
+_INTERLEAVED = (INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q4_K)
 
 
 def block_format(weight_type: int) -> tuple[str, int, int]:
     """``(name, values per block, bytes per block)`` of a weight type the quantized ops take:
-    :data:`BLOCK_FORMATS`, or :data:`INTERLEAVED_Q4_0` / :data:`INTERLEAVED_Q4_K` (their blocks,
-    each row's bytes in another order). A ValueError names the types for any other."""
-    if weight_type in (INTERLEAVED_Q4_0, INTERLEAVED_Q4_K):
+    :data:`BLOCK_FORMATS`, or an interleaved one (``INTERLEAVED_*``: their blocks, each row's
+    bytes in another order). A ValueError names the types for any other."""
+    if weight_type in _INTERLEAVED:
         name, values, block_bytes = BLOCK_FORMATS[weight_type - INTERLEAVED_TYPES]
         return f"{name} interleaved by 16", values, block_bytes
     if weight_type not in BLOCK_FORMATS:
         names = ", ".join(f"{name} ({type_id})" for type_id, (name, _, _) in BLOCK_FORMATS.items())
         raise ValueError(f"weight_type must be a ggml type id of {names}, got {weight_type} "
-                         f"(the CPU also takes {INTERLEAVED_Q4_0} and {INTERLEAVED_Q4_K}: Q4_0 "
-                         "and Q4_K interleaved by 16)")
+                         "(the CPU also takes 1002, 1003, 1006 and 1012: Q4_0, Q4_1, Q5_0 and "
+                         "Q4_K interleaved by 16)")
     return BLOCK_FORMATS[weight_type]
 
 
 def cpu_decode_layout(weight: Tensor, weight_type: int) -> tuple[Tensor, int]:
     """``(weight, weight_type)`` in the layout the CPU's decode kernels read fastest, for a
-    weight of :func:`quantized_linear` kept on this CPU: Q4_0 or Q4_K with a multiple of 16
-    rows, where the CPU kernels run AVX-512 (``fastllm._C.cpu_isa()`` amx or avx512), becomes
-    :data:`INTERLEAVED_Q4_0` or :data:`INTERLEAVED_Q4_K` (a copy): one 64-byte load then holds
-    4 values of each of 16 rows, and one 8-bit multiply-add serves them all. Anything else is
-    returned as it is. The result is the same weight to :func:`quantized_linear` and
-    :func:`dequantize` on the CPU (decode rows' last bits aside: other sums in another order);
-    with another instruction set chosen later (``fastllm._C.set_cpu_isa``) they put its rows
-    back in order at each call."""
-    if (weight_type in (2, 12) and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and _C.cpu_isa() in ("amx", "avx512")):
+    weight of :func:`quantized_linear` kept on this CPU: Q4_0, Q4_1, Q5_0 or Q4_K with a
+    multiple of 16 rows, where the CPU kernels run AVX-512 (``fastllm._C.cpu_isa()`` amx or
+    avx512), becomes its interleaved type (``INTERLEAVED_TYPES + weight_type``, a copy): one
+    64-byte load then holds 4 values of each of 16 rows, and one 8-bit multiply-add serves them
+    all. Anything else is returned as it is. The result is the same weight to
+    :func:`quantized_linear` and :func:`dequantize` on the CPU (decode rows' last bits aside:
+    other sums in another order); with another instruction set chosen later
+    (``fastllm._C.set_cpu_isa``) they put its rows back in order at each call."""
+    if (INTERLEAVED_TYPES + weight_type in _INTERLEAVED and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.shape[0] % 16 == 0
+            and _C.cpu_isa() in ("amx", "avx512")):
         return _C.interleave_rows(weight, weight_type), INTERLEAVED_TYPES + weight_type
     return weight, weight_type
 
@@ -273,9 +276,9 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
         weight: uint8 ``[out_features, row bytes]``: ggml's blocks of ``weight_type``, row by row
             (:data:`BLOCK_FORMATS`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K;
             ``in_features`` values per row, whole blocks: a multiple of 256 for the K-quants),
-            on x's device; on the CPU also Q4_0 or Q4_K in :func:`cpu_decode_layout`'s order.
-        weight_type: the ggml type id (``gguf.GGMLQuantizationType``), or
-            :data:`INTERLEAVED_Q4_0` / :data:`INTERLEAVED_Q4_K`.
+            on x's device; on the CPU also in :func:`cpu_decode_layout`'s order.
+        weight_type: the ggml type id (``gguf.GGMLQuantizationType``), or on the CPU an
+            interleaved type (``INTERLEAVED_*``).
         bias: ``[out_features]`` in x's dtype, or None.
 
     Returns ``[rows, out_features]`` in x's dtype. On the CPU a few rows (a decode step, up to
