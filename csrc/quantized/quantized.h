@@ -9,7 +9,7 @@
 
 namespace fastllm {
 
-// A Q4_0, Q4_1, Q5_0 or Q4_K weight [rows, row bytes] (rows a multiple of kInterleavedRows)
+// A Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K weight [rows, row bytes] (rows a multiple of kInterleavedRows)
 // in the interleaved layout (block_formats.h: kInterleavedTypes), and back: `format` the
 // blocks'.
 at::Tensor interleave_rows(const at::Tensor& weight, BlockFormat format);

@@ -30,6 +30,25 @@ namespace {
 // Weight rows dequantized at a time on the GEMM path (a tile of a few hundred KiB stays in L2).
 constexpr int64_t kGemmTileRows = 128;
 
+// A row's block as the interleaved layout splits it (block_formats.h: kInterleavedTypes).
+struct InterleavedField {
+  int64_t offset, bytes, chunk;
+};
+
+std::vector<InterleavedField> interleaved_fields(BlockFormat format) {
+  switch (format) {
+    case BlockFormat::kQ4_0: return {{0, 2, 2}, {2, 16, 4}};
+    case BlockFormat::kQ4_1: return {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
+    case BlockFormat::kQ5_0: return {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}};
+    case BlockFormat::kQ8_0: return {{0, 2, 2}, {2, 32, 4}};
+    case BlockFormat::kQ4_K: return {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
+    default: break;
+  }
+  TORCH_CHECK_VALUE(false, block_layout(format).name, " has no interleaved layout; Q4_0, Q4_1, "
+                    "Q5_0, Q8_0 and Q4_K have");
+  return {};
+}
+
 }  // namespace
 
 template <typename x_t>
@@ -171,7 +190,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
   if (decode) {
     // Enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
     const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
-    const DecodeRowsFn rows_fn = interleaved_kernel ? cpu.interleaved_decode_rows : cpu.decode_rows;
+    const DecodeRowsFn rows_fn =
+        interleaved_kernel ? cpu.interleaved_decode_rows : cpu.decode_rows;
     const int64_t unit = interleaved_kernel ? kInterleavedRows : 1;
     FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
       quantized_activation_rows<scalar_t>(x, rows_fn, format, w, ldw, bias, grain, unit, y);
@@ -226,28 +246,6 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
   }
   if (bias.has_value()) y_float.add_(bias->to(at::kFloat));
   return x.scalar_type() == at::kFloat ? y : y.copy_(y_float);
-}
-
-}  // namespace
-
-namespace {
-
-// A row's block as the interleaved layout splits it (block_formats.h: kInterleavedTypes).
-struct InterleavedField {
-  int64_t offset, bytes, chunk;
-};
-
-std::vector<InterleavedField> interleaved_fields(BlockFormat format) {
-  switch (format) {
-    case BlockFormat::kQ4_0: return {{0, 2, 2}, {2, 16, 4}};
-    case BlockFormat::kQ4_1: return {{0, 2, 2}, {2, 2, 2}, {4, 16, 4}};
-    case BlockFormat::kQ5_0: return {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}};
-    case BlockFormat::kQ4_K: return {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
-    default: break;
-  }
-  TORCH_CHECK_VALUE(false, block_layout(format).name, " has no interleaved layout; Q4_0, Q4_1, "
-                    "Q5_0 and Q4_K have");
-  return {};
 }
 
 }  // namespace

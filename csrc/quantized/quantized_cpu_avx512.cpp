@@ -165,9 +165,8 @@ inline void prefetch_interleaved(const uint8_t* block) {
                  _MM_HINT_T0);
 }
 
-// The 16 rows' products of a chunk run at `chunks` (run q: values 4q..4q+3 in the low nibbles,
-// 4 more in the high) with an activation row's sub-blocks `low_x` and `high_x`, added to
-// `low_sums` and `high_sums`.
+// A block's runs of nibbles as the 16 rows' integers, lanes of 4: run q's low nibbles (low[q])
+// and its high nibbles (high[q]); and their products with an activation row's bytes.
 struct NibbleRuns {
   __m512i low[8], high[8];
   template <int kRuns>
@@ -227,6 +226,32 @@ struct NibbleRuns {
   }
 };
 
+// Q8_0's block as the 16 rows' integers: run q holds values 4q..4q+3 of every row, plus 128
+// (vpdpbusd takes them unsigned; the zero point comes back through the activations' sums).
+struct ByteRuns {
+  __m512i runs[8];
+  template <int kRuns>
+  void load(const uint8_t* chunks) {
+    static_assert(kRuns == 8);
+    const __m512i sign = _mm512_set1_epi8(char(0x80));
+    for (int q = 0; q < 8; ++q)
+      runs[q] = _mm512_xor_si512(_mm512_loadu_si512(chunks + 64 * q), sign);
+  }
+  __m512i dot(const uint8_t* x) const {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int q = 0; q < 8; q += 2) {
+      even = _mm512_dpbusd_epi32(even, runs[q], _mm512_set1_epi32(int(read_u32(x + 4 * q))));
+      odd = _mm512_dpbusd_epi32(odd, runs[q + 1],
+                                _mm512_set1_epi32(int(read_u32(x + 4 * q + 4))));
+    }
+    return _mm512_add_epi32(even, odd);
+  }
+  // With int16 activations, x = 256 high + low: |256 (u.high) + u.low| <= 32 * 255 * 32767.
+  __m512i dot(const uint8_t* high_x, const uint8_t* low_x) const {
+    return _mm512_add_epi32(_mm512_slli_epi32(dot(high_x), 8), dot(low_x));
+  }
+};
+
 inline const uint8_t* activation_bytes(const int8_t* bytes, int64_t i) {
   return reinterpret_cast<const uint8_t*>(bytes + i * kSubBlockValues);
 }
@@ -244,20 +269,21 @@ inline void store_rows(const __m512 (&acc)[4], int m_count, int64_t row0, const 
 }
 
 // Rows row0.. row0 + M - 1 against a group of 32-value blocks: per block, the 16 scales; Q4_1's
-// 16 minimums, Q5_0's 16 words of fifth bits; then 4 runs.
+// 16 minimums, Q5_0's 16 words of fifth bits; then 4 runs of nibbles (Q8_0: 8 of bytes).
 template <BlockFormat F, int M>
 inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
                                      const uint8_t* group, const float* bias, float* y,
                                      int64_t ldy) {
   constexpr int64_t kRowBytes = block_layout(F).bytes, kBlockBytes = kInterleavedRows * kRowBytes;
-  constexpr int64_t kRuns = kBlockBytes - 16 * 4 * 4;  // the runs end the block
+  constexpr int kRunCount = F == BlockFormat::kQ8_0 ? 8 : 4;
+  constexpr int64_t kRuns = kBlockBytes - 64 * kRunCount;  // the runs end the block
   __m512 acc[4];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* block = group + b * kBlockBytes;
     prefetch_interleaved<kBlockBytes>(block);
-    NibbleRuns runs;
-    runs.load<4>(block + kRuns);
+    std::conditional_t<F == BlockFormat::kQ8_0, ByteRuns, NibbleRuns> runs;
+    runs.template load<kRunCount>(block + kRuns);
     if constexpr (F == BlockFormat::kQ5_0)
       runs.add_fifth_bits(_mm512_loadu_si512(block + 2 * kInterleavedRows));
     const __m512 scales = float16s(block);
