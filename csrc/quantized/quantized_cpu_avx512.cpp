@@ -209,10 +209,6 @@ struct NibbleRuns {
     }
     return _mm512_add_epi32(low_sums, high_sums);
   }
-  // With int16 activations, x = 256 high + low: |256 (u.high) + u.low| <= 32 * 31 * 32767.
-  __m512i dot(const uint8_t* high_x, const uint8_t* low_x) const {
-    return _mm512_add_epi32(_mm512_slli_epi32(dot(high_x), 8), dot(low_x));
-  }
   // A Q4_K pair's runs: values 4q.. of sub-block x_low (low nibbles) and of x_high.
   void q4_k_dots(const uint8_t* x_low, const uint8_t* x_high, __m512i& low_sums,
                  __m512i& high_sums) const {
@@ -246,11 +242,14 @@ struct ByteRuns {
     }
     return _mm512_add_epi32(even, odd);
   }
-  // With int16 activations, x = 256 high + low: |256 (u.high) + u.low| <= 32 * 255 * 32767.
-  __m512i dot(const uint8_t* high_x, const uint8_t* low_x) const {
-    return _mm512_add_epi32(_mm512_slli_epi32(dot(high_x), 8), dot(low_x));
-  }
 };
+
+// A block's runs against int16 activations, x = 256 high + low: 256 (u.high) + u.low, at most
+// 32 * 255 * 32767 (Q8_0's bytes plus 128; 31 for Q5_0).
+template <class Runs>
+inline __m512i split_dot(const Runs& runs, const uint8_t* high_x, const uint8_t* low_x) {
+  return _mm512_add_epi32(_mm512_slli_epi32(runs.dot(high_x), 8), runs.dot(low_x));
+}
 
 inline const uint8_t* activation_bytes(const int8_t* bytes, int64_t i) {
   return reinterpret_cast<const uint8_t*>(bytes + i * kSubBlockValues);
@@ -293,7 +292,7 @@ inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
       if constexpr (kByteActivations<F>)
         ints = runs.dot(activation_bytes(x.low, i));
       else
-        ints = runs.dot(activation_bytes(x.high, i), activation_bytes(x.low, i));
+        ints = split_dot(runs, activation_bytes(x.high, i), activation_bytes(x.low, i));
       // d (s u.x - z s sum x): the block's sum with the zero point z, times each row's scale;
       // Q4_1's minimums m (s sum x) apart.
       const __m512 dots =
