@@ -215,12 +215,12 @@ that raises ValueError. Safe to use from several threads.)doc")
       "interleave_rows",
       [](const at::Tensor& weight, int64_t weight_type) {
         TORCH_CHECK_VALUE(fastllm::is_interleaved_type(fastllm::kInterleavedTypes + weight_type),
-                          "interleaving takes Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8) or Q4_K (12) "
-                          "blocks, got weight_type ", weight_type);
+                          "interleaving takes Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), Q4_K (12) or "
+                          "Q6_K (14) blocks, got weight_type ", weight_type);
         return fastllm::interleave_rows(weight, fastllm::BlockFormat(weight_type));
       },
       py::arg("weight"), py::arg("weight_type"),
-      "A Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K weight [rows, row bytes] (rows a multiple of 16) in the "
+      "A Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K weight [rows, row bytes] (rows a multiple of 16) in the "
       "CPU decode kernels' layout, weight type 1000 + weight_type: each group of 16 rows "
       "interleaved.");
   fastllm::bind_kv_cache(m);

@@ -42,10 +42,11 @@ std::vector<InterleavedField> interleaved_fields(BlockFormat format) {
     case BlockFormat::kQ5_0: return {{0, 2, 2}, {2, 4, 4}, {6, 16, 4}};
     case BlockFormat::kQ8_0: return {{0, 2, 2}, {2, 32, 4}};
     case BlockFormat::kQ4_K: return {{0, 2, 2}, {2, 2, 2}, {4, 12, 1}, {16, 128, 4}};
+    case BlockFormat::kQ6_K: return {{0, 128, 4}, {128, 64, 4}, {192, 16, 1}, {208, 2, 2}};
     default: break;
   }
   TORCH_CHECK_VALUE(false, block_layout(format).name, " has no interleaved layout; Q4_0, Q4_1, "
-                    "Q5_0, Q8_0 and Q4_K have");
+                    "Q5_0, Q8_0, Q4_K and Q6_K have");
   return {};
 }
 

@@ -71,7 +71,7 @@ struct CpuKernels {
   DecodeRowsFn byte_gemm_rows;
   // Decode rows of the interleaved layout (block_formats.h: kInterleavedTypes; begin and end
   // whole groups of rows), where the instruction set has them (AVX-512: Q4_0, Q4_1, Q5_0,
-  // Q8_0, Q4_K); else null.
+  // Q8_0, Q4_K, Q6_K); else null.
   DecodeRowsFn interleaved_decode_rows = nullptr;
 };
 

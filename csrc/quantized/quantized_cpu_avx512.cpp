@@ -375,17 +375,91 @@ inline void interleaved_q4_k_tile(const ActivationBlocks& x, int64_t row0, const
   store_rows(acc, M, row0, bias, y, ldy);
 }
 
+// Rows row0.. row0 + M - 1 against a Q6_K group: per super-block, the 32 runs of low 4 bits
+// (row bytes 4r..4r+3 each), the 16 runs of high 2 bits, the 16 int8 scales (scale k of every
+// row, row after row), the 16 d. Run c of a half's low bits with run 8 + c and high-bit run c
+// make values 4c.. of its 4 sub-blocks (block_formats.h). `zeros`: 32 times each 16 activation
+// values' sum, the zero point's share of each scale group (activation row after row).
+template <int M>
+inline void interleaved_q6_k_tile(const ActivationBlocks& x, const int32_t* zeros, int64_t row0,
+                                  const uint8_t* group, const float* bias, float* y,
+                                  int64_t ldy) {
+  constexpr int64_t kBlockBytes = kInterleavedRows * 210, kHighBits = 2048, kScales = 3072;
+  const __m512i four = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x30);
+  __m512 acc[4];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks / 8; ++b) {
+    const uint8_t* block = group + b * kBlockBytes;
+    prefetch_interleaved<kBlockBytes>(block);
+    __m512 sums[4];
+    for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_ps();
+    for (int half = 0; half < 2; ++half) {
+      for (int quarter = 0; quarter < 2; ++quarter) {  // values 16 quarter.. of each sub-block
+        __m512i dots[4][4];  // [activation row][sub-block of the half]
+        for (int m = 0; m < M; ++m)
+          for (int k = 0; k < 4; ++k) dots[m][k] = _mm512_setzero_si512();
+        for (int c = 4 * quarter; c < 4 * quarter + 4; ++c) {
+          const uint8_t* low_bits = block + 64 * (16 * half + c);
+          const __m512i low = _mm512_loadu_si512(low_bits);
+          const __m512i high = _mm512_loadu_si512(low_bits + 64 * 8);
+          const __m512i top = _mm512_loadu_si512(block + kHighBits + 64 * (8 * half + c));
+          // (lo & 0x0f) | (hi & 0x30), one vpternlogd.
+          const auto merge = [&](__m512i lo, __m512i hi) {
+            return _mm512_ternarylogic_epi32(lo, four, _mm512_and_si512(hi, two), 0xea);
+          };
+          const __m512i u[4] = {merge(low, _mm512_slli_epi16(top, 4)),
+                                merge(high, _mm512_slli_epi16(top, 2)),
+                                merge(_mm512_srli_epi16(low, 4), top),
+                                merge(_mm512_srli_epi16(high, 4), _mm512_srli_epi16(top, 2))};
+          for (int m = 0; m < M; ++m) {
+            const int64_t i = (row0 + m) * x.blocks + 8 * b + 4 * half;
+            for (int k = 0; k < 4; ++k)
+              dots[m][k] = _mm512_dpbusd_epi32(
+                  dots[m][k], u[k],
+                  _mm512_set1_epi32(int(read_u32(activation_bytes(x.low, i + k) + 4 * c))));
+          }
+        }
+        // sc (u - 32) . x per scale group: |.| <= 128 * 16 * 32 * 127 < 2^24, exact as a float.
+        for (int k = 0; k < 4; ++k) {
+          const int scale_group = 2 * (4 * half + k) + quarter;
+          const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+              reinterpret_cast<const __m128i*>(block + kScales + 16 * scale_group)));
+          for (int m = 0; m < M; ++m) {
+            const int64_t i = (row0 + m) * x.blocks + 8 * b + 4 * half + k;
+            const __m512i ints = _mm512_mullo_epi32(
+                _mm512_sub_epi32(dots[m][k], _mm512_set1_epi32(zeros[2 * i + quarter])), scales);
+            sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(x.scales[i]),
+                                      sums[m]);
+          }
+        }
+      }
+    }
+    const __m512 d = float16s(block + kScales + 256);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(d, sums[m], acc[m]);
+  }
+  store_rows(acc, M, row0, bias, y, ldy);
+}
+
 template <BlockFormat F>
 void interleaved_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
                              int64_t begin, int64_t end, const float* bias, float* y,
                              int64_t ldy) {
   static_assert(Avx512::kActRows <= 4);
+  // Q6_K's zero point: 32 times each 16 activation values' sum, once for all the rows.
+  std::vector<int32_t> zeros(F == BlockFormat::kQ6_K ? 2 * x.rows * x.blocks : 0);
+  for (size_t g = 0; g < zeros.size(); ++g) {
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += x.low[16 * g + j];
+    zeros[g] = 32 * sum;
+  }
   for (int64_t n = begin; n < end; n += kInterleavedRows) {
     for_row_tiles<Avx512::kActRows>(x.rows, [&](auto rows, int64_t m) {
       constexpr int M = decltype(rows)::value;
       const float* group_bias = bias ? bias + n : nullptr;
       if constexpr (F == BlockFormat::kQ4_K)
         interleaved_q4_k_tile<M>(x, m, w + n * ldw, group_bias, y + n, ldy);
+      else if constexpr (F == BlockFormat::kQ6_K)
+        interleaved_q6_k_tile<M>(x, zeros.data(), m, w + n * ldw, group_bias, y + n, ldy);
       else
         interleaved_block32_tile<F, M>(x, m, w + n * ldw, group_bias, y + n, ldy);
     });

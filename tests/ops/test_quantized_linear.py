@@ -367,11 +367,11 @@ def test_batch_invariant_rows_equal_each_row_alone(weight_type, dtype):
 
 
 # The CPU's interleaved layouts (ops.cpu_decode_layout): 48 rows, three groups of 16, so each
-# thread's task starts on a group; 576 values (18 blocks of 32) or 512 (Q4_K's 2).
+# thread's task starts on a group; 576 values (18 blocks of 32) or 512 (the K-quants' 2).
 INTERLEAVED_ROWS = 48
 INTERLEAVED = {"Q4_0": (ops.INTERLEAVED_Q4_0, 18), "Q4_1": (ops.INTERLEAVED_Q4_1, 18),
                "Q5_0": (ops.INTERLEAVED_Q5_0, 18), "Q8_0": (ops.INTERLEAVED_Q8_0, 18),
-               "Q4_K": (ops.INTERLEAVED_Q4_K, 2)}
+               "Q4_K": (ops.INTERLEAVED_Q4_K, 2), "Q6_K": (ops.INTERLEAVED_Q6_K, 2)}
 
 
 @pytest.mark.parametrize("isa", _C.cpu_isas())
@@ -429,7 +429,7 @@ def test_interleaved_row_does_not_depend_on_the_others(type_name, isa):
 
 
 def test_cpu_decode_layout():
-    """Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K with whole groups of 16 rows are interleaved where the
+    """Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with whole groups of 16 rows are interleaved where the
     CPU kernels run AVX-512; anything else (another type, other row counts, another instruction set) is kept as
     it is."""
     for type_name, (interleaved_type, blocks) in INTERLEAVED.items():
@@ -444,7 +444,7 @@ def test_cpu_decode_layout():
                 else:
                     assert data is weight and layout_type == weight_type
                 for kept in ((weight[:40], weight_type),
-                             (quantized_weight(16, 2, TYPES["Q6_K"]), TYPES["Q6_K"])):
+                             (quantized_weight(16, 2, TYPES["Q5_K"]), TYPES["Q5_K"])):
                     data, layout_type = ops.cpu_decode_layout(*kept)
                     assert data is kept[0] and layout_type == kept[1]
         assert ops.block_format(interleaved_type) == (
@@ -472,8 +472,9 @@ def test_interleaved_weight_bad_input(backend):
     with pytest.raises(ValueError, match="interleaving takes whole groups of 16 rows, got 20"):
         _C.interleave_rows(quantized_weight(20, 2, TYPES["Q4_0"]), TYPES["Q4_0"])
     with pytest.raises(ValueError, match=r"interleaving takes Q4_0 \(2\), Q4_1 \(3\), Q5_0 \(6\), "
-                                         r"Q8_0 \(8\) or Q4_K \(12\) blocks, got weight_type 14"):
-        _C.interleave_rows(quantized_weight(16, 1, TYPES["Q6_K"]), TYPES["Q6_K"])
-    with pytest.raises(ValueError, match=r"got 1001 \(the CPU also takes 1002, 1003, 1006, 1008 "
-                                         "and 1012"):
+                                         r"Q8_0 \(8\), Q4_K \(12\) or Q6_K \(14\) blocks, got "
+                                         "weight_type 13"):
+        _C.interleave_rows(quantized_weight(16, 1, TYPES["Q5_K"]), TYPES["Q5_K"])
+    with pytest.raises(ValueError, match=r"got 1001 \(the CPU also takes 1002, 1003, 1006, 1008, "
+                                         "1012 and 1014"):
         backend.ops.quantized_linear(x, weight, 1001)

@@ -28,7 +28,7 @@ from fastllm.ops.decoder_layers import (DecoderLayers, DecoderLayerWeights, Expe
 
 __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeights",
            "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_1", "INTERLEAVED_Q4_K", "INTERLEAVED_Q5_0",
-           "INTERLEAVED_Q8_0", "INTERLEAVED_TYPES", "ProjectionPart",
+           "INTERLEAVED_Q6_K", "INTERLEAVED_Q8_0", "INTERLEAVED_TYPES", "ProjectionPart",
            "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
            "batch_invariant", "block_format", "cpu_decode_layout", "dequantize", "gelu_tanh_and_mul", "linear", "moe",
            "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
@@ -41,15 +41,16 @@ __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeigh
 BLOCK_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                  7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
-# fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's, Q8_0's and Q4_K's blocks
+# fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's, Q8_0's, Q4_K's and Q6_K's
+# blocks
 # with each group of 16 rows interleaved, the layout of the CPU's AVX-512 decode kernels
 # (:func:`cpu_decode_layout`): ``INTERLEAVED_TYPES +`` the ggml type. The CPU ops take them;
 # other devices take the ggml blocks.
 INTERLEAVED_TYPES = 1000
-INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q8_0, INTERLEAVED_Q4_K = (
-    INTERLEAVED_TYPES + t for t in (2, 3, 6, 8, 12))
+(INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q8_0, INTERLEAVED_Q4_K,
+ INTERLEAVED_Q6_K) = (INTERLEAVED_TYPES + t for t in (2, 3, 6, 8, 12, 14))
 _INTERLEAVED = (INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q8_0,
-                INTERLEAVED_Q4_K)
+                INTERLEAVED_Q4_K, INTERLEAVED_Q6_K)
 
 
 def block_format(weight_type: int) -> tuple[str, int, int]:
@@ -62,14 +63,14 @@ def block_format(weight_type: int) -> tuple[str, int, int]:
     if weight_type not in BLOCK_FORMATS:
         names = ", ".join(f"{name} ({type_id})" for type_id, (name, _, _) in BLOCK_FORMATS.items())
         raise ValueError(f"weight_type must be a ggml type id of {names}, got {weight_type} "
-                         "(the CPU also takes 1002, 1003, 1006, 1008 and 1012: Q4_0, Q4_1, "
-                         "Q5_0, Q8_0 and Q4_K interleaved by 16)")
+                         "(the CPU also takes 1002, 1003, 1006, 1008, 1012 and 1014: Q4_0, "
+                         "Q4_1, Q5_0, Q8_0, Q4_K and Q6_K interleaved by 16)")
     return BLOCK_FORMATS[weight_type]
 
 
 def cpu_decode_layout(weight: Tensor, weight_type: int) -> tuple[Tensor, int]:
     """``(weight, weight_type)`` in the layout the CPU's decode kernels read fastest, for a
-    weight of :func:`quantized_linear` kept on this CPU: Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K with a
+    weight of :func:`quantized_linear` kept on this CPU: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K with a
     multiple of 16 rows, where the CPU kernels run AVX-512 (``fastllm._C.cpu_isa()`` amx or
     avx512), becomes its interleaved type (``INTERLEAVED_TYPES + weight_type``, a copy): one
     64-byte load then holds 4 values of each of 16 rows, and one 8-bit multiply-add serves them
