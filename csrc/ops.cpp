@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include "common/checks.h"
 #include "common/cpu_isa.h"
 #include "common/batch_invariant.h"
 #include "common/trusted_inputs.h"
@@ -223,6 +224,30 @@ that raises ValueError. Safe to use from several threads.)doc")
       "A Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K weight [rows, row bytes] (rows a multiple of 16) in the "
       "CPU decode kernels' layout, weight type 1000 + weight_type: each group of 16 rows "
       "interleaved.");
+  m.def(
+      "deinterleave_rows",
+      [](const at::Tensor& weight, int64_t weight_type, const at::Tensor& rows) {
+        TORCH_CHECK_VALUE(fastllm::is_interleaved_type(weight_type),
+                          "weight_type must be an interleaved type (1002, 1003, 1006, 1008, 1012 "
+                          "or 1014), got ", weight_type);
+        int64_t in_features = 0;
+        bool interleaved = false;
+        const auto format =
+            fastllm::check_quantized_weight(weight, weight_type, in_features, &interleaved);
+        TORCH_CHECK_VALUE(weight.device().is_cpu(), "an interleaved weight is the CPU's, got "
+                          "one on ", weight.device());
+        TORCH_CHECK_VALUE(rows.dim() == 1 && rows.device().is_cpu(),
+                          "rows must be a 1-D tensor on the CPU, got shape ", rows.sizes(),
+                          " on ", rows.device());
+        TORCH_CHECK_TYPE(!at::isFloatingType(rows.scalar_type()) &&
+                             !at::isComplexType(rows.scalar_type()) &&
+                             rows.scalar_type() != at::kBool,
+                         "rows must be integers, got ", fastllm::dtype_name(rows.scalar_type()));
+        return fastllm::deinterleave_rows(weight, format, rows.to(at::kLong).contiguous());
+      },
+      py::arg("weight"), py::arg("weight_type"), py::arg("rows"),
+      "Rows `rows` (1-D integers) of a weight of interleaved type `weight_type` (1000 + the "
+      "ggml type, interleave_rows' result), as that ggml type's blocks [len(rows), row bytes].");
   fastllm::bind_kv_cache(m);
   fastllm::bind_decoder(m);
   fastllm::bind_gguf(m);

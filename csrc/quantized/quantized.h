@@ -9,11 +9,14 @@
 
 namespace fastllm {
 
-// A Q4_0, Q4_1, Q5_0, Q8_0 or Q4_K weight [rows, row bytes] (rows a multiple of kInterleavedRows)
-// in the interleaved layout (block_formats.h: kInterleavedTypes), and back: `format` the
-// blocks'.
+// A Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K weight [rows, row bytes] (rows a multiple of
+// kInterleavedRows) in the interleaved layout (block_formats.h: kInterleavedTypes), and back:
+// `format` the blocks'.
 at::Tensor interleave_rows(const at::Tensor& weight, BlockFormat format);
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format);
+// Rows `rows` (int64 [n], each in [0, weight rows)) of a CPU weight in the interleaved layout,
+// as `format`'s blocks [n, row bytes]: an embedding's lookup in a tied LM head's weight.
+at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format, const at::Tensor& rows);
 
 // Checks a block-quantized weight [out_features, row bytes] (uint8, rows contiguous) of ggml type
 // `weight_type`; returns its format and sets in_features from the row length. Where

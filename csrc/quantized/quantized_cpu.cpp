@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -282,6 +283,31 @@ at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format) {
                         .permute({0, 3, 1, 2, 4})
                         .reshape({groups, kInterleavedRows, blocks, f.bytes}));
   return at::cat(parts, 3).view(weight.sizes());
+}
+
+at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format,
+                             const at::Tensor& rows) {
+  const auto fields = interleaved_fields(format);
+  const int64_t bytes = block_layout(format).bytes, row_bytes = weight.size(1);
+  const int64_t group_bytes = kInterleavedRows * row_bytes, count = rows.numel();
+  auto out = at::empty({count, row_bytes}, weight.options());
+  const uint8_t* w = weight.const_data_ptr<uint8_t>();
+  const int64_t* index = rows.const_data_ptr<int64_t>();
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK_INDEX(index[i] >= 0 && index[i] < weight.size(0), "row ", index[i],
+                      " is out of range for a weight of ", weight.size(0), " rows");
+    const int64_t row = index[i] % kInterleavedRows;
+    const uint8_t* group = w + index[i] / kInterleavedRows * group_bytes;
+    for (int64_t b = 0; b < row_bytes / bytes; ++b)
+      for (const InterleavedField& f : fields)
+        for (int64_t c = 0; c < f.bytes / f.chunk; ++c)  // chunk c of every row, row after row
+          std::memcpy(dst + i * row_bytes + b * bytes + f.offset + c * f.chunk,
+                      group + kInterleavedRows * (b * bytes + f.offset + c * f.chunk) +
+                          row * f.chunk,
+                      f.chunk);
+  }
+  return out;
 }
 
 TORCH_LIBRARY_IMPL(fastllm, CPU, m) {

@@ -451,6 +451,38 @@ def test_cpu_decode_layout():
             f"{type_name} interleaved by 16", *ops.BLOCK_FORMATS[weight_type][1:])
 
 
+@pytest.mark.parametrize("type_name", INTERLEAVED)
+def test_quantized_rows(type_name):
+    """Looked-up rows of an interleaved weight are the ggml blocks' rows, in the indices' shape
+    (repeats, the first and last group's rows); a ggml type's are ``weight[rows]``."""
+    weight_type = TYPES[type_name]
+    interleaved_type, blocks = INTERLEAVED[type_name]
+    weight = quantized_weight(INTERLEAVED_ROWS, blocks, weight_type)
+    interleaved = _C.interleave_rows(weight, weight_type)
+    for rows in (torch.tensor([47, 0, 5, 5, 16, 31]), torch.tensor([[3, 40], [17, 3]]),
+                 torch.tensor([], dtype=torch.long), torch.tensor([7], dtype=torch.int32)):
+        got, got_type = ops.quantized_rows(interleaved, interleaved_type, rows)
+        assert got_type == weight_type and torch.equal(got, weight[rows.long()])
+        plain, plain_type = ops.quantized_rows(weight, weight_type, rows)
+        assert plain_type == weight_type and torch.equal(plain, weight[rows])
+
+
+def test_quantized_rows_bad_input():
+    """A row out of range is an IndexError naming it; float indices a TypeError; a ggml type or
+    a weight that is not whole groups a ValueError."""
+    q8_0 = TYPES["Q8_0"]
+    weight = _C.interleave_rows(quantized_weight(32, 2, q8_0), q8_0)
+    for row in (32, -1):
+        with pytest.raises(IndexError, match=f"row {row} is out of range for a weight of 32 rows"):
+            ops.quantized_rows(weight, ops.INTERLEAVED_Q8_0, torch.tensor([0, row]))
+    with pytest.raises(TypeError, match="rows must be integers, got torch.float32"):
+        ops.quantized_rows(weight, ops.INTERLEAVED_Q8_0, torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="weight_type must be an interleaved type .*, got 8"):
+        _C.deinterleave_rows(weight, q8_0, torch.tensor([1]))
+    with pytest.raises(ValueError, match="an interleaved Q8_0 weight has whole groups of 16 rows"):
+        ops.quantized_rows(weight[:24], ops.INTERLEAVED_Q8_0, torch.tensor([1]))
+
+
 @pytest.mark.cpu_inputs
 def test_interleaved_weight_bad_input(backend):
     """An interleaved type on a backend without it, with rows that are not whole groups, or not

@@ -110,7 +110,7 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     stacked weights stay in their blocks (uint8 ``[experts, rows, row bytes]``, with the
     :class:`~fastllm.models.decoder.Experts` module's ``gate_up_type`` / ``down_type``) when
     all their parts share one format. The others are cast to ``dtype``. Everything is placed on
-    ``device``; there a projection's or untied LM head's blocks take
+    ``device``; there a projection's or LM head's blocks (a tied embedding's too) take
     :func:`fastllm.ops.cpu_decode_layout`'s order (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K
     interleaved by 16 rows on AVX-512). On the CPU, float32 models keep 16-bit projection, embedding and LM-head
     weights (a float16 GGUF, a bfloat16 checkpoint) in 16 bits: the linear op converts them
@@ -152,7 +152,9 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             continue
         if all(isinstance(t, QuantizedWeight) for t in tensors) and _QUANTIZABLE.search(name):
             runs = _format_runs(tensors, device)
-            if not _EMBEDDING.search(name):  # the table's rows are looked up in file order
+            # An embedding table that is not also the head keeps the file's blocks (mapped,
+            # where the file is): only its looked-up rows are read.
+            if not _EMBEDDING.search(name) or config.tie_word_embeddings:
                 runs = [ops.cpu_decode_layout(data, weight_type) for data, weight_type in runs]
             if len(runs) == 1:
                 state[name], quantized[name] = runs[0]

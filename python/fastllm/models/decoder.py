@@ -342,13 +342,17 @@ class DecoderLM(nn.Module):
         zeros elsewhere): every rank returns them all."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight
+        quantized = isinstance(head, (QuantizedEmbedding, QuantizedLinear))
+        weight_type = head.weight_type if quantized else None
         tp = self.tensor_parallel
         if token_ids is not None:
             if tp is not None:
                 token_ids, here = self._local_vocab(token_ids)
-            weight = weight[token_ids]  # [len(token_ids), hidden], a small copy
-        if isinstance(head, (QuantizedEmbedding, QuantizedLinear)):
-            logits = ops.quantized_linear(hidden, weight, head.weight_type)
+            # [len(token_ids), hidden], a small copy
+            weight, weight_type = (ops.quantized_rows(weight, weight_type, token_ids) if quantized
+                                   else (weight[token_ids], None))
+        if quantized:
+            logits = ops.quantized_linear(hidden, weight, weight_type)
         else:
             logits = ops.linear(hidden, weight)
         cap = self.config.final_softcap

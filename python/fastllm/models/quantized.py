@@ -91,7 +91,9 @@ class SegmentedQuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding table kept block-quantized: looked-up rows are dequantized to ``dtype``."""
+    """An embedding table kept block-quantized: looked-up rows are dequantized to ``dtype``. A
+    table that is also the LM head may be in the CPU's interleaved layout
+    (:func:`fastllm.ops.cpu_decode_layout`)."""
 
     def __init__(self, weight: Tensor, weight_type: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -100,7 +102,8 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return ops.dequantize(self.weight[input_ids], self.weight_type, self.dtype)
+        return ops.dequantize(*ops.quantized_rows(self.weight, self.weight_type, input_ids),
+                              self.dtype)
 
 
 @dataclass(frozen=True)

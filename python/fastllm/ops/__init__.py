@@ -31,7 +31,7 @@ __all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeigh
            "INTERLEAVED_Q6_K", "INTERLEAVED_Q8_0", "INTERLEAVED_TYPES", "ProjectionPart",
            "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
            "batch_invariant", "block_format", "cpu_decode_layout", "dequantize", "gelu_tanh_and_mul", "linear", "moe",
-           "paged_attention", "quantized_linear", "reshape_and_cache", "rms_norm",
+           "paged_attention", "quantized_linear", "quantized_rows", "reshape_and_cache", "rms_norm",
            "rope_cos_sin_cache", "rotary_and_cache", "rotary_embedding", "sample",
            "sample_with_logprobs",
            "silu_and_mul", "trusted_inputs"]
@@ -83,6 +83,18 @@ def cpu_decode_layout(weight: Tensor, weight_type: int) -> tuple[Tensor, int]:
             and _C.cpu_isa() in ("amx", "avx512")):
         return _C.interleave_rows(weight, weight_type), INTERLEAVED_TYPES + weight_type
     return weight, weight_type
+
+
+def quantized_rows(weight: Tensor, weight_type: int, rows: Tensor) -> tuple[Tensor, int]:
+    """Rows ``rows`` (integer indices, any shape) of a weight of :func:`quantized_linear` as
+    ``(blocks, ggml type)``, ``blocks`` uint8 ``[*rows.shape, row bytes]``: ``weight[rows]``, or,
+    for an interleaved type (:func:`cpu_decode_layout`), those rows of the ggml blocks it came
+    from. An embedding looks its rows up so in a table that is also the LM head."""
+    if weight_type not in _INTERLEAVED:
+        return weight[rows], weight_type
+    ggml_type = weight_type - INTERLEAVED_TYPES
+    blocks = _C.deinterleave_rows(weight, weight_type, rows.reshape(-1))
+    return blocks.view(*rows.shape, weight.shape[1]), ggml_type
 
 
 @contextlib.contextmanager
