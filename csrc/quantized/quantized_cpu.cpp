@@ -252,44 +252,93 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
 
 }  // namespace
 
-at::Tensor interleave_rows(const at::Tensor& weight, BlockFormat format) {
-  int64_t in_features = 0;
-  check_quantized_weight(weight, int64_t(format), in_features);
-  const auto fields = interleaved_fields(format);
-  TORCH_CHECK_VALUE(weight.size(0) % kInterleavedRows == 0, "interleaving takes whole groups of ",
-                    kInterleavedRows, " rows, got ", weight.size(0));
-  const int64_t groups = weight.size(0) / kInterleavedRows, bytes = block_layout(format).bytes;
-  const int64_t blocks = weight.size(1) / bytes;
-  // [group, row, block, field bytes] -> [group, block, chunk, row, chunk bytes], field by field.
-  const auto v = weight.contiguous().view({groups, kInterleavedRows, blocks, bytes});
-  std::vector<at::Tensor> parts;
+namespace {
+
+// Row r of a group in the interleaved layout (`group`: kInterleavedRows * row bytes) and the
+// same row's blocks (`row`): copies each block's fields chunk by chunk from one to the other.
+template <bool kToInterleaved>
+void exchange_row(const std::vector<InterleavedField>& fields, int64_t block_bytes,
+                  int64_t blocks, int64_t r,
+                  std::conditional_t<kToInterleaved, const uint8_t*, uint8_t*> row,
+                  std::conditional_t<kToInterleaved, uint8_t*, const uint8_t*> group) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (const InterleavedField& f : fields) {
+      const int64_t in_row = b * block_bytes + f.offset;
+      const int64_t in_group = kInterleavedRows * in_row + r * f.chunk;
+      // A constant chunk size: each copy a single load and store.
+      const auto copy_chunks = [&](auto chunk) {
+        constexpr int64_t kChunk = decltype(chunk)::value;
+        for (int64_t c = 0; c < f.bytes / kChunk; ++c) {
+          if constexpr (kToInterleaved)
+            std::memcpy(group + in_group + c * kInterleavedRows * kChunk,
+                        row + in_row + c * kChunk, kChunk);
+          else
+            std::memcpy(row + in_row + c * kChunk,
+                        group + in_group + c * kInterleavedRows * kChunk, kChunk);
+        }
+      };
+      switch (f.chunk) {
+        case 1: copy_chunks(std::integral_constant<int64_t, 1>()); break;
+        case 2: copy_chunks(std::integral_constant<int64_t, 2>()); break;
+        default: copy_chunks(std::integral_constant<int64_t, 4>()); break;
+      }
+    }
+  }
+}
+
+// Groups of 16 rows in interleaved_fields' chunks of 4 bytes or fewer.
+void check_chunks(const std::vector<InterleavedField>& fields) {
   for (const InterleavedField& f : fields)
-    parts.push_back(v.narrow(3, f.offset, f.bytes)
-                        .view({groups, kInterleavedRows, blocks, f.bytes / f.chunk, f.chunk})
-                        .permute({0, 2, 3, 1, 4})
-                        .reshape({groups, blocks, -1}));
-  return at::cat(parts, 2).view(weight.sizes());
+    TORCH_INTERNAL_ASSERT(f.chunk == 1 || f.chunk == 2 || f.chunk == 4);
+}
+
+}  // namespace
+
+at::Tensor interleave_rows(const at::Tensor& weight_in, BlockFormat format) {
+  int64_t in_features = 0;
+  check_quantized_weight(weight_in, int64_t(format), in_features);
+  TORCH_CHECK_VALUE(weight_in.size(0) % kInterleavedRows == 0, "interleaving takes whole groups of ",
+                    kInterleavedRows, " rows, got ", weight_in.size(0));
+  const auto fields = interleaved_fields(format);
+  check_chunks(fields);
+  const auto weight = weight_in.contiguous();
+  const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
+  auto out = at::empty_like(weight);
+  const uint8_t* src = weight.const_data_ptr<uint8_t>();
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, weight.size(0) / kInterleavedRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < kInterleavedRows; ++r)
+        exchange_row<true>(fields, bytes, row_bytes / bytes, r,
+                           src + (g * kInterleavedRows + r) * row_bytes,
+                           dst + g * kInterleavedRows * row_bytes);
+  });
+  return out;
 }
 
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format) {
   const auto fields = interleaved_fields(format);
-  const int64_t groups = weight.size(0) / kInterleavedRows, bytes = block_layout(format).bytes;
-  const int64_t blocks = weight.size(1) / bytes;
-  const auto v = weight.view({groups, blocks, kInterleavedRows * bytes});
-  std::vector<at::Tensor> parts;
-  for (const InterleavedField& f : fields)
-    parts.push_back(v.narrow(2, kInterleavedRows * f.offset, kInterleavedRows * f.bytes)
-                        .view({groups, blocks, f.bytes / f.chunk, kInterleavedRows, f.chunk})
-                        .permute({0, 3, 1, 2, 4})
-                        .reshape({groups, kInterleavedRows, blocks, f.bytes}));
-  return at::cat(parts, 3).view(weight.sizes());
+  check_chunks(fields);
+  const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
+  auto out = at::empty_like(weight);
+  const uint8_t* src = weight.const_data_ptr<uint8_t>();
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, weight.size(0) / kInterleavedRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t r = 0; r < kInterleavedRows; ++r)
+        exchange_row<false>(fields, bytes, row_bytes / bytes, r,
+                            dst + (g * kInterleavedRows + r) * row_bytes,
+                            src + g * kInterleavedRows * row_bytes);
+  });
+  return out;
 }
 
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format,
                              const at::Tensor& rows) {
   const auto fields = interleaved_fields(format);
-  const int64_t bytes = block_layout(format).bytes, row_bytes = weight.size(1);
-  const int64_t group_bytes = kInterleavedRows * row_bytes, count = rows.numel();
+  check_chunks(fields);
+  const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
+  const int64_t count = rows.numel();
   auto out = at::empty({count, row_bytes}, weight.options());
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t* index = rows.const_data_ptr<int64_t>();
@@ -297,15 +346,9 @@ at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format,
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK_INDEX(index[i] >= 0 && index[i] < weight.size(0), "row ", index[i],
                       " is out of range for a weight of ", weight.size(0), " rows");
-    const int64_t row = index[i] % kInterleavedRows;
-    const uint8_t* group = w + index[i] / kInterleavedRows * group_bytes;
-    for (int64_t b = 0; b < row_bytes / bytes; ++b)
-      for (const InterleavedField& f : fields)
-        for (int64_t c = 0; c < f.bytes / f.chunk; ++c)  // chunk c of every row, row after row
-          std::memcpy(dst + i * row_bytes + b * bytes + f.offset + c * f.chunk,
-                      group + kInterleavedRows * (b * bytes + f.offset + c * f.chunk) +
-                          row * f.chunk,
-                      f.chunk);
+    exchange_row<false>(fields, bytes, row_bytes / bytes, index[i] % kInterleavedRows,
+                        dst + i * row_bytes,
+                        w + index[i] / kInterleavedRows * kInterleavedRows * row_bytes);
   }
   return out;
 }

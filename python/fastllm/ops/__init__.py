@@ -42,8 +42,7 @@ BLOCK_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                  7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 # fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's, Q8_0's, Q4_K's and Q6_K's
-# blocks
-# with each group of 16 rows interleaved, the layout of the CPU's AVX-512 decode kernels
+# blocks with each group of 16 rows interleaved, the layout of the CPU's AVX-512 decode kernels
 # (:func:`cpu_decode_layout`): ``INTERLEAVED_TYPES +`` the ggml type. The CPU ops take them;
 # other devices take the ggml blocks.
 INTERLEAVED_TYPES = 1000
@@ -70,8 +69,8 @@ def block_format(weight_type: int) -> tuple[str, int, int]:
 
 def cpu_decode_layout(weight: Tensor, weight_type: int) -> tuple[Tensor, int]:
     """``(weight, weight_type)`` in the layout the CPU's decode kernels read fastest, for a
-    weight of :func:`quantized_linear` kept on this CPU: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K with a
-    multiple of 16 rows, where the CPU kernels run AVX-512 (``fastllm._C.cpu_isa()`` amx or
+    weight of :func:`quantized_linear` kept on this CPU: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K
+    with a multiple of 16 rows, where the CPU kernels run AVX-512 (``fastllm._C.cpu_isa()`` amx or
     avx512), becomes its interleaved type (``INTERLEAVED_TYPES + weight_type``, a copy): one
     64-byte load then holds 4 values of each of 16 rows, and one 8-bit multiply-add serves them
     all. Anything else is returned as it is. The result is the same weight to
