@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file
 from tiny_hf import random_hf_model, save_hf_model
 
-from fastllm import LLM, Tokenizer, ops
+from fastllm import LLM, Tokenizer, _C, ops
 from fastllm.models import load_model
 from fastllm.models.decoder import Linear
 from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear, quantize_weight
@@ -24,6 +24,12 @@ transformers.logging.set_verbosity_error()
 TYPES = {"Q8_0": QT.Q8_0, "Q4_1": QT.Q4_1}
 # Bytes per 32 values: Q8_0 an fp16 scale and 32 int8; Q4_1 fp16 scale and minimum, 32 nibbles.
 BLOCK_BYTES = {QT.Q8_0: 34, QT.Q4_1: 20}
+
+
+def ggml_type(weight_type: int) -> int:
+    """The ggml type of a kept weight's blocks, in the CPU's interleaved decode layout
+    (ops.cpu_decode_layout) or not."""
+    return weight_type % ops.INTERLEAVED_TYPES
 
 
 def rows_of(case: str, rng: np.random.Generator) -> np.ndarray:
@@ -192,13 +198,13 @@ def test_stories_layers_become_quantized_where_rows_allow(stories, quantization,
     model = load_model(folder, quantization=quantization)
     layer = model.layers[0]
     for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
-        assert isinstance(module, QuantizedLinear) and module.weight_type == projections
+        assert isinstance(module, QuantizedLinear) and ggml_type(module.weight_type) == projections
     # down_proj's rows are 172 values long, not a multiple of 32: it stays float.
     assert type(layer.mlp.down_proj) is Linear
     assert layer.mlp.down_proj.weight.dtype == torch.float32
     # Tied embeddings are the LM head too: Q8_0 under both.
     assert isinstance(model.embed_tokens, QuantizedEmbedding)
-    assert model.embed_tokens.weight_type == QT.Q8_0
+    assert ggml_type(model.embed_tokens.weight_type) == QT.Q8_0
     assert layer.input_layernorm.weight.dtype == torch.float32
 
 
@@ -215,8 +221,15 @@ def qwen2_folder(tmp_path_factory):
 def test_every_projection_is_quantized_and_sized_as_its_blocks(qwen2_folder, quantization,
                                                                 projections):
     model = load_model(qwen2_folder, dtype=torch.bfloat16, quantization=quantization)
-    types = {name: module.weight_type for name, module in model.named_modules()
-             if isinstance(module, (QuantizedLinear, QuantizedEmbedding))}
+    kept = {name: module for name, module in model.named_modules()
+            if isinstance(module, (QuantizedLinear, QuantizedEmbedding))}
+    # Where the CPU kernels run AVX-512 the projections and the head (every weight here is
+    # whole groups of 16 rows) are interleaved for them; the untied embedding keeps its rows.
+    interleave = _C.cpu_isa() in ("amx", "avx512")
+    for name, module in kept.items():
+        interleaved = module.weight_type >= ops.INTERLEAVED_TYPES
+        assert interleaved == (interleave and name != "embed_tokens"), name
+    types = {name: ggml_type(module.weight_type) for name, module in kept.items()}
     # The untied input embedding is a lookup, quantized as the projections are; the LM head
     # keeps 8 bits, as in llama.cpp's 4-bit files.
     assert types.pop("lm_head") == QT.Q8_0 and types.pop("embed_tokens") == projections
@@ -227,7 +240,8 @@ def test_every_projection_is_quantized_and_sized_as_its_blocks(qwen2_folder, qua
     for name, module in model.named_modules():
         if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
             bf16_bytes = float_model.get_submodule(name).weight.nbytes
-            assert module.weight.nbytes * 64 == bf16_bytes * BLOCK_BYTES[module.weight_type]
+            assert module.weight.nbytes * 64 == bf16_bytes * BLOCK_BYTES[ggml_type(
+                module.weight_type)]
     # Biases and norms stay in the model's dtype, and it runs.
     assert model.layers[0].self_attn.qkv_proj.bias.dtype == torch.bfloat16
     assert model.norm.weight.dtype == torch.bfloat16

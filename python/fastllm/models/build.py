@@ -152,11 +152,8 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             quantized[name] = tensors[0].weight_type
             continue
         if all(isinstance(t, QuantizedWeight) for t in tensors) and _QUANTIZABLE.search(name):
-            runs = _format_runs(tensors, device)
-            # An embedding table that is not also the head keeps the file's blocks (mapped,
-            # where the file is): only its looked-up rows are read.
-            if not _EMBEDDING.search(name) or config.tie_word_embeddings:
-                runs = [ops.cpu_decode_layout(data, weight_type) for data, weight_type in runs]
+            runs = [_decode_layout(name, data, weight_type, config)
+                    for data, weight_type in _format_runs(tensors, device)]
             if len(runs) == 1:
                 state[name], quantized[name] = runs[0]
             else:  # parts in different formats: each run of rows stays in its own
@@ -178,8 +175,10 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
                 weight = quantize_weight(fused.reshape(-1, fused.shape[-1]), weight_type)
             except ValueError as error:
                 raise ValueError(f"cannot quantize {name} ({quantization}): {error}") from error
-            state[name] = weight.data.view(*fused.shape[:-1], -1).to(device)
-            quantized[name] = weight.weight_type
+            data = weight.data.view(*fused.shape[:-1], -1).to(device)
+            if not _EXPERTS.search(name):
+                data, weight_type = _decode_layout(name, data, weight.weight_type, config)
+            state[name], quantized[name] = data, weight_type
             continue
         state[name] = fused.to(device=device, dtype=_storage_dtype(name, fused.dtype, dtype,
                                                                   torch.device(device)))
@@ -240,6 +239,16 @@ def _quantized_type(name: str, scheme: Quantization, config: ModelConfig) -> int
 
 def _block_values(weight_type: int) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType(weight_type)][0]
+
+
+def _decode_layout(name: str, data: Tensor, weight_type: int,
+                   config: ModelConfig) -> tuple[Tensor, int]:
+    """Parameter ``name``'s blocks in :func:`fastllm.ops.cpu_decode_layout`'s order, but for an
+    embedding table that is not also the LM head: it keeps the file's blocks (mapped, where the
+    file is), as only its looked-up rows are read."""
+    if _EMBEDDING.search(name) and not config.tie_word_embeddings:
+        return data, weight_type
+    return ops.cpu_decode_layout(data, weight_type)
 
 
 def _format_runs(parts: list[QuantizedWeight],
