@@ -221,9 +221,9 @@ that raises ValueError. Safe to use from several threads.)doc")
         return fastllm::interleave_rows(weight, fastllm::BlockFormat(weight_type));
       },
       py::arg("weight"), py::arg("weight_type"),
-      "A Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K weight [rows, row bytes] (rows a multiple of 16) in the "
-      "CPU decode kernels' layout, weight type 1000 + weight_type: each group of 16 rows "
-      "interleaved.");
+      "A Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K weight [rows, row bytes] (rows a multiple of "
+      "16) in the CPU decode kernels' layout, weight type 1000 + weight_type: each group of 16 "
+      "rows interleaved.");
   m.def(
       "deinterleave_rows",
       [](const at::Tensor& weight, int64_t weight_type, const at::Tensor& rows) {

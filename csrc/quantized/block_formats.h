@@ -43,15 +43,16 @@ enum class BlockFormat : int64_t {
 };
 
 // fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's, Q8_0's, Q4_K's and Q6_K's
-// blocks with the rows of each group of kInterleavedRows interleaved, the layout of the AVX-512 decode
-// kernels (quantized_cpu_avx512.cpp), type kInterleavedTypes + the ggml type. Group g (rows
-// 16 g .. 16 g + 15) keeps their bytes, block after block; each field of a group's block holds
-// the 16 rows' bytes of that field in chunks: chunk c of every row, row after row, then chunk
-// c + 1. The 16 bytes of nibbles (Q4_K: 128; Q8_0's 32 bytes) come in chunks of 4 (one 32-bit
-// lane of a row's integers), last; before them, each in one chunk, the float16 scale (Q4_K: d and dmin) and
-// Q4_1's float16 minimum or Q5_0's 32 fifth bits; Q4_K's 12 bytes of packed 6-bit scales in
-// chunks of 1. Q6_K's fields keep their order: 128 bytes of low bits and 64 of high bits in
-// chunks of 4, the 16 int8 scales in chunks of 1, d. Only the CPU ops take them.
+// blocks with the rows of each group of kInterleavedRows interleaved, the layout of the AVX-512
+// decode kernels (quantized_cpu_avx512.cpp), type kInterleavedTypes + the ggml type. Group g
+// (rows 16 g .. 16 g + 15) keeps their bytes, block after block; each field of a group's block
+// holds the 16 rows' bytes of that field in chunks: chunk c of every row, row after row, then
+// chunk c + 1. The 16 bytes of nibbles (Q4_K: 128; Q8_0's 32 bytes) come in chunks of 4 (one
+// 32-bit lane of a row's integers), last; before them, each in one chunk, the float16 scale
+// (Q4_K: d and dmin) and Q4_1's float16 minimum or Q5_0's 32 fifth bits; Q4_K's 12 bytes of
+// packed 6-bit scales in chunks of 1. Q6_K's fields keep their order: 128 bytes of low bits and
+// 64 of high bits in chunks of 4, the 16 int8 scales in chunks of 1, d. Only the CPU ops take
+// them.
 constexpr int64_t kInterleavedTypes = 1000;
 constexpr int64_t kInterleavedRows = 16;
 

@@ -250,10 +250,6 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
   return x.scalar_type() == at::kFloat ? y : y.copy_(y_float);
 }
 
-}  // namespace
-
-namespace {
-
 // Row r of a group in the interleaved layout (`group`: kInterleavedRows * row bytes) and the
 // same row's blocks (`row`): copies each block's fields chunk by chunk from one to the other.
 template <bool kToInterleaved>
@@ -280,16 +276,11 @@ void exchange_row(const std::vector<InterleavedField>& fields, int64_t block_byt
       switch (f.chunk) {
         case 1: copy_chunks(std::integral_constant<int64_t, 1>()); break;
         case 2: copy_chunks(std::integral_constant<int64_t, 2>()); break;
-        default: copy_chunks(std::integral_constant<int64_t, 4>()); break;
+        case 4: copy_chunks(std::integral_constant<int64_t, 4>()); break;
+        default: TORCH_INTERNAL_ASSERT(false, "an interleaved chunk of ", f.chunk, " bytes");
       }
     }
   }
-}
-
-// Groups of 16 rows in interleaved_fields' chunks of 4 bytes or fewer.
-void check_chunks(const std::vector<InterleavedField>& fields) {
-  for (const InterleavedField& f : fields)
-    TORCH_INTERNAL_ASSERT(f.chunk == 1 || f.chunk == 2 || f.chunk == 4);
 }
 
 }  // namespace
@@ -297,10 +288,10 @@ void check_chunks(const std::vector<InterleavedField>& fields) {
 at::Tensor interleave_rows(const at::Tensor& weight_in, BlockFormat format) {
   int64_t in_features = 0;
   check_quantized_weight(weight_in, int64_t(format), in_features);
-  TORCH_CHECK_VALUE(weight_in.size(0) % kInterleavedRows == 0, "interleaving takes whole groups of ",
-                    kInterleavedRows, " rows, got ", weight_in.size(0));
+  TORCH_CHECK_VALUE(weight_in.size(0) % kInterleavedRows == 0,
+                    "interleaving takes whole groups of ", kInterleavedRows, " rows, got ",
+                    weight_in.size(0));
   const auto fields = interleaved_fields(format);
-  check_chunks(fields);
   const auto weight = weight_in.contiguous();
   const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
   auto out = at::empty_like(weight);
@@ -318,7 +309,6 @@ at::Tensor interleave_rows(const at::Tensor& weight_in, BlockFormat format) {
 
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format) {
   const auto fields = interleaved_fields(format);
-  check_chunks(fields);
   const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
   auto out = at::empty_like(weight);
   const uint8_t* src = weight.const_data_ptr<uint8_t>();
@@ -336,7 +326,6 @@ at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format) {
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format,
                              const at::Tensor& rows) {
   const auto fields = interleaved_fields(format);
-  check_chunks(fields);
   const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
   const int64_t count = rows.numel();
   auto out = at::empty({count, row_bytes}, weight.options());
