@@ -283,44 +283,43 @@ void exchange_row(const std::vector<InterleavedField>& fields, int64_t block_byt
   }
 }
 
-}  // namespace
-
-at::Tensor interleave_rows(const at::Tensor& weight_in, BlockFormat format) {
-  int64_t in_features = 0;
-  check_quantized_weight(weight_in, int64_t(format), in_features);
-  TORCH_CHECK_VALUE(weight_in.size(0) % kInterleavedRows == 0,
-                    "interleaving takes whole groups of ", kInterleavedRows, " rows, got ",
-                    weight_in.size(0));
+// Every group of a contiguous weight's rows through exchange_row, into the interleaved layout
+// or out of it: a group a task.
+template <bool kToInterleaved>
+at::Tensor exchange_groups(const at::Tensor& weight, BlockFormat format) {
   const auto fields = interleaved_fields(format);
-  const auto weight = weight_in.contiguous();
   const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
   auto out = at::empty_like(weight);
   const uint8_t* src = weight.const_data_ptr<uint8_t>();
   uint8_t* dst = out.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, weight.size(0) / kInterleavedRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r = 0; r < kInterleavedRows; ++r)
-        exchange_row<true>(fields, bytes, row_bytes / bytes, r,
-                           src + (g * kInterleavedRows + r) * row_bytes,
-                           dst + g * kInterleavedRows * row_bytes);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t group = g * kInterleavedRows * row_bytes;
+      for (int64_t r = 0; r < kInterleavedRows; ++r) {
+        const int64_t row = group + r * row_bytes;
+        if constexpr (kToInterleaved)
+          exchange_row<true>(fields, bytes, row_bytes / bytes, r, src + row, dst + group);
+        else
+          exchange_row<false>(fields, bytes, row_bytes / bytes, r, dst + row, src + group);
+      }
+    }
   });
   return out;
 }
 
+}  // namespace
+
+at::Tensor interleave_rows(const at::Tensor& weight, BlockFormat format) {
+  int64_t in_features = 0;
+  check_quantized_weight(weight, int64_t(format), in_features);
+  TORCH_CHECK_VALUE(weight.size(0) % kInterleavedRows == 0,
+                    "interleaving takes whole groups of ", kInterleavedRows, " rows, got ",
+                    weight.size(0));
+  return exchange_groups<true>(weight.contiguous(), format);
+}
+
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format) {
-  const auto fields = interleaved_fields(format);
-  const int64_t row_bytes = weight.size(1), bytes = block_layout(format).bytes;
-  auto out = at::empty_like(weight);
-  const uint8_t* src = weight.const_data_ptr<uint8_t>();
-  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
-  at::parallel_for(0, weight.size(0) / kInterleavedRows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r = 0; r < kInterleavedRows; ++r)
-        exchange_row<false>(fields, bytes, row_bytes / bytes, r,
-                            dst + (g * kInterleavedRows + r) * row_bytes,
-                            src + g * kInterleavedRows * row_bytes);
-  });
-  return out;
+  return exchange_groups<false>(weight, format);
 }
 
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format,
