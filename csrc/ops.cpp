@@ -216,8 +216,8 @@ that raises ValueError. Safe to use from several threads.)doc")
       "interleave_rows",
       [](const at::Tensor& weight, int64_t weight_type) {
         TORCH_CHECK_VALUE(fastllm::is_interleaved_type(fastllm::kInterleavedTypes + weight_type),
-                          "interleaving takes Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), Q4_K (12) or "
-                          "Q6_K (14) blocks, got weight_type ", weight_type);
+                          "interleaving takes ", fastllm::interleaved_formats_text(0),
+                          " blocks, got weight_type ", weight_type);
         return fastllm::interleave_rows(weight, fastllm::BlockFormat(weight_type));
       },
       py::arg("weight"), py::arg("weight_type"),
@@ -228,8 +228,9 @@ that raises ValueError. Safe to use from several threads.)doc")
       "deinterleave_rows",
       [](const at::Tensor& weight, int64_t weight_type, const at::Tensor& rows) {
         TORCH_CHECK_VALUE(fastllm::is_interleaved_type(weight_type),
-                          "weight_type must be an interleaved type (1002, 1003, 1006, 1008, 1012 "
-                          "or 1014), got ", weight_type);
+                          "weight_type must be an interleaved type, ",
+                          fastllm::interleaved_formats_text(fastllm::kInterleavedTypes), "; got ",
+                          weight_type);
         int64_t in_features = 0;
         bool interleaved = false;
         const auto format =
@@ -239,9 +240,7 @@ that raises ValueError. Safe to use from several threads.)doc")
         TORCH_CHECK_VALUE(rows.dim() == 1 && rows.device().is_cpu(),
                           "rows must be a 1-D tensor on the CPU, got shape ", rows.sizes(),
                           " on ", rows.device());
-        TORCH_CHECK_TYPE(!at::isFloatingType(rows.scalar_type()) &&
-                             !at::isComplexType(rows.scalar_type()) &&
-                             rows.scalar_type() != at::kBool,
+        TORCH_CHECK_TYPE(at::isIntegralType(rows.scalar_type(), /*includeBool=*/false),
                          "rows must be integers, got ", fastllm::dtype_name(rows.scalar_type()));
         return fastllm::deinterleave_rows(weight, format, rows.to(at::kLong).contiguous());
       },

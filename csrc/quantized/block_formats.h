@@ -56,16 +56,15 @@ enum class BlockFormat : int64_t {
 constexpr int64_t kInterleavedTypes = 1000;
 constexpr int64_t kInterleavedRows = 16;
 
+// The formats with an interleaved layout, in type order.
+constexpr BlockFormat kInterleavedFormats[] = {BlockFormat::kQ4_0, BlockFormat::kQ4_1,
+                                               BlockFormat::kQ5_0, BlockFormat::kQ8_0,
+                                               BlockFormat::kQ4_K, BlockFormat::kQ6_K};
+
 constexpr bool is_interleaved_type(int64_t type) {
-  switch (type - kInterleavedTypes) {
-    case int64_t(BlockFormat::kQ4_0):
-    case int64_t(BlockFormat::kQ4_1):
-    case int64_t(BlockFormat::kQ5_0):
-    case int64_t(BlockFormat::kQ8_0):
-    case int64_t(BlockFormat::kQ4_K):
-    case int64_t(BlockFormat::kQ6_K): return true;
-    default: return false;
-  }
+  for (const BlockFormat format : kInterleavedFormats)
+    if (type == kInterleavedTypes + int64_t(format)) return true;
+  return false;
 }
 
 // Values of a sub-block: the unit of one scale (the activations' too).

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 
@@ -17,6 +18,10 @@ at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format);
 // Rows `rows` (int64 [n], each in [0, weight rows)) of a CPU weight in the interleaved layout,
 // as `format`'s blocks [n, row bytes]: an embedding's lookup in a tied LM head's weight.
 at::Tensor deinterleave_rows(const at::Tensor& weight, BlockFormat format, const at::Tensor& rows);
+
+// kInterleavedFormats for messages, "Q4_0 (2), ... or Q6_K (14)": each format's type id plus
+// `id_offset` (kInterleavedTypes: the interleaved types').
+std::string interleaved_formats_text(int64_t id_offset);
 
 // Checks a block-quantized weight [out_features, row bytes] (uint8, rows contiguous) of ggml type
 // `weight_type`; returns its format and sets in_features from the row length. Where

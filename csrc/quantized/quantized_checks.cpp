@@ -1,7 +1,20 @@
+#include <iterator>
+#include <string>
+
 #include "common/checks.h"
 #include "quantized/quantized.h"
 
 namespace fastllm {
+
+std::string interleaved_formats_text(int64_t id_offset) {
+  std::string text;
+  constexpr size_t count = std::size(kInterleavedFormats);
+  for (size_t i = 0; i < count; ++i)
+    text += std::string(i == 0 ? "" : i + 1 < count ? ", " : " or ") +
+            block_layout(kInterleavedFormats[i]).name + " (" +
+            std::to_string(id_offset + int64_t(kInterleavedFormats[i])) + ")";
+  return text;
+}
 
 BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type,
                                    int64_t& in_features, bool* interleaved) {
@@ -16,10 +29,10 @@ BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type
   TORCH_CHECK_VALUE(is_interleaved || is_block_format(weight_type),
                     "weight_type must be a ggml type id of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 "
                     "(7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), got ", weight_type,
-                    interleaved ? " (the CPU also takes 1002, 1003, 1006, 1008, 1012 and 1014: "
-                                  "Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with rows interleaved "
-                                  "by 16)"
-                                : "");
+                    interleaved ? " (the CPU also takes " +
+                                      interleaved_formats_text(kInterleavedTypes) +
+                                      " with rows interleaved by 16)"
+                                : std::string());
   check_rank(weight, 2, "weight", "[out_features, row bytes]");
   check_dtype(weight, at::kByte, "weight");
   if (interleaved) *interleaved = is_interleaved;

@@ -429,9 +429,9 @@ def test_interleaved_row_does_not_depend_on_the_others(type_name, isa):
 
 
 def test_cpu_decode_layout():
-    """Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with whole groups of 16 rows are interleaved where the
-    CPU kernels run AVX-512; anything else (another type, other row counts, another instruction set) is kept as
-    it is."""
+    """Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with whole groups of 16 rows are interleaved where
+    the CPU kernels run AVX-512; anything else (another type, other row counts, another
+    instruction set) is kept as it is."""
     for type_name, (interleaved_type, blocks) in INTERLEAVED.items():
         weight_type = TYPES[type_name]
         weight = quantized_weight(INTERLEAVED_ROWS, blocks, weight_type)
@@ -477,7 +477,8 @@ def test_quantized_rows_bad_input():
             ops.quantized_rows(weight, ops.INTERLEAVED_Q8_0, torch.tensor([0, row]))
     with pytest.raises(TypeError, match="rows must be integers, got torch.float32"):
         ops.quantized_rows(weight, ops.INTERLEAVED_Q8_0, torch.tensor([1.0]))
-    with pytest.raises(ValueError, match="weight_type must be an interleaved type .*, got 8"):
+    with pytest.raises(ValueError, match=r"weight_type must be an interleaved type, Q4_0 \(1002\), "
+                                         r".* or Q6_K \(1014\); got 8"):
         _C.deinterleave_rows(weight, q8_0, torch.tensor([1]))
     with pytest.raises(ValueError, match="an interleaved Q8_0 weight has whole groups of 16 rows"):
         ops.quantized_rows(weight[:24], ops.INTERLEAVED_Q8_0, torch.tensor([1]))
@@ -507,6 +508,7 @@ def test_interleaved_weight_bad_input(backend):
                                          r"Q8_0 \(8\), Q4_K \(12\) or Q6_K \(14\) blocks, got "
                                          "weight_type 13"):
         _C.interleave_rows(quantized_weight(16, 1, TYPES["Q5_K"]), TYPES["Q5_K"])
-    with pytest.raises(ValueError, match=r"got 1001 \(the CPU also takes 1002, 1003, 1006, 1008, "
-                                         "1012 and 1014"):
+    with pytest.raises(ValueError, match=r"got 1001 \(the CPU also takes Q4_0 \(1002\), Q4_1 "
+                                         r"\(1003\), Q5_0 \(1006\), Q8_0 \(1008\), Q4_K \(1012\) or "
+                                         r"Q6_K \(1014\) with rows interleaved by 16\)"):
         backend.ops.quantized_linear(x, weight, 1001)

@@ -50,6 +50,7 @@ INTERLEAVED_TYPES = 1000
  INTERLEAVED_Q6_K) = (INTERLEAVED_TYPES + t for t in (2, 3, 6, 8, 12, 14))
 _INTERLEAVED = (INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q8_0,
                 INTERLEAVED_Q4_K, INTERLEAVED_Q6_K)
+_INTERLEAVED_NAMES = [f"{BLOCK_FORMATS[t - INTERLEAVED_TYPES][0]} ({t})" for t in _INTERLEAVED]
 
 
 def block_format(weight_type: int) -> tuple[str, int, int]:
@@ -61,9 +62,9 @@ def block_format(weight_type: int) -> tuple[str, int, int]:
         return f"{name} interleaved by 16", values, block_bytes
     if weight_type not in BLOCK_FORMATS:
         names = ", ".join(f"{name} ({type_id})" for type_id, (name, _, _) in BLOCK_FORMATS.items())
+        interleaved = ", ".join(_INTERLEAVED_NAMES[:-1]) + " or " + _INTERLEAVED_NAMES[-1]
         raise ValueError(f"weight_type must be a ggml type id of {names}, got {weight_type} "
-                         "(the CPU also takes 1002, 1003, 1006, 1008, 1012 and 1014: Q4_0, "
-                         "Q4_1, Q5_0, Q8_0, Q4_K and Q6_K interleaved by 16)")
+                         f"(the CPU also takes {interleaved} with rows interleaved by 16)")
     return BLOCK_FORMATS[weight_type]
 
 
