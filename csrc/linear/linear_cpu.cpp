@@ -34,14 +34,15 @@ at::Tensor linear_weight_panels(const at::Tensor& x, const at::Tensor& weight,
   const auto x_float = x.to(at::kFloat).contiguous();
   const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   auto y = at::empty({rows, n_out}, x_float.options());
-  const float* xp = x_float.const_data_ptr<float>();
   const float* bp = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
   float* yp = y.mutable_data_ptr<float>();
+  std::vector<float> x_tiles(rows * k_len);
+  pack_row_tiles(x_float.const_data_ptr<float>(), rows, k_len, x_tiles.data());
   // One task per panel: enough of them (4 a thread on the smallest projections) that the
   // threads finish together.
   const auto run = [&](const auto* w) {
     at::parallel_for(0, (n_out + kPanelRows - 1) / kPanelRows, 1, [&](int64_t b, int64_t e) {
-      gemm_weight_panels(xp, rows, k_len, w, weight.stride(0), bp, yp, n_out, b * kPanelRows,
+      gemm_weight_panels(x_tiles.data(), rows, k_len, w, weight.stride(0), bp, yp, n_out, b * kPanelRows,
                          std::min(n_out, e * kPanelRows));
     });
   };

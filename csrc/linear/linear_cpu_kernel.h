@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/ScalarType.h>
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
@@ -168,45 +169,104 @@ inline void stream_weight_rows(const x_t* x, int64_t rows, const w_t* w, int64_t
 }
 
 // Many activation rows against 16-bit weights (compute-bound): y[m * ldy + n] = x[m] . w[n]
-// (+ bias[n]) for every row m of x (float32 [rows, k_len], dense) and the weight rows n in
-// [begin, end). kPanelRows weight rows at a time are converted to float32 and laid out k-major,
-// then every activation row meets them in common/vec_gemm.h's register tiles, k in blocks of
-// kPanelBlockK (a block of the panel stays in L1); no float32 copy of the whole weight is made.
-// Each (row, weight row) sum takes the same blocks of k in the same order whatever the tile, so
-// a row's result does not depend on the others.
+// (+ bias[n]) for every row m of x and the weight rows n in [begin, end). x comes packed in
+// tiles of kGemmRows rows (pack_row_tiles), so a tile's rows are broadcast from one pointer.
+// kPanelRows weight rows at a time are converted to float32 and laid out k-major, then every
+// tile meets them in register tiles, k in blocks of kPanelBlockK (a block of the panel stays in
+// L1); no float32 copy of the whole weight is made. Each (row, weight row) sum takes the same
+// blocks of k in the same order whatever the tile, so a row's result does not depend on the
+// others.
 constexpr int64_t kPanelRows = 32;
 constexpr int64_t kPanelBlockK = 128;
+constexpr int64_t kPanelTileRows = detail::kGemmRows;
+
+// x [rows, k_len] in tiles of kPanelTileRows rows: tile t starts at t * kPanelTileRows * k_len
+// and holds x[t * kPanelTileRows + r, k] at k * h + r, h the tile's rows (fewer in the last).
+inline void pack_row_tiles(const float* x, int64_t rows, int64_t k_len, float* packed) {
+  const int64_t tiles = (rows + kPanelTileRows - 1) / kPanelTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t m = t * kPanelTileRows, h = std::min(kPanelTileRows, rows - m);
+      at::vec::transpose_mxn<float>(x + m * k_len, k_len, packed + m * k_len, h, int(h),
+                                    int(k_len));
+    }
+  });
+}
+
+// c[r, :] (+)= the sums over one block of k of a tile's MR rows (a: [k_len][MR]) times the
+// panel's columns (b: [k_len][kPanelRows]), c's rows kPanelRows apart: the block's products
+// are summed apart from c and then added to it (add), or stored.
+template <int MR>
+inline void panel_block(const float* a, const float* b, int64_t k_len, float* c, bool add) {
+  constexpr int64_t W = VecF::size();
+  constexpr int NV = detail::kGemmColVecs;
+  for (int64_t n = 0; n < kPanelRows; n += NV * W) {
+    VecF acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] = VecF(0.f);
+    for (int64_t k = 0; k < k_len; ++k) {
+      VecF bv[NV];
+      for (int v = 0; v < NV; ++v) bv[v] = VecF::loadu(b + k * kPanelRows + n + v * W);
+      for (int r = 0; r < MR; ++r) {
+        const VecF av(a[k * MR + r]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(av, bv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) {
+        float* dst = c + r * kPanelRows + n + v * W;
+        (add ? VecF::loadu(dst) + acc[r][v] : acc[r][v]).store(dst);
+      }
+  }
+}
+
+// panel_block for a tile of h <= MR rows.
+template <int MR = kPanelTileRows>
+inline void panel_block_rows(int64_t h, const float* a, const float* b, int64_t k_len, float* c,
+                             bool add) {
+  if constexpr (MR > 0) {
+    if (h == MR)
+      panel_block<MR>(a, b, k_len, c, add);
+    else
+      panel_block_rows<MR - 1>(h, a, b, k_len, c, add);
+  }
+}
 
 template <typename w_t>
-void gemm_weight_panels(const float* x, int64_t rows, int64_t k_len, const w_t* w, int64_t ldw,
-                        const float* bias, float* y, int64_t ldy, int64_t begin, int64_t end) {
+void gemm_weight_panels(const float* x_tiles, int64_t rows, int64_t k_len, const w_t* w,
+                        int64_t ldw, const float* bias, float* y, int64_t ldy, int64_t begin,
+                        int64_t end) {
+  constexpr int64_t W = VecF::size();
   std::vector<float> converted(kPanelRows * k_len), panel(kPanelRows * k_len),
       sums(rows * kPanelRows);
-  float block[detail::kGemmRows * kPanelRows];  // a tile's products over one block of k
   for (int64_t n0 = begin; n0 < end; n0 += kPanelRows) {
     const int64_t cols = std::min(kPanelRows, end - n0);
     for (int64_t j = 0; j < cols; ++j)
       convert_to_float(w + (n0 + j) * ldw, converted.data() + j * k_len, k_len);
-    for (int64_t k = 0; k < k_len; ++k)
-      for (int64_t j = 0; j < kPanelRows; ++j)
-        panel[k * kPanelRows + j] = j < cols ? converted[j * k_len + k] : 0.f;
+    if (cols < kPanelRows) std::fill(panel.begin(), panel.end(), 0.f);
+    at::vec::transpose_mxn<float>(converted.data(), k_len, panel.data(), kPanelRows, int(cols),
+                                  int(k_len));
     // A tile's activation rows stay in L1 across the panel's columns. Each block's products
     // are summed apart and then added to the row's sums: a float32 sum of k_len terms in one
     // chain errs about 4x as much as ATen's GEMM (1029 values).
     for (int64_t k0 = 0; k0 < k_len; k0 += kPanelBlockK) {
-      for (int64_t m = 0; m < rows; m += detail::kGemmRows) {
-        const int64_t tile_rows = std::min<int64_t>(detail::kGemmRows, rows - m);
-        float* dst = sums.data() + m * kPanelRows;
-        gemm_f32(tile_rows, kPanelRows, std::min(kPanelBlockK, k_len - k0), x + m * k_len + k0,
-                 k_len, panel.data() + k0 * kPanelRows, kPanelRows, k0 == 0 ? dst : block,
-                 kPanelRows, /*accumulate=*/false);
-        if (k0 > 0)
-          for (int64_t i = 0; i < tile_rows * kPanelRows; ++i) dst[i] += block[i];
+      const int64_t block = std::min(kPanelBlockK, k_len - k0);
+      for (int64_t m = 0; m < rows; m += kPanelTileRows) {
+        const int64_t h = std::min(kPanelTileRows, rows - m);
+        panel_block_rows(h, x_tiles + m * k_len + k0 * h, panel.data() + k0 * kPanelRows, block,
+                         sums.data() + m * kPanelRows, /*add=*/k0 > 0);
       }
     }
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t j = 0; j < cols; ++j)
-        y[m * ldy + n0 + j] = sums[m * kPanelRows + j] + (bias ? bias[n0 + j] : 0.f);
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* src = sums.data() + m * kPanelRows;
+      float* dst = y + m * ldy + n0;
+      int64_t j = 0;
+      if (cols == kPanelRows)
+        for (; j < kPanelRows; j += W)
+          (bias ? VecF::loadu(src + j) + VecF::loadu(bias + n0 + j) : VecF::loadu(src + j))
+              .store(dst + j);
+      for (; j < cols; ++j) dst[j] = src[j] + (bias ? bias[n0 + j] : 0.f);
+    }
   }
 }
 
