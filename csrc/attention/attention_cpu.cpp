@@ -170,41 +170,74 @@ inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
 }
 #endif
 
-// s[r, c] = q_r . k_c for a direct tile, key rows read in place.
-template <typename scalar_t>
-void scores_direct(const Problem& pb, const Tile& t, const float* qf,
-                   const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
-                   int64_t lds) {
-  constexpr int64_t W = VecF::size();
-  const int64_t D = pb.head_dim;
 #if defined(CPU_CAPABILITY_AVX512)
-  // 16 keys at a time, their row's 16 products summed at once (sum_lanes_16) into s's columns
-  // (lds is whole vectors: keys past nk score 0, and the softmax clears them).
-  const int64_t G = pb.group, hp = t.heads_per_pos(pb);
+// scores_direct with AVX-512. Keys in address order (a key's heads, then the next key's), the
+// key kPrefetchRows ahead fetched as each is read. With V > 0 (head_dim = V vectors) a head's K
+// row is converted once, into registers, for its group's rows; with V = 0 each row converts it.
+// 16 keys at a time, each row's 16 products are summed at once (sum_lanes_16) into s's columns
+// (lds is whole vectors: keys past nk score 0, and the softmax clears them).
+template <int V, typename scalar_t>
+void scores_by_key(const Problem& pb, const Tile& t, const float* qf,
+                   const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
+                   int64_t lds, float* partial) {
+  constexpr int64_t W = VecF::size();
+  // A compile-time row length where V fixes it, so the row's vectors stay in registers.
+  const int64_t D = V > 0 ? V * W : pb.head_dim;
+  const int64_t G = pb.group, hp = t.heads_per_pos(pb), rows = t.rows(pb);
   for (int64_t c0 = 0; c0 < nk; c0 += W) {
     const int64_t n = std::min(W, nk - c0);
-    for (int64_t c = c0 + kPrefetchRows; c < std::min(nk, c0 + W + kPrefetchRows); ++c)
-      for (int64_t j = 0; j < t.n_kv; ++j) prefetch_row(k_rows[c] + j * head_stride, D);
-    for (int64_t r = 0; r < t.rows(pb); ++r) {
-      const float* qr = qf + r * D;
-      const int64_t head = r % hp / G;  // the row's kv head within the tile
-      __m512 products[16];
-      for (int64_t c = 0; c < W; ++c) {
-        VecF acc0(0.f), acc1(0.f);
-        if (c < n) {
-          const scalar_t* kc = k_rows[c0 + c] + head * head_stride;
-          int64_t d = 0;
-          for (; d + 2 * W <= D; d += 2 * W) {
-            acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
-            acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), load_as_float(kc + d + W), acc1);
+    for (int64_t c = 0; c < W; ++c) {
+      if (c0 + c + kPrefetchRows < nk)
+        for (int64_t j = 0; j < t.n_kv; ++j)
+          prefetch_row(k_rows[c0 + c + kPrefetchRows] + j * head_stride, D);
+      for (int64_t j = 0; c < n && j < t.n_kv; ++j) {
+        const scalar_t* kc = k_rows[c0 + c] + j * head_stride;
+        VecF kv[V > 0 ? V : 1];
+        if constexpr (V > 0)
+          for (int v = 0; v < V; ++v) kv[v] = load_as_float(kc + v * W);
+        const auto key_vector = [&](int64_t d) {
+          if constexpr (V > 0) return kv[d / W];
+          else return load_as_float(kc + d);
+        };
+        for (int64_t i = 0; i < t.n_pos; ++i)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = i * hp + j * G + g;
+            const float* qr = qf + r * D;
+            VecF acc0(0.f), acc1(0.f);
+            int64_t d = 0;
+            for (; d + 2 * W <= D; d += 2 * W) {
+              acc0 = at::vec::fmadd(VecF::loadu(qr + d), key_vector(d), acc0);
+              acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), key_vector(d + W), acc1);
+            }
+            if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), key_vector(d), acc0);
+            (acc0 + acc1).store(partial + (r * W + c) * W);
           }
-          if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), load_as_float(kc + d), acc0);
-        }
-        products[c] = acc0 + acc1;
       }
+      if (c >= n)
+        for (int64_t r = 0; r < rows; ++r) VecF(0.f).store(partial + (r * W + c) * W);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 products[16];
+      for (int64_t c = 0; c < W; ++c) products[c] = _mm512_loadu_ps(partial + (r * W + c) * W);
       _mm512_storeu_ps(s + r * lds + c0, sum_lanes_16(products));
     }
   }
+}
+#endif
+
+// s[r, c] = q_r . k_c for a direct tile, key rows read in place. work: direct_scores_floats.
+template <typename scalar_t>
+void scores_direct(const Problem& pb, const Tile& t, const float* qf,
+                   const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
+                   int64_t lds, [[maybe_unused]] float* work) {
+  constexpr int64_t W = VecF::size();
+  const int64_t D = pb.head_dim;
+#if defined(CPU_CAPABILITY_AVX512)
+  // (A converted head row in registers beside the products: up to 16 vectors.)
+  if (D == 4 * W) return scores_by_key<4>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  if (D == 8 * W) return scores_by_key<8>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  if (D == 16 * W) return scores_by_key<16>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  scores_by_key<0>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
 #else
   for_each_key_row(pb, t, k_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
     const float* qr = qf + r * D;
@@ -229,14 +262,14 @@ constexpr int kOutputVectors = VecF::size() == 16 ? 16 : 8;
 // value rows are v_rows[c] + head_offset, V vectors each: the rows' outputs stay in registers
 // over the keys, each value row converted once for them.
 template <int V, int R, typename scalar_t>
-inline void pv_rows(const scalar_t* const* v_rows, int64_t head_offset, int64_t nk,
-                    const float* p, int64_t ldp, int64_t r0, int64_t rows, float* o,
-                    int64_t ldo) {
+inline void pv_rows(const scalar_t* const* v_rows, int64_t head_offset, int64_t c_begin,
+                    int64_t c_end, int64_t nk, const float* p, int64_t ldp, int64_t r0,
+                    int64_t rows, float* o, int64_t ldo) {
   constexpr int64_t W = VecF::size();
   VecF acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V && r < rows; ++v) acc[r][v] = VecF::loadu(o + (r0 + r) * ldo + v * W);
-  for (int64_t c = 0; c < nk; ++c) {
+  for (int64_t c = c_begin; c < c_end; ++c) {
     if (c + kPrefetchRows < nk) prefetch_row(v_rows[c + kPrefetchRows] + head_offset, V * W);
     const scalar_t* vc = v_rows[c] + head_offset;
     VecF values[V];
@@ -259,14 +292,16 @@ void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp,
                int64_t ldo) {
   constexpr int64_t W = VecF::size();
   const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
-  // Each kv head's rows, as many at a time as their outputs fit in kOutputVectors.
+  // Each kv head's rows, as many at a time as their outputs fit in kOutputVectors, over
+  // kPrefetchRows keys at a time: the keys' rows of every head are read before the next keys'.
   const auto by_head = [&]<int V>() {
     constexpr int R = std::max(1, kOutputVectors / V);
-    for (int64_t i = 0; i < t.n_pos; ++i)
-      for (int64_t j = 0; j < t.n_kv; ++j)
-        for (int64_t g = 0; g < G; g += R)
-          pv_rows<V, R>(v_rows, j * head_stride, nk, p, ldp, i * hp + j * G + g,
-                        std::min<int64_t>(R, G - g), o, ldo);
+    for (int64_t c0 = 0; c0 < nk; c0 += kPrefetchRows)
+      for (int64_t i = 0; i < t.n_pos; ++i)
+        for (int64_t j = 0; j < t.n_kv; ++j)
+          for (int64_t g = 0; g < G; g += R)
+            pv_rows<V, R>(v_rows, j * head_stride, c0, std::min(nk, c0 + kPrefetchRows), nk, p,
+                          ldp, i * hp + j * G + g, std::min<int64_t>(R, G - g), o, ldo);
   };
   // (The outputs and a value row in registers: up to 8 vectors a row with AVX-512's 32.)
   if (D == 4 * W) return by_head.template operator()<4>();
@@ -298,23 +333,36 @@ void for_each_row_panel(const Problem& pb, const Tile& t, int64_t k0, int64_t nk
   }
 }
 
+// Floats of scores_direct's work area for a tile of `rows` rows: each row's products with 16
+// keys.
+inline int64_t direct_scores_floats(int64_t rows) { return rows * VecF::size() * VecF::size(); }
+
+// What a call's tiles need of the scratch: the most rows of a tile and of a direct tile (0:
+// none), and whether some tile packs K/V for the GEMMs.
+struct ScratchShape {
+  int64_t rows = 1, direct_rows = 0;
+  bool packing = false;
+};
+
 // Per-thread scratch, reused across tiles: one uninitialized allocation (every element is
-// written before it is read), sized for the largest tile; packing buffers only when needed.
+// written before it is read), sized for the largest tile; packing and direct buffers only when
+// needed.
 struct Scratch {
   std::unique_ptr<float[]> buffer;
-  float *q, *kt, *v, *s, *o, *m, *l, *rotated_k;
-  Scratch(const Problem& pb, int64_t rows, bool packing) {
-    const int64_t d = pb.head_dim, dp = pb.head_dim_padded;
-    const int64_t pack = packing ? kTileKeys : 0;
+  float *q, *kt, *v, *s, *o, *m, *l, *rotated_k, *direct_scores;
+  Scratch(const Problem& pb, const ScratchShape& shape) {
+    const int64_t d = pb.head_dim, dp = pb.head_dim_padded, rows = shape.rows;
+    const int64_t pack = shape.packing ? kTileKeys : 0;
     const int64_t rotated = pb.rope_dim > 0 ? kTileKeys * pb.n_kv_heads * d : 0;
-    const int64_t sizes[] = {rows * d,  d * pack, pack * dp, rows * kTileKeys,
-                             rows * dp, rows,     rows,      rotated};
+    const int64_t direct = direct_scores_floats(shape.direct_rows);
+    const int64_t sizes[] = {rows * d, d * pack, pack * dp, rows * kTileKeys, rows * dp,
+                             rows,     rows,     rotated,   direct};
     int64_t total = 0;
     for (int64_t n : sizes) total += n;
     buffer.reset(new float[total]);
-    float** parts[] = {&q, &kt, &v, &s, &o, &m, &l, &rotated_k};
+    float** parts[] = {&q, &kt, &v, &s, &o, &m, &l, &rotated_k, &direct_scores};
     float* p = buffer.get();
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 9; ++i) {
       *parts[i] = p;
       p += sizes[i];
     }
@@ -364,9 +412,9 @@ void rotate_key_rows(const Problem& pb, int64_t n_kv, int64_t k0, int64_t nk,
 template <typename key_t>
 void key_block_scores(const Problem& pb, const Tile& t, int64_t k0, int64_t nk, const float* qf,
                       const key_t* const* rows, int64_t head_stride, int64_t dim_stride,
-                      float* kt, float* s, int64_t nk_padded) {
+                      float* kt, float* direct_scores, float* s, int64_t nk_padded) {
   if (t.direct) {
-    scores_direct(pb, t, qf, rows, head_stride, nk, s, nk_padded);
+    scores_direct(pb, t, qf, rows, head_stride, nk, s, nk_padded, direct_scores);
     return;
   }
   // kt [D, nk_padded]: keys along the vector lanes. Transposed a vector's worth of keys at a
@@ -424,9 +472,11 @@ void attend_tile(const Problem& pb, const Tile& t, int64_t k_begin, int64_t k_en
       rotate_key_rows(pb, t.n_kv, k0, nk, k_rows, kl.head, kl.dim, sc.rotated_k);
       const float* rotated_rows[kTileKeys];
       for (int64_t c = 0; c < nk; ++c) rotated_rows[c] = sc.rotated_k + c * t.n_kv * D;
-      key_block_scores(pb, t, k0, nk, qf, rotated_rows, D, 1, sc.kt, s, nk_padded);
+      key_block_scores(pb, t, k0, nk, qf, rotated_rows, D, 1, sc.kt, sc.direct_scores, s,
+                       nk_padded);
     } else {
-      key_block_scores(pb, t, k0, nk, qf, k_rows, kl.head, kl.dim, sc.kt, s, nk_padded);
+      key_block_scores(pb, t, k0, nk, qf, k_rows, kl.head, kl.dim, sc.kt, sc.direct_scores, s,
+                       nk_padded);
     }
 
     // Online softmax: scores become probabilities in place; columns a row cannot see are 0.
@@ -543,11 +593,11 @@ std::vector<Tile> make_tiles(const Problem& pb, const int32_t* cu_q,
 // Runs fn(index, scratch) for index in [0, n) on `threads` threads, each index taken by the
 // first free thread.
 template <typename Fn>
-void parallel_dynamic(int64_t n, int64_t threads, const Problem& pb, int64_t max_rows,
-                      bool packing, const Fn& fn) {
+void parallel_dynamic(int64_t n, int64_t threads, const Problem& pb, const ScratchShape& shape,
+                      const Fn& fn) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(n, threads), 1, [&](int64_t, int64_t) {
-    Scratch scratch(pb, max_rows, packing);
+    Scratch scratch(pb, shape);
     for (int64_t i = next++; i < n; i = next++) fn(i, scratch);
   });
 }
@@ -562,11 +612,12 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, bool in
   scalar_t* op = out.mutable_data_ptr<scalar_t>();
   const Strides3 qs(q), os(out);
   const int64_t n_tiles = tiles.size();
-  int64_t max_rows = 1, work = 0;
-  bool packing = false;
+  ScratchShape shape;
+  int64_t work = 0;
   for (const auto& t : tiles) {
-    max_rows = std::max(max_rows, t.rows(pb));
-    packing |= !t.direct;
+    shape.rows = std::max(shape.rows, t.rows(pb));
+    if (t.direct) shape.direct_rows = std::max(shape.direct_rows, t.rows(pb));
+    shape.packing |= !t.direct;
     work += t.rows(pb) * (t.key_hi - t.key_lo) * pb.head_dim;
   }
   const int64_t threads = work < kMinParallelWork ? 1 : at::get_num_threads();
@@ -583,7 +634,7 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, bool in
     n_split = std::max<int64_t>(n_split, 1);
   }
   if (n_split == 1) {
-    parallel_dynamic(n_tiles, threads, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
+    parallel_dynamic(n_tiles, threads, pb, shape, [&](int64_t i, Scratch& sc) {
       const Tile& t = tiles[i];
       attend_tile(pb, t, t.key_lo, t.key_hi, qp, qs, kp, kl, vp, vl, sc);
       write_tile_output(pb, t, sc.o, sc.l, op, os);
@@ -591,11 +642,11 @@ void attention_kernel(const Problem& pb, const std::vector<Tile>& tiles, bool in
     return;
   }
 
-  const int64_t rows = max_rows;
+  const int64_t rows = shape.rows;
   const int64_t Dp = pb.head_dim_padded;
   const int64_t part_stride = rows * (Dp + 2);  // o [rows, Dp], m [rows], l [rows]
   std::vector<float> parts(n_tiles * n_split * part_stride);
-  parallel_dynamic(n_tiles * n_split, threads, pb, max_rows, packing, [&](int64_t i, Scratch& sc) {
+  parallel_dynamic(n_tiles * n_split, threads, pb, shape, [&](int64_t i, Scratch& sc) {
     const Tile& t = tiles[i / n_split];
     const int64_t split = i % n_split;
     const int64_t span = (t.key_hi - t.key_lo + n_split - 1) / n_split;
