@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from fastllm.models import DecoderLM, ModelConfig, hf_weight_map, load_model
+from fastllm.models import DecoderLM, ModelConfig, build, hf_weight_map, load_model
 from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
 
 transformers.logging.set_verbosity_error()
@@ -66,6 +66,26 @@ def test_dtype_and_fusion(hf_folder):
     expected = torch.cat([tensors[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
     assert torch.equal(qkv, expected.bfloat16())
     assert model.kv_cache_spec().dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("stored, dtype", [(torch.float16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float16)], ids=str)
+def test_a_16_bit_checkpoint_under_the_other_16_bit_dtype(edit_checkpoint, monkeypatch, stored,
+                                                          dtype):
+    # The cast between the two goes through float32 a chunk at a time: chunks of 100 values
+    # here, so that every weight spans several and ends inside one. The values must be the
+    # direct cast's.
+    monkeypatch.setattr(build, "_CAST_CHUNK", 100)
+    folder = edit_checkpoint(lambda t: t.update({k: v.to(stored) for k, v in t.items()}))
+    model = load_model(folder, dtype=dtype)
+    tensors = load_file(folder / "model.safetensors")
+    assert all(p.dtype == dtype for p in model.parameters())
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    expected = torch.cat([tensors[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(qkv, expected.to(dtype))
+    assert torch.equal(model.layers[1].mlp.down_proj.weight,
+                       tensors["model.layers.1.mlp.down_proj.weight"].to(dtype))
+    assert torch.equal(model.norm.weight, tensors["model.norm.weight"].to(dtype))
 
 
 @pytest.mark.parametrize("overrides", [
