@@ -2,48 +2,23 @@
 // another dtype) into its cache slot.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
 #include <torch/library.h>
-
-#include <cstring>
-#include <type_traits>
 
 #include "common/dispatch.h"
 #include "kv_cache/cache_write.h"
+#include "kv_cache/cache_write_cpu_kernel.h"
 
 namespace fastllm {
 namespace {
 
-// Each row converted to the cache's dtype as it is copied (rounded to nearest even, as
-// Tensor.to rounds), or copied as is where the dtypes match.
+// Each token's rows copied to its slot (copy_token_rows); negative slots are padding.
 template <typename scalar_t, typename cache_t>
 void copy_rows_to_slots(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
-  const int64_t tokens = src.size(0), heads = src.size(1), dim = src.size(2);
-  const int64_t block_size = cache.size(1);
-  const int64_t in_token = src.stride(0), in_head = src.stride(1), in_dim = src.stride(2);
-  const int64_t out_block = cache.stride(0), out_slot = cache.stride(1),
-                out_head = cache.stride(2), out_dim = cache.stride(3);
-  // Rows contiguous on both sides (the usual case: K/V are column slices of the fused QKV
-  // output): one memcpy or vectorized conversion per head row instead of an element loop.
-  const bool rows_contiguous = in_dim == 1 && out_dim == 1;
   const scalar_t* in = src.const_data_ptr<scalar_t>();
   cache_t* out = cache.mutable_data_ptr<cache_t>();
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;  // padding: no slot
-      cache_t* row = out + (slots[t] / block_size) * out_block + (slots[t] % block_size) * out_slot;
-      const scalar_t* token = in + t * in_token;
-      for (int64_t h = 0; h < heads; ++h) {
-        if (!rows_contiguous) {
-          for (int64_t d = 0; d < dim; ++d)
-            row[h * out_head + d * out_dim] = cache_t(token[h * in_head + d * in_dim]);
-        } else if constexpr (std::is_same_v<scalar_t, cache_t>) {
-          std::memcpy(row + h * out_head, token + h * in_head, dim * sizeof(scalar_t));
-        } else {
-          at::vec::convert(token + h * in_head, row + h * out_head, dim);
-        }
-      }
-    }
+  at::parallel_for(0, src.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      if (slots[t] >= 0) copy_token_rows(in + t * src.stride(0), src, out, cache, slots[t]);
   });
 }
 

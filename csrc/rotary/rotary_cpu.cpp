@@ -1,11 +1,15 @@
 // Rotary position embedding on the CPU, in place, for the half-split (neox) and interleaved
-// layouts. The rotation runs in float32 whatever the storage dtype.
+// layouts, alone (rotary_embedding) or with the q/k norms before it and the cache write after it
+// (rotary_and_cache). The rotation runs in float32 whatever the storage dtype.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "common/dispatch.h"
 #include "common/vec.h"
+#include "kv_cache/cache_write.h"
+#include "kv_cache/cache_write_cpu_kernel.h"
+#include "norm/norm_cpu_kernel.h"
 #include "rotary/rotary.h"
 
 namespace fastllm {
@@ -74,19 +78,24 @@ void rotary_kernel(const at::Tensor& positions, at::Tensor& q, const std::option
   });
 }
 
+// Every position of a rotation indexes the table: checked before anything is written, so bad
+// input leaves q and k unchanged.
+void check_positions(const at::Tensor& positions, int64_t table_rows) {
+  AT_DISPATCH_INDEX_TYPES(positions.scalar_type(), "fastllm::rotary_positions", [&] {
+    const index_t* p = positions.const_data_ptr<index_t>();
+    for (int64_t t = 0; t < positions.numel(); ++t)
+      TORCH_CHECK_VALUE(p[t] >= 0 && p[t] < table_rows, "positions[", t, "]=", p[t],
+                        " is outside the cos_sin_cache, which covers positions [0, ", table_rows,
+                        ")");
+  });
+}
+
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& q,
                           const std::optional<at::Tensor>& k, const at::Tensor& cos_sin_cache,
                           bool is_neox, std::optional<int64_t> rotary_dim) {
   const int64_t rot = check_rotary_inputs(positions, q, k, cos_sin_cache, rotary_dim);
   const auto pos = positions.contiguous();
-  // Validate every position before touching q or k, so bad input leaves them unchanged.
-  AT_DISPATCH_INDEX_TYPES(pos.scalar_type(), "fastllm::rotary_positions", [&] {
-    const index_t* p = pos.const_data_ptr<index_t>();
-    for (int64_t t = 0; t < pos.numel(); ++t)
-      TORCH_CHECK_VALUE(p[t] >= 0 && p[t] < cos_sin_cache.size(0), "positions[", t, "]=", p[t],
-                        " is outside the cos_sin_cache, which covers positions [0, ",
-                        cos_sin_cache.size(0), ")");
-  });
+  check_positions(pos, cos_sin_cache.size(0));
   FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::rotary_embedding_cpu", [&] {
     using q_t = scalar_t;
     FASTLLM_DISPATCH_FLOAT_TYPES(cos_sin_cache.scalar_type(), "fastllm::rotary_cache", [&] {
@@ -98,8 +107,100 @@ void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& q,
   });
 }
 
+// A token's cos | sin row of the table, in float32.
+struct CosSinRows {
+  const float* data;
+  int64_t stride;
+  bool by_token;  // rows gathered per token (row t), else the table's rows (row positions[t])
+  const float* row(int64_t t, int64_t position) const {
+    return data + (by_token ? t : position) * stride;
+  }
+};
+
+// rotary_and_cache in one pass over the tokens: a token's q and k heads normalized (q_norm,
+// k_norm) and rotated in place, then its K and V rows written to its slot. The arithmetic of
+// the ops it fuses (rms_norm's normalize_row, rotate_heads, reshape_and_cache's
+// copy_token_rows), without their intermediate tensors and separate passes.
+template <typename scalar_t, typename cache_t>
+void rotary_and_cache_kernel(const int64_t* positions, at::Tensor& q, at::Tensor& k,
+                             const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                             const int64_t* slots, const std::optional<CosSinRows>& cos_sin,
+                             int64_t rot, const scalar_t* q_norm, const scalar_t* k_norm,
+                             float eps, bool is_neox, bool rotate_keys) {
+  const int64_t head_dim = q.size(2), half = rot / 2;
+  scalar_t* qp = q.mutable_data_ptr<scalar_t>();
+  scalar_t* kp = k.mutable_data_ptr<scalar_t>();
+  const scalar_t* vp = value.const_data_ptr<scalar_t>();
+  cache_t* kc = k_cache.mutable_data_ptr<cache_t>();
+  cache_t* vc = v_cache.mutable_data_ptr<cache_t>();
+  at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      scalar_t* qt = qp + t * q.stride(0);
+      scalar_t* kt = kp + t * k.stride(0);
+      if (q_norm) {
+        for (int64_t h = 0; h < q.size(1); ++h)
+          normalize_row(qt + h * q.stride(1), q_norm, qt + h * q.stride(1), head_dim, eps);
+        for (int64_t h = 0; h < k.size(1); ++h)
+          normalize_row(kt + h * k.stride(1), k_norm, kt + h * k.stride(1), head_dim, eps);
+      }
+      if (cos_sin.has_value()) {
+        const float* cos = cos_sin->row(t, positions[t]);
+        rotate_heads(qt, q.size(1), q.stride(1), q.stride(2), cos, cos + half, half, is_neox);
+        if (rotate_keys)
+          rotate_heads(kt, k.size(1), k.stride(1), k.stride(2), cos, cos + half, half, is_neox);
+      }
+      if (slots[t] < 0) continue;  // padding: no slot
+      copy_token_rows(kt, k, kc, k_cache, slots[t]);
+      copy_token_rows(vp + t * value.stride(0), value, vc, v_cache, slots[t]);
+    }
+  });
+}
+
+void rotary_and_cache_cpu(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                          const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const at::Tensor& slot_mapping,
+                          const std::optional<at::Tensor>& cos_sin_cache,
+                          const std::optional<at::Tensor>& q_norm,
+                          const std::optional<at::Tensor>& k_norm, double eps, bool is_neox,
+                          bool rotate_keys) {
+  const int64_t rot = check_rotary_and_cache_inputs(positions, q, k, value, k_cache, v_cache,
+                                                    slot_mapping, cos_sin_cache, q_norm, k_norm,
+                                                    eps);
+  const auto slots = slot_mapping.contiguous();
+  check_slot_values(slots, k_cache.size(0) * k_cache.size(1));
+  const auto pos = positions.to(at::kLong).contiguous();
+  // The table's rows as float32: the table itself, or (another dtype or layout) the tokens'
+  // rows gathered and converted.
+  std::optional<CosSinRows> cos_sin;
+  at::Tensor gathered;
+  if (cos_sin_cache.has_value()) {
+    check_positions(pos, cos_sin_cache->size(0));
+    const at::Tensor& table = *cos_sin_cache;
+    if (table.scalar_type() == at::kFloat && table.stride(1) == 1) {
+      cos_sin = CosSinRows{table.const_data_ptr<float>(), table.stride(0), false};
+    } else {
+      gathered = table.index_select(0, pos).to(at::kFloat).contiguous();
+      cos_sin = CosSinRows{gathered.const_data_ptr<float>(), rot, true};
+    }
+  }
+  const auto q_weight = q_norm.has_value() ? q_norm->contiguous() : at::Tensor();
+  const auto k_weight = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();
+  FASTLLM_DISPATCH_KV_CACHE_TYPES(q.scalar_type(), k_cache.scalar_type(),
+                                  "fastllm::rotary_and_cache_cpu", [&] {
+    rotary_and_cache_kernel<scalar_t, cache_t>(
+        pos.const_data_ptr<int64_t>(), q, k, value, k_cache, v_cache,
+        slots.const_data_ptr<int64_t>(), cos_sin, rot,
+        q_weight.defined() ? q_weight.const_data_ptr<scalar_t>() : nullptr,
+        k_weight.defined() ? k_weight.const_data_ptr<scalar_t>() : nullptr, float(eps), is_neox,
+        rotate_keys);
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fastllm, CPU, m) { m.impl("rotary_embedding", &rotary_embedding_cpu); }
+TORCH_LIBRARY_IMPL(fastllm, CPU, m) {
+  m.impl("rotary_embedding", &rotary_embedding_cpu);
+  m.impl("rotary_and_cache", &rotary_and_cache_cpu);
+}
 
 }  // namespace fastllm

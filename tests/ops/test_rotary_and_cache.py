@@ -83,6 +83,19 @@ def test_narrow_cache_under_float32(backend, cache_dtype):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("norms", [False, True], ids=["no_norm", "qk_norm"])
+def test_out_of_range_position_writes_nothing(backend, norms):
+    positions, *tensors = make_inputs(backend.device, torch.float32, 64, 64, norms)
+    positions[-1] = 32  # the table covers [0, 32); the last token's, after the others'
+    before = [t.clone() for t in tensors[:5]]  # q, k, v and the caches
+    with pytest.raises(ValueError, match="32.*outside the cos_sin_cache"):
+        backend.ops.rotary_and_cache(positions, *tensors, 1e-6)
+    if norms and backend.name != "cpu":
+        return  # the ATen compositions normalize q and k before their rotation checks
+    for got, want in zip(tensors[:5], before):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
 def test_zero_tokens(backend):
     q, k, v = (torch.randn(0, h, 64, device=backend.device) for h in (4, 2, 2))
     caches = [torch.zeros(2, 4, 2, 64, device=backend.device) for _ in range(2)]
