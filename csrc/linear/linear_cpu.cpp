@@ -42,8 +42,8 @@ at::Tensor linear_weight_panels(const at::Tensor& x, const at::Tensor& weight,
   // threads finish together.
   const auto run = [&](const auto* w) {
     at::parallel_for(0, (n_out + kPanelRows - 1) / kPanelRows, 1, [&](int64_t b, int64_t e) {
-      gemm_weight_panels(x_tiles.data(), rows, k_len, w, weight.stride(0), bp, yp, n_out, b * kPanelRows,
-                         std::min(n_out, e * kPanelRows));
+      gemm_weight_panels(x_tiles.data(), rows, k_len, w, weight.stride(0), bp, yp, n_out,
+                         b * kPanelRows, std::min(n_out, e * kPanelRows));
     });
   };
   AT_DISPATCH_SWITCH(

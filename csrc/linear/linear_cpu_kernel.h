@@ -170,7 +170,7 @@ inline void stream_weight_rows(const x_t* x, int64_t rows, const w_t* w, int64_t
 
 // Many activation rows against 16-bit weights (compute-bound): y[m * ldy + n] = x[m] . w[n]
 // (+ bias[n]) for every row m of x and the weight rows n in [begin, end). x comes packed in
-// tiles of kGemmRows rows (pack_row_tiles), so a tile's rows are broadcast from one pointer.
+// tiles of kPanelTileRows rows (pack_row_tiles): a tile's rows are broadcast from one pointer.
 // kPanelRows weight rows at a time are converted to float32 and laid out k-major, then every
 // tile meets them in register tiles, k in blocks of kPanelBlockK (a block of the panel stays in
 // L1); no float32 copy of the whole weight is made. Each (row, weight row) sum takes the same
