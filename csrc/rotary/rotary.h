@@ -12,6 +12,9 @@ int64_t check_rotary_inputs(const at::Tensor& positions, const at::Tensor& q,
                             const std::optional<at::Tensor>& k, const at::Tensor& cos_sin_cache,
                             std::optional<int64_t> rotary_dim);
 
+// Every position of a CPU positions tensor indexes a table of max_position rows.
+void check_position_values(const at::Tensor& positions_cpu, int64_t max_position);
+
 // Checks rotary_and_cache's inputs (csrc/ops.cpp) and returns the rotated channels per head (0
 // without a table).
 int64_t check_rotary_and_cache_inputs(

@@ -1,5 +1,7 @@
 #include "rotary/rotary.h"
 
+#include <ATen/Dispatch.h>
+
 #include "common/checks.h"
 #include "kv_cache/cache_write.h"
 #include "norm/norm.h"
@@ -41,6 +43,16 @@ int64_t check_rotary_inputs(const at::Tensor& positions, const at::Tensor& q,
                       q.size(2), " and ", k->size(2));
   }
   return rot;
+}
+
+void check_position_values(const at::Tensor& positions_cpu, int64_t max_position) {
+  AT_DISPATCH_INDEX_TYPES(positions_cpu.scalar_type(), "fastllm::rotary_positions", [&] {
+    const index_t* p = positions_cpu.const_data_ptr<index_t>();
+    for (int64_t t = 0; t < positions_cpu.numel(); ++t)
+      TORCH_CHECK_VALUE(p[t] >= 0 && p[t] < max_position, "positions[", t, "]=", p[t],
+                        " is outside the cos_sin_cache, which covers positions [0, ",
+                        max_position, ")");
+  });
 }
 
 int64_t check_rotary_and_cache_inputs(

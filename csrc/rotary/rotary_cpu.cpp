@@ -78,24 +78,13 @@ void rotary_kernel(const at::Tensor& positions, at::Tensor& q, const std::option
   });
 }
 
-// Every position of a rotation indexes the table: checked before anything is written, so bad
-// input leaves q and k unchanged.
-void check_positions(const at::Tensor& positions, int64_t table_rows) {
-  AT_DISPATCH_INDEX_TYPES(positions.scalar_type(), "fastllm::rotary_positions", [&] {
-    const index_t* p = positions.const_data_ptr<index_t>();
-    for (int64_t t = 0; t < positions.numel(); ++t)
-      TORCH_CHECK_VALUE(p[t] >= 0 && p[t] < table_rows, "positions[", t, "]=", p[t],
-                        " is outside the cos_sin_cache, which covers positions [0, ", table_rows,
-                        ")");
-  });
-}
-
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& q,
                           const std::optional<at::Tensor>& k, const at::Tensor& cos_sin_cache,
                           bool is_neox, std::optional<int64_t> rotary_dim) {
   const int64_t rot = check_rotary_inputs(positions, q, k, cos_sin_cache, rotary_dim);
   const auto pos = positions.contiguous();
-  check_positions(pos, cos_sin_cache.size(0));
+  // Every position checked before q or k is touched: bad input leaves them unchanged.
+  check_position_values(pos, cos_sin_cache.size(0));
   FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::rotary_embedding_cpu", [&] {
     using q_t = scalar_t;
     FASTLLM_DISPATCH_FLOAT_TYPES(cos_sin_cache.scalar_type(), "fastllm::rotary_cache", [&] {
@@ -166,6 +155,7 @@ void rotary_and_cache_cpu(const at::Tensor& positions, at::Tensor& q, at::Tensor
   const int64_t rot = check_rotary_and_cache_inputs(positions, q, k, value, k_cache, v_cache,
                                                     slot_mapping, cos_sin_cache, q_norm, k_norm,
                                                     eps);
+  // Every slot and position checked before anything is written: bad input changes nothing.
   const auto slots = slot_mapping.contiguous();
   check_slot_values(slots, k_cache.size(0) * k_cache.size(1));
   const auto pos = positions.to(at::kLong).contiguous();
@@ -174,7 +164,7 @@ void rotary_and_cache_cpu(const at::Tensor& positions, at::Tensor& q, at::Tensor
   std::optional<CosSinRows> cos_sin;
   at::Tensor gathered;
   if (cos_sin_cache.has_value()) {
-    check_positions(pos, cos_sin_cache->size(0));
+    check_position_values(pos, cos_sin_cache->size(0));
     const at::Tensor& table = *cos_sin_cache;
     if (table.scalar_type() == at::kFloat && table.stride(1) == 1) {
       cos_sin = CosSinRows{table.const_data_ptr<float>(), table.stride(0), false};

@@ -14,14 +14,7 @@ namespace fastllm {
 namespace {
 
 void check_positions(const at::Tensor& positions, int64_t max_position) {
-  const auto pos = host_copy(positions);
-  AT_DISPATCH_INDEX_TYPES(pos.scalar_type(), "fastllm::rotary_positions", [&] {
-    const index_t* p = pos.const_data_ptr<index_t>();
-    for (int64_t t = 0; t < pos.numel(); ++t)
-      TORCH_CHECK_VALUE(p[t] >= 0 && p[t] < max_position, "positions[", t, "]=", p[t],
-                        " is outside the cos_sin_cache, which covers positions [0, ",
-                        max_position, ")");
-  });
+  check_position_values(host_copy(positions), max_position);
 }
 
 void rotary_embedding_cuda(const at::Tensor& positions, at::Tensor& q,
