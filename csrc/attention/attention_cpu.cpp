@@ -186,11 +186,11 @@ void scores_by_key(const Problem& pb, const Tile& t, const float* qf,
   const int64_t G = pb.group, hp = t.heads_per_pos(pb), rows = t.rows(pb);
   for (int64_t c0 = 0; c0 < nk; c0 += W) {
     const int64_t n = std::min(W, nk - c0);
-    for (int64_t c = 0; c < W; ++c) {
+    for (int64_t c = 0; c < n; ++c) {
       if (c0 + c + kPrefetchRows < nk)
         for (int64_t j = 0; j < t.n_kv; ++j)
           prefetch_row(k_rows[c0 + c + kPrefetchRows] + j * head_stride, D);
-      for (int64_t j = 0; c < n && j < t.n_kv; ++j) {
+      for (int64_t j = 0; j < t.n_kv; ++j) {
         const scalar_t* kc = k_rows[c0 + c] + j * head_stride;
         VecF kv[V > 0 ? V : 1];
         if constexpr (V > 0)
@@ -213,9 +213,9 @@ void scores_by_key(const Problem& pb, const Tile& t, const float* qf,
             (acc0 + acc1).store(partial + (r * W + c) * W);
           }
       }
-      if (c >= n)
-        for (int64_t r = 0; r < rows; ++r) VecF(0.f).store(partial + (r * W + c) * W);
     }
+    for (int64_t c = n; c < W; ++c)
+      for (int64_t r = 0; r < rows; ++r) VecF(0.f).store(partial + (r * W + c) * W);
     for (int64_t r = 0; r < rows; ++r) {
       __m512 products[16];
       for (int64_t c = 0; c < W; ++c) products[c] = _mm512_loadu_ps(partial + (r * W + c) * W);

@@ -52,59 +52,57 @@ inline void rotate_heads(scalar_t* x, int64_t n_heads, int64_t head_stride, int6
   }
 }
 
-template <typename scalar_t, typename cache_t, typename pos_t>
-void rotary_kernel(const at::Tensor& positions, at::Tensor& q, const std::optional<at::Tensor>& k,
-                   const at::Tensor& cache, int64_t rot, bool is_neox) {
-  const int64_t tokens = q.size(0), half = rot / 2;
-  const pos_t* pos = positions.const_data_ptr<pos_t>();
-  const cache_t* cs = cache.const_data_ptr<cache_t>();
-  const int64_t cs_row = cache.stride(0), cs_col = cache.stride(1);
-  scalar_t* qp = q.mutable_data_ptr<scalar_t>();
-  scalar_t* kp = k.has_value() ? k->mutable_data_ptr<scalar_t>() : nullptr;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> cos(half), sin(half);
-    for (int64_t t = begin; t < end; ++t) {
-      const cache_t* row = cs + int64_t(pos[t]) * cs_row;
-      for (int64_t i = 0; i < half; ++i) {
-        cos[i] = float(row[i * cs_col]);
-        sin[i] = float(row[(half + i) * cs_col]);
-      }
-      rotate_heads(qp + t * q.stride(0), q.size(1), q.stride(1), q.stride(2), cos.data(),
-                   sin.data(), half, is_neox);
-      if (kp)
-        rotate_heads(kp + t * k->stride(0), k->size(1), k->stride(1), k->stride(2), cos.data(),
-                     sin.data(), half, is_neox);
+// The tokens' cos | sin rows of a table in float32: the table's own rows where it is float32
+// with unit column stride, else the tokens' rows gathered and converted once a call.
+// `positions` int64, each inside the table.
+class CosSinRows {
+ public:
+  CosSinRows(const at::Tensor& table, const at::Tensor& positions) {
+    if (table.scalar_type() == at::kFloat && table.stride(1) == 1) {
+      data_ = table.const_data_ptr<float>();
+      stride_ = table.stride(0);
+    } else {
+      gathered_ = table.index_select(0, positions).to(at::kFloat).contiguous();
+      data_ = gathered_.const_data_ptr<float>();
+      stride_ = table.size(1);
     }
-  });
-}
+  }
+  // Token t's row, at `position`: cos in its first half, sin in its second.
+  const float* row(int64_t t, int64_t position) const {
+    return data_ + (gathered_.defined() ? t : position) * stride_;
+  }
+
+ private:
+  at::Tensor gathered_;
+  const float* data_;
+  int64_t stride_;
+};
 
 void rotary_embedding_cpu(const at::Tensor& positions, at::Tensor& q,
                           const std::optional<at::Tensor>& k, const at::Tensor& cos_sin_cache,
                           bool is_neox, std::optional<int64_t> rotary_dim) {
   const int64_t rot = check_rotary_inputs(positions, q, k, cos_sin_cache, rotary_dim);
-  const auto pos = positions.contiguous();
+  const int64_t half = rot / 2;
+  const auto pos = positions.to(at::kLong).contiguous();
   // Every position checked before q or k is touched: bad input leaves them unchanged.
   check_position_values(pos, cos_sin_cache.size(0));
+  const CosSinRows cos_sin(cos_sin_cache, pos);
+  const int64_t* p = pos.const_data_ptr<int64_t>();
   FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::rotary_embedding_cpu", [&] {
-    using q_t = scalar_t;
-    FASTLLM_DISPATCH_FLOAT_TYPES(cos_sin_cache.scalar_type(), "fastllm::rotary_cache", [&] {
-      using cache_t = scalar_t;
-      AT_DISPATCH_INDEX_TYPES(pos.scalar_type(), "fastllm::rotary_positions", [&] {
-        rotary_kernel<q_t, cache_t, index_t>(pos, q, k, cos_sin_cache, rot, is_neox);
-      });
+    scalar_t* qp = q.mutable_data_ptr<scalar_t>();
+    scalar_t* kp = k.has_value() ? k->mutable_data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cos = cos_sin.row(t, p[t]);
+        rotate_heads(qp + t * q.stride(0), q.size(1), q.stride(1), q.stride(2), cos, cos + half,
+                     half, is_neox);
+        if (kp)
+          rotate_heads(kp + t * k->stride(0), k->size(1), k->stride(1), k->stride(2), cos,
+                       cos + half, half, is_neox);
+      }
     });
   });
 }
-
-// A token's cos | sin row of the table, in float32.
-struct CosSinRows {
-  const float* data;
-  int64_t stride;
-  bool by_token;  // rows gathered per token (row t), else the table's rows (row positions[t])
-  const float* row(int64_t t, int64_t position) const {
-    return data + (by_token ? t : position) * stride;
-  }
-};
 
 // rotary_and_cache in one pass over the tokens: a token's q and k heads normalized (q_norm,
 // k_norm) and rotated in place, then its K and V rows written to its slot. The arithmetic of
@@ -159,19 +157,10 @@ void rotary_and_cache_cpu(const at::Tensor& positions, at::Tensor& q, at::Tensor
   const auto slots = slot_mapping.contiguous();
   check_slot_values(slots, k_cache.size(0) * k_cache.size(1));
   const auto pos = positions.to(at::kLong).contiguous();
-  // The table's rows as float32: the table itself, or (another dtype or layout) the tokens'
-  // rows gathered and converted.
   std::optional<CosSinRows> cos_sin;
-  at::Tensor gathered;
   if (cos_sin_cache.has_value()) {
     check_position_values(pos, cos_sin_cache->size(0));
-    const at::Tensor& table = *cos_sin_cache;
-    if (table.scalar_type() == at::kFloat && table.stride(1) == 1) {
-      cos_sin = CosSinRows{table.const_data_ptr<float>(), table.stride(0), false};
-    } else {
-      gathered = table.index_select(0, pos).to(at::kFloat).contiguous();
-      cos_sin = CosSinRows{gathered.const_data_ptr<float>(), rot, true};
-    }
+    cos_sin.emplace(*cos_sin_cache, pos);
   }
   const auto q_weight = q_norm.has_value() ? q_norm->contiguous() : at::Tensor();
   const auto k_weight = k_norm.has_value() ? k_norm->contiguous() : at::Tensor();

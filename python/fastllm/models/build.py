@@ -181,7 +181,7 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             state[name], quantized[name] = data, weight_type
             continue
         stored = _storage_dtype(name, fused.dtype, dtype, torch.device(device))
-        state[name] = _cast(fused, stored).to(device)
+        state[name] = _cast(fused, stored, device)
 
     with torch.device("meta"):
         model = DecoderLM(config, tensor_parallel)
@@ -236,12 +236,12 @@ _CAST_CHUNK = 1 << 18
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
-def _cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """``weight`` in ``dtype``, on its device: itself when it is already, the same values as
-    ``weight.to(dtype)`` otherwise."""
-    if not (weight.device.type == "cpu" and weight.dtype != dtype
-            and weight.dtype in _SIXTEEN_BIT and dtype in _SIXTEEN_BIT):
-        return weight.to(dtype)
+def _cast(weight: Tensor, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """``weight.to(device=device, dtype=dtype)``: between float16 and bfloat16 on the CPU,
+    through float32 a chunk at a time (the same values)."""
+    if not (torch.device(device).type == weight.device.type == "cpu"
+            and {weight.dtype, dtype} == set(_SIXTEEN_BIT)):
+        return weight.to(device=device, dtype=dtype)
     cast = torch.empty(weight.shape, dtype=dtype)
     source, target = weight.reshape(-1), cast.view(-1)
     for start in range(0, source.numel(), _CAST_CHUNK):
