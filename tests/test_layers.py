@@ -15,7 +15,7 @@ import fastllm
 PACKAGE = Path(fastllm.__file__).resolve().parent
 # Lower layers first; a module may import its own layer and those before it.
 LAYERS = [{"fastllm", "fastllm._C", "fastllm.ops", "fastllm.gguf_file",
-           "fastllm.gc_pause"},
+           "fastllm.gc_pause", "fastllm.hub"},
           {"fastllm.kv_cache", "fastllm.sampling", "fastllm.tokenizer"},
           {"fastllm.models"}, {"fastllm.engine"}, {"fastllm.entrypoints"},
           {"fastllm.bench", "fastllm.__main__"}]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from fastllm import _C
 
 __all__ = ["GGUFFileReader"]
+
+# llama.cpp's names for the parts of a split model: NAME-00001-of-00003.gguf.
+_SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
 
 
 class _GGUFFileError(ValueError):
@@ -48,9 +52,14 @@ class GGUFFileReader(GGUFReader):
 
     The file is mapped copy-on-write: the views are writable (as ``torch.from_numpy`` wants
     them; a model keeps its blocks as views of the file), and a write never reaches the file.
+
+    A model split by llama.cpp's ``gguf-split`` (or gguf's writer) into ``NAME-00001-of-0000N.gguf``
+    files is read from its first part, as llama.cpp reads it: the metadata is the first part's,
+    ``tensors`` those of every part, which are read from beside it.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, split_part: bool = False) -> None:
+        """``split_part``: the file is a later part of a split model, read by its first part."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"{path} is not a file")
@@ -66,6 +75,41 @@ class GGUFFileReader(GGUFReader):
             raise
         except (ValueError, IndexError, KeyError, TypeError, OverflowError) as error:
             raise ValueError(f"{path}: cannot read {self.position}: {error}") from error
+        if not split_part:
+            self._join_split_parts()
+
+    def _join_split_parts(self) -> None:
+        """Appends the tensors of a split model's other parts (see the class docstring)."""
+        count_field = self.fields.get("split.count")
+        count = int(count_field.contents()) if count_field is not None else 1
+        if count <= 1:
+            return
+        number = int(self.fields["split.no"].contents()) if "split.no" in self.fields else 0
+        name = _SPLIT_NAME.fullmatch(self.path.name)
+        if name is None or int(name.group(3)) != count:
+            raise ValueError(f"{self.path} is part {number + 1} of a model split in {count}, but "
+                             f"is not named NAME-{number + 1:05d}-of-{count:05d}.gguf")
+        if number != 0:
+            first = f"{name.group(1)}-00001-of-{count:05d}.gguf"
+            raise ValueError(f"{self.path} is part {number + 1} of a model split in {count}: "
+                             f"load its first part, {first}")
+        for number in range(2, count + 1):
+            part_path = self.path.with_name(f"{name.group(1)}-{number:05d}-of-{count:05d}.gguf")
+            if not part_path.is_file():
+                raise FileNotFoundError(f"{self.path} is part 1 of a model split in {count}; "
+                                        f"part {number}, {part_path.name}, is not beside it")
+            part = GGUFFileReader(part_path, split_part=True)
+            if "split.no" in part.fields and int(part.fields["split.no"].contents()) != number - 1:
+                raise ValueError(f"{part_path} says it is part "
+                                 f"{int(part.fields['split.no'].contents()) + 1}, not {number}")
+            self.tensors.extend(part.tensors)
+        names = [tensor.name for tensor in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.path}: a tensor is in two parts of the split model")
+        expected = self.fields.get("split.tensors.count")
+        if expected is not None and int(expected.contents()) != len(names):
+            raise ValueError(f"{self.path}: the split model's parts hold {len(names)} tensors, "
+                             f"its split.tensors.count says {int(expected.contents())}")
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
              ) -> np.ndarray:

@@ -69,8 +69,9 @@ class SpeculativeConfig:
             single tokens by default, as HF transformers' prompt lookup: on a SmolLM2 summary
             they drafted the next token right at 68 of 129 positions, against 53 from pairs
             on.
-        model: "draft": the draft model, a path :func:`fastllm.load` reads (a Hugging Face
-            folder or a GGUF file) with the target's tokenizer (same vocabulary).
+        model: "draft": the draft model, what :func:`fastllm.load` reads (a Hugging Face
+            folder, a GGUF file or a hub name) with the target's tokenizer (same vocabulary).
+        revision: "draft": the hub draft model's branch, tag or commit.
         draft_dtype: "draft": the draft model's activation dtype; None = the target's.
         adaptive: shrink and pause drafting for requests whose drafts are rejected
             (:class:`DraftLength`); False drafts k tokens whenever the proposer has them.
@@ -81,6 +82,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | os.PathLike | None = None
+    revision: str | None = None
     draft_dtype: str | torch.dtype | None = None
     adaptive: bool = True
 

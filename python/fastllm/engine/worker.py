@@ -106,7 +106,8 @@ class Worker:
             return None
         if config.method == "ngram":
             return NgramProposer(config)
-        draft = load(config.model, config.draft_dtype or self.model.dtype, self.device)
+        draft = load(config.model, config.draft_dtype or self.model.dtype, self.device,
+                     revision=config.revision)
         if draft.config.vocab_size != self.vocab_size:
             raise ValueError(f"speculative model {config.model} has a vocabulary of "
                              f"{draft.config.vocab_size} tokens, the model {self.vocab_size}: "

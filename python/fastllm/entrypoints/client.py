@@ -13,7 +13,6 @@ import numbers
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Union
 
 import torch
@@ -25,6 +24,7 @@ from fastllm.engine.executor import (Executor, MultiprocExecutor, ParallelConfig
 from fastllm.engine.request import Request
 from fastllm.gc_pause import collector_paused
 from fastllm.gguf_file import GGUFFileReader
+from fastllm.hub import resolve_model, resolve_tokenizer
 from fastllm.kv_cache import (ChunkKVStore, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
                               plan_pool)
 from fastllm.models import DecoderLM
@@ -78,7 +78,8 @@ class EngineClient:
                  kv_cache_dtype: str | torch.dtype = "auto",
                  batch_invariant: bool = False,
                  speculative: Mapping[str, Any] | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, revision: str | None = None,
+                 tokenizer_revision: str | None = None) -> None:
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_prefill_chunk=max_prefill_chunk,
@@ -96,14 +97,23 @@ class EngineClient:
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got "
                              f"{tensor_parallel_size!r}")
+        # A hub name is resolved here, once: what runs below (ranks included) reads files,
+        # after the arguments are checked.
+        if isinstance(tokenizer, Tokenizer) and tokenizer_revision is not None:
+            raise ValueError("tokenizer_revision applies to a tokenizer named on the hub, not "
+                             "to a loaded Tokenizer")
+        if tokenizer is None and tokenizer_revision is not None:
+            tokenizer = model  # the model's tokenizer at another revision
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = resolve_tokenizer(tokenizer, tokenizer_revision)
+        model = resolve_model(model, revision)
         # A GGUF file holding the tokenizer too is parsed once, for both.
-        gguf_path = Path(model).expanduser()
-        shared_gguf = tokenizer is None and gguf_path.suffix == ".gguf" and gguf_path.is_file()
+        shared_gguf = tokenizer is None and model.suffix == ".gguf" and model.is_file()
         # The collector is paused while the file is parsed, the model loaded and the tokenizer
         # built (they make only long-lived objects), not for the constructor: under torchrun
         # the other ranks serve inside it.
         with collector_paused():
-            gguf_reader = GGUFFileReader(gguf_path) if shared_gguf else None
+            gguf_reader = GGUFFileReader(model) if shared_gguf else None
             loaded = (load(model, dtype, device, quantization, gguf_reader=gguf_reader)
                       if tensor_parallel_size == 1 else None)
         if tensor_parallel_size == 1:
@@ -175,6 +185,13 @@ class EngineClient:
                                  f"{max_model_len}; give it at least {one_sequence:,}")
         logger.info("KV cache: %s", plan.describe())
         return max_model_len, plan
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
+                    **template_kwargs: Any) -> dict[str, list[int]]:
+        """The prompt of a conversation: its chat template rendered with a generation prompt
+        and tokenized without adding special tokens, since the template holds them."""
+        return {"prompt_token_ids": self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **template_kwargs)}
 
     def shutdown(self) -> None:
         """Stops the engine's tensor-parallel ranks, if any (a later step raises)."""

@@ -35,9 +35,13 @@ class LLM:
     """A model, its tokenizer and a paged KV cache, generating text for prompts.
 
     Args:
-        model: a Hugging Face model folder (config.json, *.safetensors, tokenizer files) or a
-            ``.gguf`` file. Loaded through :func:`fastllm.load`, so several ``LLM`` objects share
-            one copy of the weights.
+        model: a Hugging Face model folder (config.json, *.safetensors, tokenizer files), a
+            ``.gguf`` file, or a model on the Hugging Face Hub by name: ``org/name`` (a
+            safetensors repo), ``org/name:Q4_K_M`` or ``org/name/file.gguf`` (a GGUF repo, as
+            llama.cpp's ``-hf`` takes them), downloaded into huggingface_hub's cache
+            (:mod:`fastllm.hub`). Loaded through :func:`fastllm.load`, so several ``LLM``
+            objects share one copy of the weights.
+        revision: the hub model's branch, tag or commit (default: its main branch).
         dtype: "float32", "bfloat16" or "float16" (or a torch dtype).
         quantization: None, "int8" or "int4": quantize a float checkpoint's weights at load,
             weight-only, in blocks of 32 values per row (ggml's Q8_0; Q4_1 with the LM head in
@@ -45,9 +49,10 @@ class LLM:
             multiple of 32 long stay in ``dtype``, as do the activations. A GGUF file already
             quantized loads as it is, without this argument.
         device: where the model and the KV cache live.
-        tokenizer: a folder or file to read the tokenizer from, if not ``model``, or a
-            loaded :class:`fastllm.Tokenizer` to share (reading a large vocabulary takes
+        tokenizer: a folder, file or hub name to read the tokenizer from, if not ``model``, or
+            a loaded :class:`fastllm.Tokenizer` to share (reading a large vocabulary takes
             seconds).
+        tokenizer_revision: the hub tokenizer's branch, tag or commit.
         max_model_len: the most tokens (prompt and output) one sequence may hold. Default: the
             model's context, capped at 8192.
         kv_cache_memory: bytes for the paged KV pool; the pool is what bounds how many
@@ -88,9 +93,10 @@ class LLM:
             constructor, then exit. :meth:`shutdown` (or dropping the object) stops the ranks.
     """
 
-    def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
-                 device: str | torch.device = "cpu",
+    def __init__(self, model: str | os.PathLike, *, revision: str | None = None,
+                 dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                  tokenizer: str | os.PathLike | Tokenizer | None = None,
+                 tokenizer_revision: str | None = None,
                  max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
@@ -101,7 +107,8 @@ class LLM:
                  speculative: Mapping[str, Any] | None = None,
                  tensor_parallel_size: int = 1) -> None:
         self.client = EngineClient(
-            model, dtype=dtype, device=device, tokenizer=tokenizer, max_model_len=max_model_len,
+            model, revision=revision, dtype=dtype, device=device, tokenizer=tokenizer,
+            tokenizer_revision=tokenizer_revision, max_model_len=max_model_len,
             kv_cache_memory=kv_cache_memory, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
@@ -206,8 +213,7 @@ class LLM:
         """The prompt (for ``generate`` or ``stream``) of a conversation: its chat template
         rendered with a generation prompt and tokenized without adding special tokens, since
         the template holds them."""
-        return {"prompt_token_ids": self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **template_kwargs)}
+        return self.client.chat_prompt(messages, **template_kwargs)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:

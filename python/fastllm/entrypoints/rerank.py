@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from fastllm.entrypoints.client import EngineClient
+from fastllm.hub import resolve_model
 from fastllm.models.pool import load
 from fastllm.tokenizer import Tokenizer
 
@@ -61,7 +62,9 @@ class Reranker:
     """Scores documents against queries with a Qwen3-Reranker checkpoint.
 
     Args:
-        model: a Hugging Face folder (config.json, *.safetensors, tokenizer files) or ``.gguf``.
+        model: a Hugging Face folder (config.json, *.safetensors, tokenizer files), a ``.gguf``
+            file or a hub name (as :class:`fastllm.LLM` takes it).
+        revision: the hub model's branch, tag or commit.
         dtype, device: as in :class:`fastllm.LLM` (the model comes from :func:`fastllm.load`).
         instruction: the task instruction; default the model card's web-search one.
         max_length: the most tokens of a wrapped pair; longer documents are cut at the end.
@@ -72,11 +75,13 @@ class Reranker:
             :class:`fastllm.LLM`.
     """
 
-    def __init__(self, model: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
+    def __init__(self, model: str | os.PathLike, *, revision: str | None = None,
+                 dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", instruction: str | None = None,
                  max_length: int = 8192, max_num_batched_tokens: int = 4096,
                  block_size: int = 16, kv_cache_memory: int | None = None,
                  kv_cache_dtype: str | torch.dtype = "auto") -> None:
+        model = resolve_model(model, revision)
         context = load(model, dtype, device).config.max_position_embeddings
         valid_length = isinstance(max_length, int) and max_length >= 2  # checked fully below
         if valid_length and max_length > context:

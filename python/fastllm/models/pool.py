@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fastllm.gguf_file import GGUFFileReader
+from fastllm.hub import resolve_model
 from fastllm.models import DecoderLM, TensorParallel, load_model
 from fastllm.models.quantized import check_quantization
 
@@ -42,6 +43,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return resolved
 
 
+def _canonical(path: Path) -> Path:
+    """One name per checkpoint: a folder resolved, a file's folder resolved but not the file,
+    which in a hub cache is a link to a blob named by its hash (no ``.gguf``)."""
+    return path.resolve() if path.is_dir() else path.parent.resolve() / path.name
+
+
 def _fingerprint(path: Path) -> tuple:
     """What identifies the checkpoint's current contents, cheaply: its files' sizes and times."""
     files = [path] if path.is_file() else sorted(
@@ -62,9 +69,10 @@ class ModelPool:
 
     def load(self, model_path: str | os.PathLike, dtype: str | torch.dtype = "float32",
              device: str | torch.device = "cpu", quantization: str | None = None, *,
-             tensor_parallel: TensorParallel | None = None,
+             revision: str | None = None, tensor_parallel: TensorParallel | None = None,
              gguf_reader: GGUFFileReader | None = None) -> DecoderLM:
-        """The model at ``model_path`` (HF folder or ``.gguf`` file) in ``dtype`` on ``device``,
+        """The model at ``model_path`` (HF folder, ``.gguf`` file, or a hub name with its
+        ``revision``: see :func:`fastllm.hub.resolve_model`) in ``dtype`` on ``device``,
         its weights quantized at load when ``quantization`` is "int8" or "int4" (see
         :func:`fastllm.models.load_model`), loaded on first use and shared afterwards. Treat it
         as read-only. With ``tensor_parallel``, it is that rank's shard, over that group
@@ -75,9 +83,7 @@ class ModelPool:
         ValueError naming it) leaves nothing behind, and the stale entry of a checkpoint whose
         files changed is dropped before its new files are read, whether they load or not."""
         check_quantization(quantization)
-        path = Path(model_path).expanduser().resolve()
-        if not path.exists():
-            raise FileNotFoundError(f"no model at {model_path}")
+        path = _canonical(resolve_model(model_path, revision))
         torch_dtype, torch_device = resolve_dtype(dtype), torch.device(device)
         if tensor_parallel is not None and not isinstance(tensor_parallel, TensorParallel):
             raise TypeError(f"tensor_parallel must be a TensorParallel or None, got "
@@ -115,7 +121,7 @@ class ModelPool:
         (at its files' current state)."""
         model_path, dtype, device, *rest = key
         quantization, tensor_parallel = (*rest, None, None)[:2]
-        path = Path(model_path).expanduser().resolve()
+        path = _canonical(Path(model_path).expanduser())
         return path.exists() and (str(path), resolve_dtype(dtype), str(torch.device(device)),
                                   quantization, tensor_parallel,
                                   _fingerprint(path)) in self._models
