@@ -178,3 +178,55 @@ def test_torchrun_starts_the_ranks(model_path, tmp_path):
     assert len(printed) == 1 and printed[0].endswith(" 0")
     expected = greedy(LLM(folder, max_model_len=128), batch, max_tokens=8)
     assert json.loads(printed[0].rsplit(" ", 1)[0]) == expected
+
+
+# A user's script as written: no main guard, ranks started where the module's code runs.
+PLAIN_SCRIPT = """\
+import sys
+from fastllm import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=128)
+out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                   use_tqdm=False)
+print("tokens", out[0].outputs[0].token_ids)
+"""
+
+
+def run_script(script, folder, **env):
+    return subprocess.run([sys.executable, str(script), str(folder)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_a_script_without_a_main_guard_runs(model_path, tmp_path):
+    """Ranks are forked (no CUDA context here), so the script is not run again in them."""
+    folder = model_path("stories260K_hf")
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    run = run_script(script, folder)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = greedy(LLM(folder, max_model_len=128), ["Once upon a time"], max_tokens=8)
+    assert run.stdout.splitlines()[-1] == f"tokens {expected[0]}"
+
+
+def test_spawned_ranks_ask_for_a_main_guard_at_once(model_path, tmp_path):
+    """Where ranks must be spawned, which runs the script again in each, an unguarded script is
+    refused before any rank starts, naming the line; guarded, it runs."""
+    folder = model_path("stories260K_hf")
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    run = run_script(script, folder, FASTLLM_WORKER_MULTIPROC_METHOD="spawn")
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"RuntimeError: tensor_parallel_size=2 starts its ranks with spawn here "
+        f"(FASTLLM_WORKER_MULTIPROC_METHOD=spawn), which runs {script} again in each rank, and "
+        'line 4 would start ranks again: put the code that makes the LLM under `if __name__ == '
+        '"__main__":`')
+    body = PLAIN_SCRIPT.split("\n\n", 1)[1]
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(PLAIN_SCRIPT.split("\n\n", 1)[0] + "\n\n\ndef main():\n"
+                       + "".join(f"    {line}\n" for line in body.splitlines())
+                       + '\n\nif __name__ == "__main__":\n    main()\n')
+    run = run_script(guarded, folder, FASTLLM_WORKER_MULTIPROC_METHOD="spawn")
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = greedy(LLM(folder, max_model_len=128), ["Once upon a time"], max_tokens=8)
+    assert run.stdout.splitlines()[-1] == f"tokens {expected[0]}"

@@ -10,7 +10,11 @@ all-reduce after each row-parallel layer, the vocabulary-parallel embedding and 
 a second group, gloo for CPU tensors and NCCL for CUDA ones, inside the one call each rank makes
 per step.
 
-Ranks are spawned here (``torch.multiprocessing``, spawn), or, under ``torchrun`` (its
+Ranks are started here, forked where that is safe (Linux, no CUDA context in this process yet),
+as vLLM starts its workers, so that a plain script runs as written; spawned elsewhere (or with
+``FASTLLM_WORKER_MULTIPROC_METHOD=spawn``), which runs the script again in each rank: a script
+that would then start ranks again is refused at once, naming the line to put under
+``if __name__ == "__main__":``. Or, under ``torchrun`` (its
 ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` / ``LOCAL_RANK`` set, e.g. across
 nodes), every rank runs the caller's script: rank 0 goes on as the driver, and the others serve
 rank 0's steps inside the constructor and exit when it shuts down.
@@ -22,6 +26,7 @@ waits for it), the other ranks are stopped and no process is left behind.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
 import os
@@ -109,7 +114,7 @@ class UniProcExecutor(Executor):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """What each rank needs to build its worker (sent to spawned ranks).
+    """What each rank needs to build its worker (sent to started ranks).
 
     Attributes:
         model: the checkpoint (HF folder or ``.gguf`` file).
@@ -227,9 +232,56 @@ def _serve(config: ParallelConfig, rank: int, groups: _Groups) -> None:
             logger.debug("rank %d: the step raised (rank 0 handles it): %s", rank, error)
 
 
-def _spawned_rank(config: ParallelConfig, rank: int, init_method: str, threads: int,
+def _start_method(tensor_parallel_size: int) -> str:
+    """How to start the other ranks (see the module's docstring); with "spawn", first checks
+    that the script's rerun in each rank will not start ranks itself."""
+    method = os.environ.get("FASTLLM_WORKER_MULTIPROC_METHOD")
+    if method is None:
+        if not sys.platform.startswith("linux"):
+            method, why = "spawn", f"{sys.platform} has no safe fork"
+        elif torch.cuda.is_initialized():
+            method, why = "spawn", "CUDA is initialized in this process, and a fork cannot use it"
+        else:
+            return "fork"
+    elif method not in ("fork", "spawn"):
+        raise ValueError(f"FASTLLM_WORKER_MULTIPROC_METHOD must be fork or spawn, got {method!r}")
+    else:
+        why = f"FASTLLM_WORKER_MULTIPROC_METHOD={method}"
+    unguarded = _unguarded_main_line() if method == "spawn" else None
+    if unguarded is not None:
+        file, line = unguarded
+        raise RuntimeError(
+            f"tensor_parallel_size={tensor_parallel_size} starts its ranks with spawn here "
+            f"({why}), which runs {file} again in each rank, and line {line} would start "
+            f"ranks again: put the code that makes the LLM under `if __name__ == \"__main__\":`")
+    return method
+
+
+def _unguarded_main_line() -> tuple[str, int] | None:
+    """The running ``__main__`` script and the line of its top-level code, outside ``if
+    __name__ == "__main__":``, that is starting the ranks; None when the call comes from
+    guarded code, or there is no script file (``python -c``, a notebook)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>"
+                                     and frame.f_code.co_filename == main_file):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    with open(main_file, encoding="utf-8") as source:
+        tree = ast.parse(source.read())
+    for node in tree.body:
+        if isinstance(node, ast.If) and node.lineno <= line <= node.end_lineno and \
+                ast.unparse(node.test).replace("'", '"') in ('__name__ == "__main__"',
+                                                             '"__main__" == __name__'):
+            return None
+    return main_file, line
+
+
+def _rank_main(config: ParallelConfig, rank: int, init_method: str, threads: int,
                   errors: mp.SimpleQueue) -> None:
-    """A spawned rank's process."""
+    """A started rank's process."""
     torch.set_num_threads(threads)
     try:
         _serve(config, rank, _init_groups(config, rank, init_method))
@@ -242,7 +294,7 @@ def _spawned_rank(config: ParallelConfig, rank: int, init_method: str, threads: 
 
 
 class _Ranks:
-    """What a :class:`MultiprocExecutor` started: its spawned ranks, its process groups and
+    """What a :class:`MultiprocExecutor` started: its started ranks, its process groups and
     this process's thread count before; :meth:`stop` undoes it (its finalizer: no reference
     back to the executor)."""
 
@@ -252,7 +304,7 @@ class _Ranks:
         self.threads = threads
 
     def stop(self) -> None:
-        """Stops the spawned ranks (they hold no state worth a goodbye) or, under torchrun,
+        """Stops the started ranks (they hold no state worth a goodbye) or, under torchrun,
         tells the others to stop; leaves the process groups and gives this process its
         threads back."""
         for process in self.processes:
@@ -292,14 +344,14 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, ranks.stop)
         if rank is None:
             rank, init_method = 0, f"tcp://127.0.0.1:{_free_port()}"
-            context = mp.get_context("spawn")
+            context = mp.get_context(_start_method(config.tensor_parallel_size))
             self._errors = context.SimpleQueue()
             # CPU ranks share this machine's cores.
             share = max(1, threads // config.tensor_parallel_size) \
                 if config.device_type == "cpu" else threads
             for other in range(1, config.tensor_parallel_size):
                 process = context.Process(
-                    target=_spawned_rank, name=f"fastllm-rank{other}", daemon=True,
+                    target=_rank_main, name=f"fastllm-rank{other}", daemon=True,
                     args=(config, other, init_method, share, self._errors))
                 process.start()
                 ranks.processes.append(process)
@@ -352,7 +404,7 @@ class MultiprocExecutor(Executor):
             raise self._dead from error
 
     def _stopped_rank(self, wait_s: float = 0.0) -> str | None:
-        """What stopped a spawned rank (its error, or its exit code), waiting up to ``wait_s``
+        """What stopped a started rank (its error, or its exit code), waiting up to ``wait_s``
         for one to show; None while every rank runs."""
         deadline = time.monotonic() + wait_s
         while True:
