@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import openai
 import pytest
 import torch
 from conftest import per_device
+from hub_server import LocalHub
 from openai_server import finished, running_server, wait_idle
 
 from fastllm import LLM, AsyncLLM, SamplingParams
@@ -480,15 +482,16 @@ def test_chat_json_schema_output_parses_and_validates(smollm2_server):
 # ---- the command ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def serve_command(folder, *args: str):
-    """``fastllm serve folder *args`` on a free port of 127.0.0.1, stopped (SIGTERM) at the end;
-    yields (port, process) once it answers /health."""
+def serve_command(model, *args: str, env: dict[str, str] | None = None):
+    """``fastllm serve model *args`` on a free port of 127.0.0.1 (in ``env``, default this
+    process's environment), stopped (SIGTERM) at the end; yields (port, process) once it answers
+    /health."""
     with socket.socket() as sock:  # a free port, given back for the server to take
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "fastllm", "serve", str(folder), "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "fastllm", "serve", str(model), "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -511,6 +514,24 @@ def test_fastllm_serve_command_binds_localhost(folder):
         got = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5}).json()
         assert got["model"] == "tiny" and got["usage"]["completion_tokens"] == 5
+
+
+def test_fastllm_serve_a_hub_model_under_its_name(folder, tmp_path):
+    """``fastllm serve org/name``: downloaded through huggingface_hub (from a local endpoint),
+    served under the name as given."""
+    with LocalHub() as hub:
+        hub.add("org/name", {p.name: p for p in folder.iterdir() if p.is_file()})
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache")}
+        with serve_command("org/name", env=env) as (port, _):
+            models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+            assert [model["id"] for model in models["data"]] == ["org/name"]
+            got = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                             json={"model": "org/name", "prompt": PROMPT, "max_tokens": 8,
+                                   "temperature": 0}).json()
+    expected, = LLM(folder).generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),
+                                     use_tqdm=False)
+    assert got["model"] == "org/name"
+    assert got["choices"][0]["text"] == expected.outputs[0].text
 
 
 def running(pid: int) -> bool:

@@ -68,10 +68,11 @@ def test_the_command_line_chat(smollm2_path, llm, capsys, monkeypatch):
     monkeypatch.setattr(fastllm, "LLM", session_llm)
     main(["generate", "--model", str(smollm2_path), "--prompt", QUESTION[0]["content"], "--chat",
           "--max-tokens", "24", "--temperature", "0"])
-    assert calls == [(str(smollm2_path), dict(dtype="float32", device="cpu", quantization=None,
-                                                  kv_cache_dtype="auto",
-                                                  batch_invariant=False,
-                                                  tensor_parallel_size=1))]
+    assert calls == [(str(smollm2_path), dict(
+        revision=None, tokenizer=None, tokenizer_revision=None, dtype="float32",
+        quantization=None, device="cpu", kv_cache_dtype="auto", max_model_len=None,
+        kv_cache_memory=None, max_num_seqs=32, max_num_batched_tokens=2048,
+        tensor_parallel_size=1, batch_invariant=False))]
     out = capsys.readouterr().out
     assert "Paris" in out, out
 

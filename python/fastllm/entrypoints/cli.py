@@ -1,75 +1,183 @@
-"""The ``fastllm`` command line.
+"""The ``fastllm`` command line (``fastllm --help``, ``fastllm SUBCOMMAND --help``).
 
-    fastllm generate --model PATH --prompt "Once upon a time" --max-tokens 64 --temperature 0.7
-    fastllm generate --model PATH --prompt "What is 2 + 2?" --chat
-    fastllm generate --model PATH --prompt "Once upon a time" --quantization int4
-    fastllm rerank --model PATH --query "capital of France" --docs docs.txt --top-n 3
-    fastllm serve PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    fastllm chat Qwen/Qwen3-0.6B --system-prompt "Answer briefly."
+    fastllm generate PATH --prompt "Once upon a time" --max-tokens 64 --temperature 0.7
+    fastllm generate PATH --prompt "What is 2 + 2?" --chat --quantization int4
+    fastllm serve Qwen/Qwen3-0.6B [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    fastllm rerank PATH --query "capital of France" --docs docs.txt --top-n 3
+
+MODEL is a model folder, a .gguf file or a model on the Hugging Face Hub by name
+(:mod:`fastllm.hub`). Each subcommand's options come in groups as vLLM's help has them (model,
+engine, sampling, server); a group shared by several subcommands is defined once, below.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations; each command imports what it runs when it runs
+    from fastllm import AsyncLLM, SamplingParams
 
 __all__ = ["main"]
 
+_EXAMPLES = """examples:
+  fastllm chat Qwen/Qwen3-0.6B
+  fastllm generate Qwen/Qwen3-0.6B-GGUF:Q8_0 --prompt "Once upon a time" --max-tokens 64
+  fastllm serve Qwen/Qwen3-0.6B --port 8000
+  fastllm rerank Qwen/Qwen3-Reranker-0.6B --query "capital of France" --docs docs.txt
+
+Each subcommand's --help lists its options."""
+
+_CHAT_COMMANDS = """commands:
+  /clear        start a new conversation (the system prompt stays)
+  /exit, /bye   exit (as Ctrl-D does)
+Ctrl-C stops a reply; what it had written stays in the conversation."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written; ``(default: X)`` after each option that has a
+    default value (an option whose default needs words says it in its own help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("(default:" in text or not action.option_strings or action.nargs == 0
+                or action.default in (None, [], argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _add_subcommand(subparsers: argparse._SubParsersAction, name: str, usage: str, summary: str,
+                    description: str) -> argparse.ArgumentParser:
+    return subparsers.add_parser(name, usage=f"fastllm {name} {usage}", help=summary,
+                                 description=description, formatter_class=_HelpFormatter)
+
+
+# ---- option groups, each defined once ------------------------------------------------------------
+
+def _add_model_group(parser: argparse.ArgumentParser, *, llm: bool) -> argparse._ArgumentGroup:
+    """MODEL and how to load it; ``llm``: with the options :class:`fastllm.LLM` takes and
+    :class:`fastllm.Reranker` does not (tokenizer, quantization). Returns the group, for a
+    subcommand's own model options."""
+    group = parser.add_argument_group("model")
+    group.add_argument("model", nargs="?", metavar="MODEL",
+                       help="a model folder (config.json, *.safetensors, tokenizer files), a "
+                            ".gguf file, or a model on the Hugging Face Hub: org/name "
+                            "(safetensors), org/name:QUANT or org/name/FILE.gguf (a GGUF repo, "
+                            "as llama.cpp's -hf takes it), downloaded into huggingface_hub's "
+                            "cache (HF_HOME, HF_TOKEN and HF_HUB_OFFLINE apply)")
+    group.add_argument("--model", dest="model_option", metavar="MODEL",
+                       help="MODEL given as an option")
+    group.add_argument("--revision", metavar="REV",
+                       help="the hub model's branch, tag or commit (default: main)")
+    if llm:
+        group.add_argument("--tokenizer", metavar="NAME",
+                           help="a folder, .gguf file or hub name to read the tokenizer from "
+                                "(default: MODEL's)")
+        group.add_argument("--tokenizer-revision", metavar="REV",
+                           help="the hub tokenizer's branch, tag or commit (default: main)")
+    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                       help="the weights' and activations' dtype")
+    if llm:
+        group.add_argument("--quantization", choices=["int8", "int4"],
+                           help="quantize a float checkpoint's weights at load, weight-only "
+                                "(default: none; a quantized GGUF loads as it is)")
+    return group
+
+
+def _add_engine_group(parser: argparse.ArgumentParser, *, llm: bool) -> None:
+    """Where the model runs and its KV cache; ``llm``: with :class:`fastllm.LLM`'s scheduling
+    and parallelism options."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--device", default="cpu", help="where the model and KV cache live")
+    group.add_argument("--kv-cache-dtype", default="auto",
+                       choices=["auto", "float32", "bfloat16", "float16"],
+                       help="what the KV cache stores (auto: the model's dtype; a float32 model "
+                            "may keep K/V in 16 bits)")
+    if not llm:
+        return
+    group.add_argument("--max-model-len", type=int, metavar="N",
+                       help="the most tokens (prompt and output) of one sequence (default: the "
+                            "model's context, up to 8192)")
+    group.add_argument("--kv-cache-memory", type=int, metavar="BYTES",
+                       help="bytes of the paged KV pool (default: a share of the free memory)")
+    group.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
+                       help="the most sequences in one batch")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                       help="the most tokens one engine step computes")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="shard the model over this many ranks (one process per device)")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="the same tokens for a seeded request whatever runs beside it, in "
+                            "every dtype (slower prefill; CPU only)")
+
+
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of the model and engine groups (``llm=True``) as fastllm.LLM's arguments."""
+    return dict(revision=args.revision, tokenizer=args.tokenizer,
+                tokenizer_revision=args.tokenizer_revision, dtype=args.dtype,
+                quantization=args.quantization, device=args.device,
+                kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                tensor_parallel_size=args.tensor_parallel_size,
+                batch_invariant=args.batch_invariant)
+
+
+def _add_sampling_group(parser: argparse.ArgumentParser, max_tokens: int | None,
+                        max_tokens_help: str) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                       help="keep the most likely tokens up to this probability mass")
+    group.add_argument("--top-k", type=int, default=0, metavar="K",
+                       help="keep the k most likely tokens; 0 = all")
+    group.add_argument("--seed", type=int, metavar="N",
+                       help="makes the sampled tokens reproducible (default: a fresh seed)")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                       help=max_tokens_help)
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="a stop string (repeatable); it is not printed")
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling group's options; an unset --max-tokens (chat's default) leaves
+    SamplingParams' own, for the caller to replace."""
+    from fastllm import SamplingParams
+
+    limit = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          seed=args.seed, stop=args.stop, **limit)
+
+
+# ---- generate ------------------------------------------------------------------------------------
 
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("generate", help="generate text, streamed to the terminal",
-                                   description="Generates a completion of --prompt and streams "
-                                               "it to stdout.")
-    parser.add_argument("--model", required=True, help="HF model folder or .gguf file")
-    parser.add_argument("--prompt", required=True, help="the prompt text")
-    parser.add_argument("--chat", action="store_true",
-                        help="send the prompt as a user message through the chat template")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[],
-                        help="a stop string (repeatable); it is not printed")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="quantize a float checkpoint's weights at load (weight-only)")
-    _add_kv_cache_dtype(parser)
-    _add_batch_invariant(parser)
-    parser.add_argument("--device", default="cpu")
-    _add_tensor_parallel_size(parser)
+    parser = _add_subcommand(subparsers, "generate", "MODEL --prompt TEXT [options]",
+                             "complete a prompt, streamed to the terminal",
+                             "Generates a completion of --prompt and streams it to stdout.")
+    _add_model_group(parser, llm=True)
+    group = parser.add_argument_group("input")
+    group.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
+    group.add_argument("--chat", action="store_true",
+                       help="send the prompt as a user message through the chat template")
+    _add_sampling_group(parser, 256, "the most tokens to generate")
+    _add_engine_group(parser, llm=True)
     parser.set_defaults(run=_generate)
 
 
-def _add_tensor_parallel_size(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="shard the model over this many ranks (one process per device)")
-
-
-def _add_batch_invariant(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="the same tokens for a seeded request whatever runs beside it, in "
-                             "every dtype (slower prefill; CPU only)")
-
-
-def _add_kv_cache_dtype(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"],
-                        help="what the KV cache stores (auto: the model's dtype; a float32 "
-                             "model may keep K/V in 16 bits)")
-
-
 def _generate(args: argparse.Namespace) -> None:
-    from fastllm import LLM, SamplingParams  # here, so --help needs no torch import
+    from fastllm import LLM
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, batch_invariant=args.batch_invariant,
-              tensor_parallel_size=args.tensor_parallel_size)
+    params = _sampling_params(args)
+    llm = LLM(args.model, **_llm_kwargs(args))
     prompt = (llm.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat
               else args.prompt)
     for delta in llm.stream(prompt, params):
@@ -78,23 +186,140 @@ def _generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+# ---- chat ----------------------------------------------------------------------------------------
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    parser = _add_subcommand(
+        subparsers, "chat", "MODEL [options]", "chat with a model in the terminal",
+        "An interactive chat in the terminal: each line typed is a user message; the\n"
+        "conversation so far goes through the model's chat template, and the reply streams\n"
+        "back.\n\n" + _CHAT_COMMANDS)
+    _add_model_group(parser, llm=True)
+    group = parser.add_argument_group("chat")
+    group.add_argument("--system-prompt", metavar="TEXT",
+                       help="a system message that starts every conversation (default: none)")
+    _add_sampling_group(parser, None, "the most tokens of one reply (default: as many as the "
+                                      "context has room for)")
+    _add_engine_group(parser, llm=True)
+    parser.set_defaults(run=_chat)
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from fastllm import AsyncLLM
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:  # not on Windows
+        pass
+
+    params = _sampling_params(args)
+    # AsyncLLM: the engine steps on its own thread, so Ctrl-C cancels the reply between steps
+    # (never inside one) and the stream's finish reason says when --max-tokens cut a reply.
+    llm = AsyncLLM(args.model, **_llm_kwargs(args))
+    try:
+        if llm.client.tokenizer.chat_template is None:
+            raise ValueError(f"{args.model} has no chat template: fastllm chat needs one "
+                             "(fastllm generate completes plain text)")
+        print(f"fastllm chat: {args.model} ({llm.client.max_model_len}-token context). "
+              "/exit or Ctrl-D exits, /clear starts over, /? lists the commands.")
+        with asyncio.Runner() as runner:
+            _converse(llm, runner, params, args.max_tokens, args.system_prompt)
+    finally:
+        llm.shutdown()
+
+
+def _converse(llm: AsyncLLM, runner: asyncio.Runner, params: SamplingParams,
+              max_tokens: int | None, system_prompt: str | None) -> None:
+    """Reads the user's lines and answers them, until /exit, /bye or end of input."""
+    start = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    messages = list(start)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except KeyboardInterrupt:
+            print("\nUse Ctrl + d or /bye to exit.")
+            continue
+        except EOFError:
+            print()
+            return
+        if line in ("/exit", "/bye"):
+            return
+        if line == "/clear":
+            messages = list(start)
+            print("Cleared the conversation.")
+        elif line.startswith("/"):
+            print(_CHAT_COMMANDS if line in ("/?", "/help")
+                  else f"Unknown command {line.split()[0]!r}.\n{_CHAT_COMMANDS}")
+        elif line:
+            messages.append({"role": "user", "content": line})
+            reply = _reply(llm, runner, messages, params, max_tokens)
+            if reply is None:
+                messages.pop()
+            else:
+                messages.append({"role": "assistant", "content": reply})
+
+
+def _reply(llm: AsyncLLM, runner: asyncio.Runner, messages: list[dict[str, str]],
+           params: SamplingParams, max_tokens: int | None) -> str | None:
+    """Streams the reply to ``messages`` to stdout and returns it (as far as it went, when
+    Ctrl-C stopped it); None, with the reason printed, when the conversation cannot go on."""
+    context = llm.client.max_model_len
+    try:
+        prompt = llm.client.chat_prompt(messages)
+    except ValueError as error:  # the template refuses the conversation
+        print(f"error: {error}")
+        return None
+    room = context - len(prompt["prompt_token_ids"])
+    if room <= 0:
+        print(f"The conversation fills the {context}-token context: /clear starts a new one.")
+        return None
+    limit = room if max_tokens is None else min(max_tokens, room)
+    pieces: list[str] = []
+
+    async def stream() -> str | None:
+        finish_reason = None
+        async for delta in llm.stream_outputs(prompt, dataclasses.replace(params,
+                                                                          max_tokens=limit)):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            pieces.append(delta.text)
+            finish_reason = delta.finish_reason
+        return finish_reason
+
+    try:
+        # Ctrl-C cancels the stream (asyncio.Runner's handler), which aborts the request and
+        # frees its KV blocks.
+        finish_reason = runner.run(stream())
+    except KeyboardInterrupt:
+        finish_reason = "abort"
+    print()
+    if finish_reason == "length":
+        print(f"[cut at --max-tokens {limit}]" if limit < room else
+              f"[cut: the conversation fills the {context}-token context; /clear starts a "
+              "new one]")
+    return "".join(pieces)
+
+
+# ---- rerank --------------------------------------------------------------------------------------
+
 def _add_rerank(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "rerank", help="rank documents for a query with a Qwen3-Reranker model",
-        description="Scores each document of --docs against --query and prints one JSON line "
-                    "per document, best first: {\"index\", \"score\", \"document\"}.")
-    parser.add_argument("--model", required=True, help="HF model folder or .gguf file")
-    parser.add_argument("--query", required=True)
-    parser.add_argument("--docs", required=True, type=Path,
-                        help="the documents: a text file with one per line (empty lines "
-                             "skipped), or a .json file holding a list of strings")
-    parser.add_argument("--top-n", type=int, default=None, help="print only the n best")
-    parser.add_argument("--instruction", default=None,
-                        help="the task instruction (default: the model card's web search one)")
-    parser.add_argument("--max-length", type=int, default=8192)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    _add_kv_cache_dtype(parser)
-    parser.add_argument("--device", default="cpu")
+    parser = _add_subcommand(
+        subparsers, "rerank", "MODEL --query TEXT --docs FILE [options]",
+        "rank documents for a query with a Qwen3-Reranker model",
+        "Scores each document of --docs against --query and prints one JSON line per\n"
+        "document, best first: {\"index\", \"score\", \"document\"}.")
+    _add_model_group(parser, llm=False)
+    group = parser.add_argument_group("rerank")
+    group.add_argument("--query", required=True, metavar="TEXT", help="the query")
+    group.add_argument("--docs", required=True, type=Path, metavar="FILE",
+                       help="the documents: a text file with one per line (empty lines "
+                            "skipped), or a .json file holding a list of strings")
+    group.add_argument("--top-n", type=int, metavar="N",
+                       help="print only the N best (default: all)")
+    group.add_argument("--instruction", metavar="TEXT",
+                       help="the task instruction (default: the model card's web search one)")
+    group.add_argument("--max-length", type=int, default=8192, metavar="N",
+                       help="the most tokens of a wrapped (query, document) pair")
+    _add_engine_group(parser, llm=False)
     parser.set_defaults(run=_rerank)
 
 
@@ -106,51 +331,45 @@ def _rerank(args: argparse.Namespace) -> None:
         documents = json.loads(text)
     else:
         documents = [line for line in text.splitlines() if line.strip()]
-    reranker = Reranker(args.model, dtype=args.dtype, device=args.device,
-                        instruction=args.instruction, max_length=args.max_length,
-                        kv_cache_dtype=args.kv_cache_dtype)
+    reranker = Reranker(args.model, revision=args.revision, dtype=args.dtype,
+                        device=args.device, instruction=args.instruction,
+                        max_length=args.max_length, kv_cache_dtype=args.kv_cache_dtype)
     for result in reranker.rerank(args.query, documents, top_n=args.top_n):
         print(json.dumps({"index": result.index, "score": result.score,
                           "document": result.document}, ensure_ascii=False))
 
 
+# ---- serve ---------------------------------------------------------------------------------------
+
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve", help="serve a model over the OpenAI API (completions, chat, rerank)",
-        description="An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, "
-                    "/v1/models, /v1/rerank, /health and /metrics.")
-    parser.add_argument("model", help="HF model folder or .gguf file")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("FASTLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: "
-                             "$FASTLLM_API_KEY, or none)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send (default: the model's file or "
-                             "folder name)")
-    parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template file overriding the tokenizer's")
-    parser.add_argument("--tool-call-parser", default=None,
-                        help="the format the model writes tool calls in: hermes, llama3_json "
-                             "or mistral (default: picked from the chat template)")
-    parser.add_argument("--max-waiting-requests", type=int, default=256,
-                        help="queued requests past which new ones get a 503")
-    parser.add_argument("--max-body-bytes", type=int, default=4 << 20,
-                        help="the largest request body (past it, a 413)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="quantize a float checkpoint's weights at load (weight-only)")
-    _add_kv_cache_dtype(parser)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool")
-    _add_batch_invariant(parser)
-    parser.add_argument("--device", default="cpu")
-    _add_tensor_parallel_size(parser)
-    parser.add_argument("--pooling", default="last", choices=["last", "mean"],
-                        help="how /v1/embeddings pools the final hidden states")
+    parser = _add_subcommand(
+        subparsers, "serve", "MODEL [options]",
+        "serve a model over the OpenAI API (completions, chat, embeddings, rerank)",
+        "An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions,\n"
+        "/v1/embeddings, /v1/models, /v1/rerank, /health and /metrics.")
+    model = _add_model_group(parser, llm=True)
+    model.add_argument("--served-model-name", metavar="NAME",
+                       help="the model name clients send and see (default: MODEL as given)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                       help="address to listen on (127.0.0.1: this machine only; 0.0.0.0: "
+                            "every interface)")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument("--api-key", default=os.environ.get("FASTLLM_API_KEY"), metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: "
+                            "$FASTLLM_API_KEY, or none)")
+    group.add_argument("--chat-template", metavar="FILE",
+                       help="a Jinja chat template file overriding the tokenizer's")
+    group.add_argument("--tool-call-parser", metavar="NAME",
+                       help="the format the model writes tool calls in: hermes, llama3_json or "
+                            "mistral (default: picked from the chat template)")
+    group.add_argument("--pooling", default="last", choices=["last", "mean"],
+                       help="how /v1/embeddings pools the final hidden states")
+    group.add_argument("--max-waiting-requests", type=int, default=256, metavar="N",
+                       help="queued requests past which new ones get a 503")
+    group.add_argument("--max-body-bytes", type=int, default=4 << 20, metavar="BYTES",
+                       help="the largest request body (past it, a 413)")
+    _add_engine_group(parser, llm=True)
     parser.set_defaults(run=_serve)
 
 
@@ -162,21 +381,15 @@ def _serve(args: argparse.Namespace) -> None:
         raise OSError(f"fastllm serve needs the server's packages ({error.name} is missing): "
                       "pip install 'fastllm[server]'") from None
 
+    name = args.served_model_name or args.model
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
-        served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
         chat_template=(None if args.chat_template is None
                        else Path(args.chat_template).read_text(encoding="utf-8")),
         pooling=args.pooling)
-    llm = AsyncLLM(args.model, dtype=args.dtype, device=args.device,
-                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   kv_cache_memory=args.kv_cache_memory, batch_invariant=args.batch_invariant,
-                   tensor_parallel_size=args.tensor_parallel_size)
-    name = args.served_model_name or Path(args.model).name
+    llm = AsyncLLM(args.model, **_llm_kwargs(args))
     print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)
     try:
         build_server(llm, config, name).run()
@@ -184,17 +397,33 @@ def _serve(args: argparse.Namespace) -> None:
         llm.shutdown()
 
 
+# ---- the command ---------------------------------------------------------------------------------
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="fastllm", description="fast LLM inference")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    _add_generate(subparsers)
-    _add_rerank(subparsers)
-    _add_serve(subparsers)
+    """Runs the ``fastllm`` command line on ``argv`` (default: ``sys.argv[1:]``). Bad input
+    exits with status 2 and a one-line message."""
+    parser = argparse.ArgumentParser(
+        prog="fastllm", usage="fastllm SUBCOMMAND MODEL [options]",
+        description="fastllm: fast LLM inference on CPUs and GPUs, with vLLM's interfaces.",
+        epilog=_EXAMPLES, formatter_class=_HelpFormatter)
+    subparsers = parser.add_subparsers(title="subcommands", dest="command", required=True,
+                                       metavar="SUBCOMMAND")
+    for add in (_add_chat, _add_generate, _add_serve, _add_rerank):
+        add(subparsers)
     args = parser.parse_args(argv)
+    command = subparsers.choices[args.command]
+    if args.model_option is not None:
+        if args.model is not None:
+            command.error(f"MODEL given twice: {args.model} and --model {args.model_option}")
+        args.model = args.model_option
+    if args.model is None:
+        command.error("the following arguments are required: MODEL (or --model)")
     try:
         args.run(args)
     except (ValueError, TypeError, OSError) as error:
         parser.exit(2, f"fastllm {args.command}: error: {error}\n")
+    except KeyboardInterrupt:  # while loading, or generate stopped: no traceback
+        parser.exit(130, "\n")
 
 
 if __name__ == "__main__":

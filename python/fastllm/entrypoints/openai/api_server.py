@@ -56,7 +56,6 @@ class ServerConfig:
         host, port: where to listen; 127.0.0.1 unless told otherwise.
         api_key: when set, ``/v1/*`` and ``/rerank`` need ``Authorization: Bearer KEY``
             (``/v1/messages`` takes Anthropic's ``x-api-key: KEY`` too).
-        served_model_name: the model name clients use (default: the model path's name).
         max_waiting_requests: engine requests queued past which a call gets a 503.
         max_body_bytes: the largest request body (past it, a 413).
         chat_template: a Jinja chat template overriding the tokenizer's.
@@ -68,7 +67,6 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
     max_waiting_requests: int = 256
     max_body_bytes: int = 4 << 20
     chat_template: str | None = None
