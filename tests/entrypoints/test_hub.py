@@ -133,17 +133,22 @@ def test_revision_picks_the_branch_or_commit(hub, model_path, tmp_path):
     folder = model_path("stories260K_hf")
     main = hub.add("org/tiny", folder_files(folder))
     config = json.loads((folder / "config.json").read_text())
-    # Another revision: the same weights under another context length.
+    # Another revision: the same weights under a longer context.
+    longer = 2 * config["max_position_embeddings"]
     other = {**folder_files(folder), "config.json": json.dumps(
-        {**config, "max_position_embeddings": 64}).encode()}
-    commit = hub.add("org/tiny", other, revision="short-context")
+        {**config, "max_position_embeddings": longer}).encode()}
+    commit = hub.add("org/tiny", other, revision="long-context")
     assert LLM("org/tiny").max_model_len == config["max_position_embeddings"]
-    assert LLM("org/tiny", revision="short-context").max_model_len == 64
-    assert LLM("org/tiny", revision=commit).max_model_len == 64
+    assert LLM("org/tiny", revision="long-context").max_model_len == longer
+    assert LLM("org/tiny", revision=commit).max_model_len == longer
     assert fastllm.load("org/tiny", revision=main).config.max_position_embeddings == \
         config["max_position_embeddings"]
     with pytest.raises(ModelNotFoundError, match="org/tiny has no revision v9"):
         LLM("org/tiny", revision="v9")
+    # The draft model of speculative decoding, by name and revision.
+    llm = LLM(folder, speculative={"method": "draft", "model": "org/tiny",
+                                   "revision": "long-context"})
+    assert llm.engine.executor.worker.proposer.model.config.max_position_embeddings == longer
 
 
 def test_the_tokenizer_by_name(hub, model_path):
@@ -154,6 +159,8 @@ def test_the_tokenizer_by_name(hub, model_path):
     llm = LLM(folder, tokenizer="org/tokenizer-only")
     assert llm.tokenizer.encode("Once upon a time") == LLM(folder).tokenizer.encode(
         "Once upon a time")
+    assert fastllm.Tokenizer.from_pretrained("org/tokenizer-only").encode("Once") == \
+        llm.tokenizer.encode("Once")
     assert not hub.requested(".safetensors")
 
 

@@ -21,8 +21,8 @@ What is exact and what is not:
   prompt with one chunk equals an ordinary causal prefill;
 - approximate: with several chunks this is *not* causal attention over the whole prompt: a
   chunk does not see the chunks before it, and chunk ``i > 1`` is encoded at positions other
-  than the ones it is read at. How far the logits move on a real model is measured in the README
-  (stories260K).
+  than the ones it is read at. How far the logits move on a real model is measured by
+  ``benchmarks/bench_kv_cache.py`` (stories260K).
 
 The engine runs such a prompt as a request like any other (``LLM.generate`` takes a
 ``ChunkedPrompt``), batched with ordinary ones; its scheduler encodes the chunks the

@@ -28,6 +28,7 @@ import tokenizers
 from tokenizers import AddedToken, processors
 
 from fastllm.gguf_file import GGUFFileReader
+from fastllm.hub import resolve_tokenizer
 from fastllm.tokenizer.base import _Backend
 from fastllm.tokenizer.chat_template import _alias_reasoning, _compile_template, _plain
 from fastllm.tokenizer.detokenizer import IncrementalDetokenizer
@@ -88,14 +89,15 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike,
-                        gguf_reader: GGUFFileReader | None = None) -> Tokenizer:
+                        gguf_reader: GGUFFileReader | None = None, *,
+                        revision: str | None = None) -> Tokenizer:
         """Loads from a model folder (tokenizer.json, else tokenizer.model, else a single .gguf
-        file) or from one of those files directly. Raises FileNotFoundError when there is
-        nothing to load. ``gguf_reader``: the .gguf file ``path`` already parsed (an entry
-        point loading its model from the same file parses it once)."""
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"no such file or folder: {path}")
+        file), from one of those files directly, or from a hub name at ``revision``
+        (:func:`fastllm.hub.resolve_tokenizer`: only the tokenizer's files are downloaded).
+        Raises FileNotFoundError when there is nothing to load. ``gguf_reader``: the .gguf file
+        ``path`` already parsed (an entry point loading its model from the same file parses it
+        once)."""
+        path = resolve_tokenizer(path, revision)
         folder = path if path.is_dir() else path.parent
         if path.is_dir():
             candidates = [path / "tokenizer.json", path / "tokenizer.model"]
