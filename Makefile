@@ -8,6 +8,8 @@ BUILD_STAMP := $(VENV)/.fastllm-installed
 PEERS_STAMP := $(VENV)/.bench-peers-installed
 SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 BENCH_OUT ?= results
+# `make bench` runs the default set (minutes); `make bench FULL=1` every benchmark at its sizes.
+FULL ?=
 
 .PHONY: all build test bench clean
 
@@ -49,7 +51,7 @@ test: build
 	$(PY) -m pytest -q
 
 bench: build $(PEERS_STAMP)
-	$(PY) benchmarks/run_all.py --out $(BENCH_OUT)
+	$(PY) benchmarks/run_all.py --out $(BENCH_OUT) $(if $(filter 1,$(FULL)),--full)
 
 clean:
 	rm -rf build $(VENV) $(BENCH_OUT)

@@ -75,6 +75,9 @@ Goals, at the full Qwen3-0.6B shape with 64 requests of 32-512 tokens: fastllm t
 >= 5x HF's; cached-prefix TTFT >= 5x lower than cold. Greedy tokens are compared per request:
 float32 should agree; bfloat16 may drift apart (batch shapes change the rounding).
 
+Sections: ``--sections`` runs some of throughput, prefix, batch_invariant and defaults (all by
+default; tensor parallelism runs when ``--tensor-parallel-size`` is above 1).
+
 Defaults depend on ``--device``: on CUDA, HF generates all 64 requests as one padded batch
 (``--hf-batch-size 64``, its best case on a GPU) instead of four of 16. Sizes given on the
 command line replace the device's.
@@ -113,6 +116,8 @@ COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
 GOAL_THROUGHPUT_SPEEDUP = 5.0  # fastllm output tokens/s over HF's, at least
 GOAL_PREFIX_TTFT_RATIO = 5.0  # cold TTFT over cached-prefix TTFT, at least
 PAD_ID = 0
+# The sections ``--sections`` chooses from, in the order they run.
+SECTIONS = ("throughput", "prefix", "batch_invariant", "defaults")
 ADDITIVE_STATS = ("steps", "scheduled_tokens", "preemptions", "step_s", "detokenize_s",
                   "prefix_cache_hits", "prefix_cache_queries")
 
@@ -143,6 +148,7 @@ class EngineBenchConfig:
     mixed_layers: int = 4
     dtypes: tuple[str, ...] = ("bfloat16",)
     device: str = "cpu"
+    sections: tuple[str, ...] = SECTIONS
     tensor_parallel_size: int = 1  # > 1: the tensor-parallel section runs
     seed: int = 0
     models_dir: str = str(DEFAULT_MODELS_DIR)
@@ -163,6 +169,9 @@ class EngineBenchConfig:
             raise ValueError(f"need 1 <= mixed_min_prompt_len <= mixed_max_prompt_len, "
                              f"mixed_requests >= 1, mixed_output_tokens >= 2 and "
                              f"mixed_layers >= 1, got {self}")
+        if any(section not in SECTIONS for section in self.sections):
+            raise ValueError(f"sections must be some of {', '.join(SECTIONS)}, got "
+                             f"{self.sections}")
 
     @classmethod
     def for_device(cls, device: str) -> EngineBenchConfig:
@@ -585,23 +594,30 @@ def run(config: EngineBenchConfig) -> list[dict[str, object]]:
     """Saves the random model, then measures the sections per dtype; returns the JSON rows."""
     prompts = random_prompts(config)
     rows = []
+    sections = set(config.sections)
     with random_model_folder(config, "engine") as folder:
         for dtype_name in config.dtypes:
-            rows += throughput_rows(config, folder, dtype_name, prompts)
-            print(f"engine: {dtype_name} throughput measured", flush=True)
-            rows += prefix_rows(config, folder, dtype_name)
-            print(f"engine: {dtype_name} prefix cache measured", flush=True)
+            if "throughput" in sections:
+                rows += throughput_rows(config, folder, dtype_name, prompts)
+                print(f"engine: {dtype_name} throughput measured", flush=True)
+            if "prefix" in sections:
+                rows += prefix_rows(config, folder, dtype_name)
+                print(f"engine: {dtype_name} prefix cache measured", flush=True)
             if config.tensor_parallel_size > 1:
                 rows += tensor_parallel_rows(config, folder, dtype_name, prompts)
                 print(f"engine: {dtype_name} tensor parallelism measured", flush=True)
+            if "batch_invariant" not in sections:
+                continue
             if torch.device(config.device).type == "cuda":
                 print(f"engine: batch-invariant section left out: {INVARIANT_LEFT_OUT}", flush=True)
                 continue
             rows += batch_invariant_rows(config, folder, dtype_name, prompts)
             print(f"engine: {dtype_name} batch-invariant mode measured", flush=True)
-    with random_model_folder(replace(config, layers=config.mixed_layers), "engine") as folder:
-        rows += defaults_rows(config, folder)
-        print("engine: LLM defaults measured", flush=True)
+    if "defaults" in sections:
+        with random_model_folder(replace(config, layers=config.mixed_layers),
+                                 "engine") as folder:
+            rows += defaults_rows(config, folder)
+            print("engine: LLM defaults measured", flush=True)
     return rows
 
 
@@ -611,6 +627,8 @@ def goal_summary(config: EngineBenchConfig, rows: list[dict[str, object]]) -> st
             f"with a cached {config.prefix_len}-token system prompt >= "
             f"{GOAL_PREFIX_TTFT_RATIO:g}x lower than cold, on {MODEL} with 64 requests of 32-512 "
             "tokens and 64 output tokens")
+    if not {"throughput", "prefix"} <= set(config.sections):
+        return f"{goal}: not measured in this run (sections {', '.join(config.sections)})."
     if not config.at_goal_size or not rows:
         return (f"{goal}: not measured in this run (scaled down to {config.layers} of "
                 f"{MODEL_SHAPES[MODEL].num_layers} layers, hidden {config.hidden_size}, "
@@ -686,22 +704,27 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
                     f"after another, each a shared {config.prefix_len}-token system prompt "
                     f"(new per round) and a distinct {config.suffix_len}-token question, one "
                     "output token; cold: each round's first request, cached: the others.")
+
+    def ran(section: str, text: str) -> str:
+        return text if section in config.sections else "Not run: --sections leaves it out."
+
     return {
         f"Throughput: {config.num_requests} requests on a random-weight {MODEL} "
         "(speedup > 1: fastllm faster)":
-            goal_summary(config, rows) + "\n\n" + about + "\n\n" + throughput,
+            goal_summary(config, rows) + "\n\n"
+            + ran("throughput", about + "\n\n" + throughput),
         "Latency per request (TTFT and queue time from the arrival of all requests; "
-        "HF's per batch)": latency,
+        "HF's per batch)": ran("throughput", latency),
         "fastllm engine per call (detokenize share: detokenization and stop checks over step "
-        "time)": stats,
+        "time)": ran("throughput", stats),
         "Prefix cache: TTFT with a shared system prompt (cold / cached > 1: the cache "
-        "helps)": prefix_about + "\n\n" + prefix_table,
+        "helps)": ran("prefix", prefix_about + "\n\n" + prefix_table),
         f"fastllm.LLM(path) on its defaults: {config.mixed_requests} mixed requests "
-        "(speedup > 1: fastllm faster)": defaults_table(config, rows),
+        "(speedup > 1: fastllm faster)": ran("defaults", defaults_table(config, rows)),
         "The cost of batch_invariant=True (seeded output independent of the batch, chunking "
         "and preemption in every dtype): the throughput section's requests, calls alternating":
-            invariant if torch.device(config.device).type != "cuda"
-            else f"Left out on {config.device}: {INVARIANT_LEFT_OUT}.",
+            ran("batch_invariant", invariant if torch.device(config.device).type != "cuda"
+                else f"Left out on {config.device}: {INVARIANT_LEFT_OUT}."),
         f"Tensor parallelism over {config.tensor_parallel_size} ranks: the throughput "
         "section's requests, calls alternating with one process":
             parallel if config.tensor_parallel_size > 1
@@ -742,7 +765,7 @@ def parse_args(argv: list[str] | None) -> tuple[EngineBenchConfig, Path]:
              "mixed_layers", "tensor_parallel_size", "seed")
     return parse_model_bench_args(argv, EngineBenchConfig.for_device(parse_device(argv)),
                                   benchmark="engine", description=__doc__.split("\n\n")[0],
-                                  sizes=sizes,
+                                  sizes=sizes, choice_lists={"sections": SECTIONS},
                                   models_dir_help="folder holding qwen3_tokenizer")
 
 

@@ -41,7 +41,8 @@ Each competitor's call scores every pair, query by query (the recipe's per-query
      its defaults.
 
   Rungs 1 to 4 are one Reranker (the big blocks), rung 5 another; both load the same model
-  through the pool and keep their KV pools' default size.
+  through the pool and keep their KV pools' default size. ``--rungs`` times some of them only
+  (by name: fastllm_none, fastllm_last_head, fastllm_2row_head, fastllm_packed, fastllm).
 
 Every fastllm call starts from an empty KV pool (a fresh block manager over the same pool: the
 Reranker's pool keeps cached blocks from one call to the next, and a repeated call would find
@@ -125,6 +126,7 @@ class RerankBenchConfig:
     max_num_batched_tokens: int = 4096  # the Reranker's default
     block_size: int = 16  # the Reranker's default
     dtypes: tuple[str, ...] = ("float32",)
+    rungs: tuple[str, ...] = tuple(RUNGS)  # of the ladder, timed beside the recipe
     device: str = "cpu"
     seed: int = 0
     models_dir: str = str(DEFAULT_MODELS_DIR)
@@ -138,6 +140,8 @@ class RerankBenchConfig:
         if not 1 <= self.queries <= 43 or self.top_k < 1 or self.hf_batch_size < 0:
             raise ValueError(f"need 1 <= queries <= 43, top_k >= 1 and hf_batch_size >= 0, "
                              f"got {self}")
+        if not self.rungs or any(rung not in RUNGS for rung in self.rungs):
+            raise ValueError(f"rungs must be some of {', '.join(RUNGS)}, got {self.rungs}")
 
     @property
     def at_goal_size(self) -> bool:
@@ -255,48 +259,53 @@ def hf_call(model: torch.nn.Module, tokenizer, work: list[tuple[str, list[str]]]
     return call
 
 
-def no_share_block_size(tokenizer, work: list[tuple[str, list[str]]],
-                        config: RerankBenchConfig) -> int:
-    """The smallest power of two above every pair's length (the recipe's ids, which are the
-    Reranker's): no block ever fills, so none is reused."""
-    longest = max(len(ids) for query, documents in work
-                  for ids in recipe_ids(tokenizer, query, documents,
-                                        max_length=config.max_length))
-    return 1 << longest.bit_length()
+def pair_lengths(tokenizer, work: list[tuple[str, list[str]]],
+                 config: RerankBenchConfig) -> list[int]:
+    """Every pair's tokens (the recipe's ids, which are the Reranker's), query by query."""
+    return [len(ids) for query, documents in work
+            for ids in recipe_ids(tokenizer, query, documents, max_length=config.max_length)]
+
+
+def no_share_block_size(lengths: list[int]) -> int:
+    """The smallest power of two above every pair's length: no block ever fills, so none is
+    reused."""
+    return 1 << max(lengths).bit_length()
 
 
 def dtype_rows(config: RerankBenchConfig, folder: Path, dtype_name: str,
                work: list[tuple[str, list[str]]]) -> list[dict[str, object]]:
-    """Loads both sides in ``dtype_name``, times the recipe and every rung interleaved;
-    returns one row per competitor, the recipe first."""
+    """Loads both sides in ``dtype_name``, times the recipe and the config's rungs
+    interleaved; returns one row per competitor, the recipe first."""
     dtype = getattr(torch, dtype_name)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                               attn_implementation="sdpa").to(config.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    rungs = {name: RUNGS[name] for name in config.rungs}
+    lengths = pair_lengths(tokenizer, work, config)
     # Rungs 1 to 4: KV blocks too big to fill (nothing shared); rung 5: the Reranker as is.
-    big_block = no_share_block_size(tokenizer, work, config)
     rerankers = {shared: fastllm.Reranker(
         folder, dtype=dtype_name, device=config.device, max_length=config.max_length,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        block_size=config.block_size if shared else big_block) for shared in (False, True)}
+        block_size=config.block_size if shared else no_share_block_size(lengths))
+        for shared in sorted({rung.shared_prefix for rung in rungs.values()})}
     for reranker in rerankers.values():
         RungModel.install(reranker)  # one model, shared by the pool, wrapped per reranker
     # Warm-up: one pair per model (the first forward of a fresh model is several times slower).
     query, documents = work[0]
-    rerankers[True].score(query, documents[:1])
+    next(iter(rerankers.values())).score(query, documents[:1])
     recipe_scores(hf, tokenizer, query, documents[:1], max_length=config.max_length)
 
-    samples: dict[str, list[CallSample]] = {"hf": [], **{name: [] for name in RUNGS}}
+    samples: dict[str, list[CallSample]] = {"hf": [], **{name: [] for name in rungs}}
     calls = {"hf": hf_call(hf, tokenizer, work, config, samples["hf"])}
     calls |= {name: fastllm_call(rerankers[rung.shared_prefix], rung, work, samples[name])
-              for name, rung in RUNGS.items()}
+              for name, rung in rungs.items()}
     timings = compare(calls, config.timer, device=config.device)
     del hf, rerankers, calls
     model_pool.clear()  # the Rerankers share their model through the pool: let it go
     gc.collect()
 
     num_pairs = sum(len(documents) for _, documents in work)
-    pair_tokens = samples["fastllm_none"][-1].tokens  # nothing shared: every pair's tokens
+    pair_tokens = sum(lengths)
     hf_scores = samples["hf"][-1].scores
     rows: list[dict[str, object]] = []
     for name, timing in timings.items():
@@ -380,6 +389,7 @@ def parse_args(argv: list[str] | None) -> tuple[RerankBenchConfig, Path]:
              "max_length", "max_num_batched_tokens", "block_size", "seed")
     return parse_model_bench_args(argv, RerankBenchConfig(), benchmark="rerank",
                                   description=__doc__.split("\n\n")[0], sizes=sizes,
+                                  choice_lists={"rungs": tuple(RUNGS)},
                                   models_dir_help="folder holding qwen3_tokenizer and rerank_eval")
 
 

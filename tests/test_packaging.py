@@ -1,6 +1,6 @@
 """pyproject.toml declares what the package imports: every third-party module a fastllm module
 imports (at the top or inside a function) comes from a declared dependency, the server's from
-the "server" extra. ``pip install .`` then gives a working ``fastllm.LLM`` and
+the "server" extra, the benchmark charts' from the "bench" extra. ``pip install .`` then gives a working ``fastllm.LLM`` and
 ``pip install .[server]`` a working ``fastllm serve``, which CI's requirements.txt would hide."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import fastllm
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(fastllm.__file__).resolve().parent
-# Modules only `fastllm serve` loads.
-SERVER = ("entrypoints/openai/",)
+# Modules only `fastllm serve` loads, and the benchmarks' charts.
+EXTRAS = {"entrypoints/openai/": "server", "bench/charts.py": "bench"}
 
 
 def requirement_names(requirements: list[str]) -> set[str]:
@@ -44,12 +44,14 @@ def distributions(module: str, provided_by: dict[str, list[str]]) -> set[str]:
 def test_every_imported_module_is_declared() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     base = requirement_names(project["dependencies"])
-    server = base | requirement_names(project["optional-dependencies"]["server"])
+    extras = project["optional-dependencies"]
     provided_by = importlib.metadata.packages_distributions()
     missing = []
     for path in PACKAGE.rglob("*.py"):
         relative = path.relative_to(PACKAGE).as_posix()
-        declared = server if relative.startswith(SERVER) else base
+        extra = next((name for prefix, name in EXTRAS.items() if relative.startswith(prefix)),
+                     None)
+        declared = base | (requirement_names(extras[extra]) if extra else set())
         for module in imported_modules(path):
             if module in sys.stdlib_module_names or module == "fastllm":
                 continue

@@ -38,6 +38,23 @@ def test_cuda_defaults_are_the_gpu_sizes() -> None:
     assert config.hf_batch_size == 32
 
 
+def test_sections_choose_what_runs_and_what_the_report_says() -> None:
+    config, _ = bench_engine.parse_args([])
+    assert config.sections == bench_engine.SECTIONS
+    config, _ = bench_engine.parse_args(["--sections", "throughput", "prefix"])
+    assert config.sections == ("throughput", "prefix")
+    with pytest.raises(ValueError, match="sections must be some of"):
+        bench_engine.EngineBenchConfig(sections=("speed",))
+    with pytest.raises(SystemExit):  # argparse: not a section
+        bench_engine.parse_args(["--sections", "speed"])
+    report = bench_engine.tables(config, [])
+    left_out = [title for title, text in report.items()
+                if text.endswith("Not run: --sections leaves it out.")]
+    assert len(left_out) == 2 and any("batch_invariant" in title for title in left_out)
+    assert any("on its defaults" in title for title in left_out)
+    assert "not measured in this run" in next(iter(report.values()))
+
+
 def test_bench_engine_writes_rows(bench_run, device: torch.device) -> None:
     models_dir = find_model("qwen3_tokenizer").parent
     document, out = bench_run("engine", engine_args(models_dir, str(device)))

@@ -22,6 +22,15 @@ def models_dir() -> Path:
     return find_model("qwen3_tokenizer").parent
 
 
+def test_rungs_choose_the_ladders_rows() -> None:
+    config, _ = bench_rerank.parse_args([])
+    assert config.rungs == tuple(bench_rerank.RUNGS)
+    config, _ = bench_rerank.parse_args(["--rungs", "fastllm_packed", "fastllm"])
+    assert config.rungs == ("fastllm_packed", "fastllm")
+    with pytest.raises(ValueError, match="rungs must be some of"):
+        bench_rerank.RerankBenchConfig(rungs=())
+
+
 def test_bench_rerank_writes_rows(bench_run, models_dir: Path) -> None:
     # The tiny run the notebooks' test plots too: one run per session serves both.
     document, out = bench_run("rerank", rerank_args(models_dir))

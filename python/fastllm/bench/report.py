@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
 import platform
+import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -14,8 +17,9 @@ import torch
 
 import fastllm
 
-__all__ = ["build_document", "format_cell", "machine_info", "markdown_report", "markdown_table",
-           "publish", "write_json"]
+__all__ = ["build_document", "format_cell", "machine_info", "machine_summary",
+           "markdown_report", "markdown_table", "process_command", "publish", "rows_where",
+           "write_json"]
 
 
 def _cpu_model() -> str:
@@ -53,14 +57,39 @@ def machine_info(device: torch.device | str) -> dict[str, object]:
     return info
 
 
+def machine_summary(machine: Mapping[str, object]) -> str:
+    """One line about the machine of :func:`machine_info`: CPU, threads, builds, device."""
+    about = (f"{machine['cpu']}, {machine['torch_threads']} torch threads, "
+             f"torch {machine['torch']}, fastllm {machine['fastllm']} "
+             f"({machine['fastllm_cpu_capability']}), device {machine['device']}")
+    if "device_name" in machine:
+        about += f" ({machine['device_name']})"
+    return about
+
+
+def process_command() -> str:
+    """The command line of this process, as a shell would take it (``python
+    benchmarks/run_all.py --out results``)."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
+
+
 def build_document(*, benchmark: str, device: torch.device | str, config: object,
                    rows: Sequence[Mapping[str, object]]) -> dict[str, object]:
-    """``{"benchmark", "machine", "config", "rows"}``; a dataclass config is stored as its
-    fields."""
+    """``{"benchmark", "date", "command", "machine", "config", "rows"}``: the date (UTC, ISO
+    8601) and the command line of the process that measured it; a dataclass config is stored
+    as its fields."""
     if dataclasses.is_dataclass(config):
         config = dataclasses.asdict(config)
-    return {"benchmark": benchmark, "machine": machine_info(device), "config": config,
+    return {"benchmark": benchmark,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": process_command(), "machine": machine_info(device), "config": config,
             "rows": list(rows)}
+
+
+def rows_where(document: Mapping[str, object], **match: object) -> list[Mapping[str, object]]:
+    """The document's rows whose keys hold the given values."""
+    return [row for row in document["rows"]
+            if all(row.get(key) == value for key, value in match.items())]
 
 
 def write_json(path: Path, document: Mapping[str, object]) -> None:
@@ -72,13 +101,7 @@ def write_json(path: Path, document: Mapping[str, object]) -> None:
 def markdown_report(document: Mapping[str, object], tables: Mapping[str, str]) -> str:
     """A markdown page: the benchmark's name, one line about the machine, then each table
     under its title."""
-    machine = document["machine"]
-    about = (f"{machine['cpu']}, {machine['torch_threads']} torch threads, "
-             f"torch {machine['torch']}, fastllm {machine['fastllm']} "
-             f"({machine['fastllm_cpu_capability']}), device {machine['device']}")
-    if "device_name" in machine:
-        about += f" ({machine['device_name']})"
-    sections = [f"# {document['benchmark']}", about]
+    sections = [f"# {document['benchmark']}", machine_summary(document["machine"])]
     sections += [f"## {title}\n\n{table}" for title, table in tables.items()]
     return "\n\n".join(sections) + "\n"
 

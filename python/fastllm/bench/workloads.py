@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
@@ -197,11 +198,15 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, benchmark: str,
 
 def parse_model_bench_args(argv: list[str] | None, defaults: Any, *, benchmark: str,
                            description: str, sizes: tuple[str, ...],
-                           models_dir_help: str) -> tuple[Any, Path]:
+                           models_dir_help: str,
+                           choice_lists: Mapping[str, tuple[str, ...]] | None = None
+                           ) -> tuple[Any, Path]:
     """Parses the options of an end-to-end benchmark on a random-weight model: ``--out``,
     ``--dtypes``, an int option per name in ``sizes`` (``--hidden-size`` for ``hidden_size``),
+    a list option per name in ``choice_lists`` (its values some of the choices given),
     ``--device``, ``--models-dir`` and the timer's; returns its config dataclass (of
     ``defaults``' type, the defaults where no option is given) and the output folder."""
+    choice_lists = choice_lists or {}
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, default=Path("results"),
                         help=f"folder for {benchmark}.json and {benchmark}.md "
@@ -211,6 +216,10 @@ def parse_model_bench_args(argv: list[str] | None, defaults: Any, *, benchmark: 
     for name in sizes:
         parser.add_argument("--" + name.replace("_", "-"), type=int,
                             default=getattr(defaults, name), help="default %(default)s")
+    for name, choices in choice_lists.items():
+        parser.add_argument("--" + name.replace("_", "-"), nargs="+", choices=choices,
+                            default=list(getattr(defaults, name)),
+                            help=f"of {', '.join(choices)} (default %(default)s)")
     parser.add_argument("--device", default=defaults.device, help="default %(default)s")
     parser.add_argument("--models-dir", type=Path, default=defaults.models_dir,
                         help=f"{models_dir_help} (default %(default)s)")
@@ -219,6 +228,7 @@ def parse_model_bench_args(argv: list[str] | None, defaults: Any, *, benchmark: 
     config = type(defaults)(dtypes=tuple(args.dtypes), device=args.device,
                             models_dir=str(args.models_dir),
                             timer=TimerConfig.from_arguments(args),
-                            **{name: getattr(args, name) for name in sizes})
+                            **{name: getattr(args, name) for name in sizes},
+                            **{name: tuple(getattr(args, name)) for name in choice_lists})
     return config, args.out
 
