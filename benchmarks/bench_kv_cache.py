@@ -290,7 +290,7 @@ def reuse_rows_of(config: KVCacheBenchConfig, folder: Path) -> list[dict[str, ob
                     chunk_store_memory=2 * config.num_chunks * config.chunk_len
                     * spec.bytes_per_token)
     encode_llm = llm(enable_prefix_caching=False, chunk_store_memory=0)  # keeps no chunk
-    reuse_store = reuse_llm.engine.scheduler.chunk_store
+    reuse_store = reuse_llm.engine.scheduler.chunk_index
     first_token(reuse_llm, chunked)  # fills the store
     misses = reuse_store.misses
     timings = compare({

@@ -160,8 +160,8 @@ def request_attributes() -> set[str]:
 
 def test_only_the_scheduler_writes_requests():
     """Outside the scheduler (and the request's own methods) nothing assigns a request's
-    attributes or calls the methods that change its generation; readers may take its released
-    text (``take_deltas``)."""
+    attributes or calls the methods that change its generation: the output processor reads
+    requests and makes its own state of them."""
     attributes = request_attributes()
     changing = {"append_token", "finish_prompt", "abort", "fail"}
     writers = []
@@ -188,3 +188,13 @@ def test_only_the_scheduler_writes_requests():
                     node.func.attr in changing:
                 writers.append(f"{module}:{node.lineno} .{node.func.attr}()")
     assert not writers, writers
+
+
+def test_the_scheduler_moves_no_kv_tensor():
+    """Block ids and chunk entry ids only: every KV move travels in the step for the workers
+    (vLLM v1's split), so it runs on every tensor-parallel rank."""
+    tree = ast.parse(SOURCES["fastllm.engine.scheduler"].read_text())
+    moves = {"copy_blocks", "read_rows", "write_rows", "k_cache", "v_cache", "slots"}
+    touched = [f"line {node.lineno}: .{node.attr}" for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr in moves]
+    assert not touched, touched

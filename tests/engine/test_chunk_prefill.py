@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 from fastllm import LLM, ChunkedPrompt, SamplingParams
 from fastllm.engine.model_runner import run_step
-from fastllm.kv_cache import ChunkKVStore, PagedKVCache
+from fastllm.kv_cache import ChunkIndex, PagedKVCache
 from fastllm.models import DecoderLM, load_model
 
 ATOL = 1e-4  # float32 logits of a 5-layer model, fastllm vs HF
@@ -145,7 +145,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
 def test_independent_chunks_equal_the_block_attention_reference(stories, model_path):
     hf, _ = stories
     llm = chunked_llm(model_path)
-    store = llm.engine.scheduler.chunk_store
+    store = llm.engine.scheduler.chunk_index
     prefix = [1, *tokens(13, 10)]
     docs = [tokens(n, 11 + n) for n in (9, 16, 5)]
     first = ChunkedPrompt(prefix, docs, tokens(6, 20))
@@ -154,6 +154,7 @@ def test_independent_chunks_equal_the_block_attention_reference(stories, model_p
     first_logprobs(got, hf_logits)
     assert got.outputs[0].token_ids == hf_tokens
     assert (store.hits, store.misses, len(store)) == (0, 3, 3)
+    assert len(llm.engine.executor.worker.chunks) == 3  # the worker holds what the index lists
 
     # The same documents in another order, one twice, after another question: every chunk comes
     # from the store and lands at a new offset; decoding goes on like any sequence.
@@ -214,20 +215,54 @@ def test_chunk_kv_never_enters_the_prefix_cache(stories, model_path):
     first_logprobs(causal, hf(torch.tensor([prompt.token_ids])).logits[0, -1])
 
 
-def test_store_bound_and_errors(model_path):
-    store = ChunkKVStore(max_bytes=3000)
-    k = torch.zeros(5, 10, 4, 8)  # 6400 bytes with v: more than the bound, never kept
-    store.put((1,), (2,), k, k)
-    assert len(store) == 0 and store.nbytes == 0
-    small = torch.zeros(1, 5, 4, 8)  # 640 bytes each, 1280 a pair
-    store.put((1,), (2,), small, small)
-    store.put((1,), (3,), small, small)
-    assert store.get((1,), (2,)) is not None  # (3,) is now the least recently used
-    store.put((1,), (4,), small, small)
-    assert store.get((1,), (3,)) is None and store.get((1,), (2,)) is not None
-    assert store.nbytes <= 3000 and len(store) == 2
+def test_the_index_bound_pins_and_drops(model_path):
+    index = ChunkIndex(max_bytes=3000, bytes_per_token=128)  # 1280 bytes a 10-token chunk
+    chunk = tuple(range(10))
+    big = index.reserve((1,), tuple(range(30)))  # 3840 bytes: past the bound while pinned
+    index.commit(big)
+    assert index.nbytes == 3840 and index.take_drops() == []
+    index.release(big)  # unpinned past the bound: evicted, never found
+    assert index.take_drops() == [big] and index.nbytes == 0
+    assert index.find((1,), tuple(range(30))) is None
+    first = index.reserve((1,), chunk)
+    assert index.find((1,), chunk) is None  # not saved yet
+    index.commit(first)
+    index.release(first)
+    second = index.reserve((2,), chunk)
+    index.commit(second)
+    index.release(second)
+    assert index.find((1,), chunk) == first  # pinned again, and now the most recent
+    index.release(first)
+    third = index.reserve((3,), chunk)  # 3840 > 3000: the least recent unpinned goes
+    assert index.take_drops() == [second] and index.find((2,), chunk) is None
+    # Encoded twice at once: making room evicts the next least recent; the second copy serves
+    # its own pins only, then goes.
+    duplicate = index.reserve((3,), chunk)
+    assert index.take_drops() == [first]
+    index.commit(third)
+    index.commit(duplicate)
+    index.release(duplicate)
+    assert index.take_drops() == [duplicate]
+    index.release(third)
+    assert (index.hits, len(index), index.nbytes) == (1, 1, 1280)
+    assert index.find((3,), chunk) == third
     with pytest.raises(ValueError, match="max_bytes"):
-        ChunkKVStore(max_bytes=-1)
+        ChunkIndex(max_bytes=-1, bytes_per_token=128)
+
+
+def test_a_store_of_no_bytes_encodes_every_time(model_path):
+    """chunk_store_memory=0: each chunk is encoded, used by its request, then dropped on the
+    workers too (the idle step tells them)."""
+    llm = chunked_llm(model_path, chunk_store_memory=0)
+    prompt = ChunkedPrompt([1, *tokens(5, 80)], [tokens(7, 81), tokens(9, 82)], tokens(3, 83))
+    outputs = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2)]
+    assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    index = llm.engine.scheduler.chunk_index
+    assert (index.hits, index.misses, len(index)) == (0, 4, 0)
+    assert len(llm.engine.executor.worker.chunks) == 0
+
+
+def test_errors(model_path):
     with pytest.raises(ValueError, match="non-empty suffix"):
         ChunkedPrompt([1], [[2]], [])
     with pytest.raises(ValueError, match="chunk 1 is empty"):
@@ -237,3 +272,24 @@ def test_store_bound_and_errors(model_path):
         plain.generate([ChunkedPrompt([1], [[2]], [3])], use_tqdm=False)
     with pytest.raises(ValueError, match="chunk_store_memory"):
         LLM(model_path("stories260K_hf"), chunk_store_memory=-1)
+
+
+def test_two_ranks_serve_chunked_prompts(model_path):
+    """Every rank loads, saves and forgets its heads' chunk encodings as the steps say: two
+    ranks give one process's greedy tokens, chunks encoded and then found in the store."""
+    prefix = [1, *tokens(9, 90)]
+    docs = [tokens(n, 91 + n) for n in (6, 13)]
+    prompts = [ChunkedPrompt(prefix, docs, tokens(4, 95)),
+               ChunkedPrompt(prefix, docs[::-1], tokens(3, 96)), [1, *tokens(12, 97)]]
+    expected = [out.outputs[0].token_ids for out in
+                chunked_llm(model_path).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = chunked_llm(model_path, tensor_parallel_size=2)
+    index = llm.engine.scheduler.chunk_index
+    try:
+        for round_hits in (0, 4):  # the second time, every chunk comes from the ranks' stores
+            misses = index.misses
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            assert [out.outputs[0].token_ids for out in outputs] == expected
+            assert index.hits == round_hits and (index.misses > misses) == (round_hits == 0)
+    finally:
+        llm.shutdown()

@@ -142,8 +142,6 @@ def test_a_model_the_ranks_cannot_split_is_refused(tmp_path, model_path):
         LLM(folder, tokenizer=model_path("stories260K_hf"), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(folder, tokenizer=model_path("stories260K_hf"), tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="chunk_store_memory"):
-        LLM(model_path("stories260K_hf"), tensor_parallel_size=2, chunk_store_memory=0)
 
 
 TORCHRUN_SCRIPT = """

@@ -26,8 +26,8 @@ What is exact and what is not:
 
 The engine runs such a prompt as a request like any other (``LLM.generate`` takes a
 ``ChunkedPrompt``), batched with ordinary ones; its scheduler encodes the chunks the
-:class:`~fastllm.kv_cache.ChunkKVStore` lacks and places every chunk's K/V in the request's
-blocks.
+:class:`~fastllm.kv_cache.ChunkIndex` lacks and has the workers load every chunk's K/V into the
+request's blocks.
 """
 
 from __future__ import annotations

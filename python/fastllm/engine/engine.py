@@ -32,7 +32,7 @@ from fastllm.engine.scheduler_output import (ModelRunnerOutput, SchedulerOutput,
                                              request_error)
 from fastllm.engine.speculative import SpeculativeConfig
 from fastllm.engine.structured_output import GrammarCompiler
-from fastllm.kv_cache import ChunkKVStore
+from fastllm.kv_cache import ChunkIndex
 from fastllm.models.pool import resolve_dtype
 from fastllm.tokenizer import Tokenizer
 
@@ -112,7 +112,6 @@ class EngineStats:
     preemptions: int = 0
     peak_kv_usage: float = 0.0  # the largest fraction of KV blocks held by running requests
     step_s: float = 0.0  # wall time in step()
-    detokenize_s: float = 0.0  # of which: detokenization and stop checks
     prefix_cache_hits: int = 0  # prompt blocks reused (the block manager's counters)
     prefix_cache_queries: int = 0
     num_draft_tokens: int = 0  # speculative decoding: drafts verified
@@ -143,7 +142,7 @@ class Engine:
     ``fastllm.AsyncLLM`` hold a lock around it)."""
 
     def __init__(self, executor: Executor, tokenizer: Tokenizer, config: EngineConfig,
-                 max_model_len: int, chunk_store: ChunkKVStore | None = None) -> None:
+                 max_model_len: int, chunk_index: ChunkIndex | None = None) -> None:
         model, kv_cache = executor.model, executor.kv_cache
         self.executor, self.tokenizer = executor, tokenizer
         self.config = config
@@ -169,7 +168,7 @@ class Engine:
             kv_cache, SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                       max_num_batched_tokens=config.max_num_batched_tokens,
                                       max_prefill_chunk=config.max_prefill_chunk),
-            max_model_len, chunk_store)
+            max_model_len, chunk_index)
         self._grammars: GrammarCompiler | None = None  # built for the first constrained request
 
     # ---- requests ----------------------------------------------------------------------------
@@ -222,7 +221,8 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Schedules and runs one step; returns the requests that got a token or finished
-        (their new text is in ``take_deltas()``; finished ones have left the engine).
+        (their text is the output processor's to make; finished ones have left the
+        engine).
 
         A request that fails in the step fails alone (:meth:`fail_request`): when the model
         step raises, each request's share is run again alone; when sampling raises, each row is
@@ -238,11 +238,9 @@ class Engine:
         updated: list[Request] = []
         with torch.inference_mode(), ops.batch_invariant(self.config.batch_invariant):
             parts = self._execute(step, updated)
-        taking = time.perf_counter()
         for part, output in parts:
             updated += self.scheduler.update_from_output(part, output)
             self.stats.propose_s += output.propose_s
-        self.stats.detokenize_s += time.perf_counter() - taking
         self.stats.steps += 1
         self.stats.scheduled_tokens += step.num_tokens
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.scheduler.usage)
@@ -291,12 +289,12 @@ class Engine:
             self.scheduler.fail_request(request, error)
 
     def _release_finished(self) -> None:
-        """Once the engine is idle, tells the workers at once which requests left (while it
-        runs, the next step tells them)."""
+        """Once the engine is idle, tells the workers at once which requests left and which
+        chunk encodings to forget (while it runs, the next step tells them)."""
         if not self.scheduler.has_unfinished():
-            finished = self.scheduler.take_finished_ids()
-            if finished:
+            step = self.scheduler.idle_step()
+            if step is not None:
                 try:
-                    self.executor.execute_model(SchedulerOutput.empty(finished))
+                    self.executor.execute_model(step)
                 except ExecutorError:
                     pass  # nothing is kept on ranks that stopped

@@ -125,6 +125,7 @@ class ParallelConfig:
         max_num_seqs, enforce_eager: the engine's.
         batch_invariant: every rank runs its steps under :func:`fastllm.ops.batch_invariant`.
         block_size, cache_dtype: each rank's KV cache blocks.
+        pre_rope: each rank's KV cache holds keys before RoPE (independent-chunk prompts).
     """
 
     model: str
@@ -137,6 +138,7 @@ class ParallelConfig:
     batch_invariant: bool
     block_size: int
     cache_dtype: torch.dtype
+    pre_rope: bool = False
 
     def __post_init__(self) -> None:
         size = self.tensor_parallel_size
@@ -196,7 +198,8 @@ def _rank_worker(config: ParallelConfig, rank: int, model: DecoderLM, max_model_
     model.reserve_positions(max_model_len)
     spec = model.kv_cache_spec(config.block_size, config.cache_dtype)
     kv_cache = PagedKVCache(spec, num_blocks, device=config.device(rank),
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching,
+                            pre_rope=config.pre_rope)
     return make_worker(model, kv_cache, max_model_len=max_model_len,
                        max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
                        speculative=speculative, samples=rank == 0)

@@ -19,9 +19,14 @@ recomputed (its prompt and the tokens it had generated, often from the prefix ca
 
 A :class:`~fastllm.engine.chunked_prompt.ChunkedPrompt` request runs in three phases: its prefix
 (ordinary prefill, through the prefix cache), then the chunks the
-:class:`~fastllm.kv_cache.ChunkKVStore` lacks, each encoded in a fork of the prefix (a short-lived
-sequence of its own, batched like any other), then every chunk's K/V copied into the request's
-blocks and the rest (suffix, and output after a preemption) prefilled over them.
+:class:`~fastllm.kv_cache.ChunkIndex` lacks, each encoded in a fork of the prefix (a short-lived
+sequence of its own, batched like any other, whose last step saves its K/V in the store), then
+every chunk's K/V loaded into the request's blocks and the rest (suffix, and output after a
+preemption) prefilled over them.
+
+The scheduler moves no KV tensor: it holds block ids and chunk entry ids, and each move (a
+copy-on-write block copy, a chunk encoding saved, loaded or forgotten) travels with the step's
+sequences for every worker to run on its own cache.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from fastllm.engine.scheduler_output import (ModelRunnerOutput, SampledLogprobs,
                                              ScheduledSequence, SchedulerOutput, layout_batch,
                                              request_error)
 from fastllm.engine.structured_output import GrammarMatcher, grammar_bitmask
-from fastllm.kv_cache import ChunkKVStore, KVCacheFullError, PagedKVCache
+from fastllm.kv_cache import ChunkIndex, KVCacheFullError, PagedKVCache, cache_slots
 
 __all__ = ["Scheduler", "SchedulerConfig"]
 
@@ -61,25 +66,32 @@ class SchedulerConfig:
 @dataclass
 class _ChunkJob:
     """Where a chunked-prompt request stands. ``encoders``: chunk -> the sequence encoding it;
-    ``found``: chunk -> its (K, V); ``placed``: the chunks' K/V sit in the request's blocks."""
+    ``saving``: chunk -> the index entry its encoder's last step saves into; ``found``: chunk
+    -> its stored entry (pinned until the request leaves); ``placed``: the chunks' K/V sit in
+    the request's blocks."""
 
     encoders: dict[tuple[int, ...], int] = field(default_factory=dict)
-    found: dict[tuple[int, ...], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    saving: dict[tuple[int, ...], int] = field(default_factory=dict)
+    found: dict[tuple[int, ...], int] = field(default_factory=dict)
     started: bool = False  # encoders were set up (or every chunk was found) since admission
     placed: bool = False
 
 
 class Scheduler:
     """Owns the waiting and running requests, the paged KV cache's block manager and the chunk
-    store; not thread-safe (the engine's caller holds a lock)."""
+    index; not thread-safe (the engine's caller holds a lock)."""
 
     def __init__(self, kv_cache: PagedKVCache, config: SchedulerConfig, max_model_len: int,
-                 chunk_store: ChunkKVStore | None = None) -> None:
+                 chunk_index: ChunkIndex | None = None) -> None:
         self.kv_cache = kv_cache
         self.block_manager = kv_cache.block_manager
         self.config = config
         self.max_model_len = max_model_len
-        self.chunk_store = chunk_store
+        self.chunk_index = chunk_index
+        # Moves for the workers' next step: copy-on-write copies (seq id, src, dst), and chunk
+        # encodings each sequence loads before it runs.
+        self._block_copies: list[tuple[int, int, int]] = []
+        self._chunk_loads: dict[int, list[tuple[int, Tensor]]] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -113,7 +125,7 @@ class Scheduler:
             if request.prompt_logprobs is not None:
                 raise ValueError(f"request {request.request_id}: prompt_logprobs need a plain "
                                  "prompt, not independent chunks")
-            if not self.kv_cache.pre_rope or self.chunk_store is None:
+            if not self.kv_cache.pre_rope or self.chunk_index is None:
                 raise ValueError(f"request {request.request_id}: independent chunks need a "
                                  "position-independent KV cache and a chunk store (LLM(..., "
                                  "chunk_store_memory=...))")
@@ -141,6 +153,13 @@ class Scheduler:
         self._remove(request)
         request.fail(error)
 
+    def idle_step(self) -> SchedulerOutput | None:
+        """With nothing to run: the step that tells the workers which requests left and which
+        chunk encodings to forget, if any."""
+        finished = self.take_finished_ids()
+        drops = self.chunk_index.take_drops() if self.chunk_index is not None else []
+        return SchedulerOutput.empty(finished, drops) if finished or drops else None
+
     def take_finished_ids(self) -> list[str]:
         """The ids of requests that left since the last step and that a step showed the
         workers (what they keep of them can go)."""
@@ -159,7 +178,10 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
-        self._chunk_jobs.pop(request, None)
+        job = self._chunk_jobs.pop(request, None)
+        if job is not None:
+            for entry_id in job.found.values():
+                self.chunk_index.release(entry_id)
         request.draft_token_ids = []
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
@@ -183,12 +205,20 @@ class Scheduler:
         job = self._chunk_jobs.get(request)
         if job is not None:
             for encoder in job.encoders.values():
-                self.block_manager.free(encoder)
+                self._free(encoder)
+            for entry_id in job.saving.values():  # never saved: abandoned
+                self.chunk_index.release(entry_id)
             job.encoders.clear()
+            job.saving.clear()
             job.started = job.placed = False
         if request.seq_id is not None:
-            self.block_manager.free(request.seq_id)
+            self._free(request.seq_id)
             request.seq_id = None
+
+    def _free(self, seq_id: int) -> None:
+        self.block_manager.free(seq_id)
+        self._block_copies = [c for c in self._block_copies if c[0] != seq_id]
+        self._chunk_loads.pop(seq_id, None)
 
     def _preempt(self, request: Request) -> None:
         """Frees the request's blocks and queues it first, to be recomputed."""
@@ -212,8 +242,8 @@ class Scheduler:
                     return False
 
     def _append(self, seq_id: int, tokens: Sequence[int], cacheable: bool = True) -> None:
-        self.kv_cache.copy_blocks(self.block_manager.append_tokens(seq_id, list(tokens),
-                                                                   cacheable=cacheable))
+        copies = self.block_manager.append_tokens(seq_id, list(tokens), cacheable=cacheable)
+        self._block_copies += [(seq_id, src, dst) for src, dst in copies]
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -254,6 +284,7 @@ class Scheduler:
                     if manager.num_computed_tokens(encoder) < len(tokens):
                         scheduled.append(self._prefill(encoder, tokens, budget, None))
                         budget -= len(scheduled[-1].token_ids)
+                        self._save_when_done(request, job, chunk, scheduled[-1], len(tokens))
                 return scheduled
         sequence = self._prefill(request.seq_id, request.all_token_ids, budget,
                                  self._logit_ids(request))
@@ -291,6 +322,20 @@ class Scheduler:
         sequence.token_ids += drafts
         sequence.num_draft_tokens = len(drafts)
 
+    def _save_when_done(self, request: Request, job: _ChunkJob, chunk: tuple[int, ...],
+                        sequence: ScheduledSequence, end: int) -> None:
+        """Has the workers save the chunk's encoding when ``sequence`` (its encoder's share of
+        this step) completes it."""
+        if sequence.start + len(sequence.token_ids) < end:
+            return
+        prefix = request.chunked_prompt.prefix
+        entry_id = job.saving.get(chunk)
+        if entry_id is None:
+            entry_id = job.saving[chunk] = self.chunk_index.reserve(prefix, chunk)
+        slots = cache_slots(self.block_manager.block_table(sequence.seq_id),
+                            self.block_manager.block_size, len(prefix), end)
+        sequence.chunk_save = (entry_id, torch.tensor(slots, dtype=torch.int64))
+
     def _prefill(self, seq_id: int, tokens: Sequence[int], budget: int,
                  logit_ids: None | str | tuple[int, ...]) -> ScheduledSequence:
         """The next tokens of ``seq_id`` not computed yet, within the budget; they give
@@ -307,9 +352,9 @@ class Scheduler:
         for chunk in dict.fromkeys(prompt.chunks):
             if chunk in job.found:
                 continue
-            kv = self.chunk_store.get(prompt.prefix, chunk)
-            if kv is not None:
-                job.found[chunk] = kv
+            entry_id = self.chunk_index.find(prompt.prefix, chunk)
+            if entry_id is not None:
+                job.found[chunk] = entry_id
                 continue
             encoder = next(self._encoder_ids)
 
@@ -318,7 +363,7 @@ class Scheduler:
                 try:
                     self._append(encoder, chunk, cacheable=False)
                 except BaseException:
-                    self.block_manager.free(encoder)
+                    self._free(encoder)
                     raise
 
             if not self._with_blocks(request, fork_and_append):
@@ -328,8 +373,8 @@ class Scheduler:
         return True
 
     def _place_chunks(self, request: Request, job: _ChunkJob) -> bool:
-        """Copies every chunk's K/V to the positions it occupies, then appends the rest of the
-        request's tokens; False when the request was preempted for blocks."""
+        """Has the workers load every chunk's K/V at the positions it occupies, then appends
+        the rest of the request's tokens; False when the request was preempted for blocks."""
         prompt = request.chunked_prompt
         seq_id = request.seq_id
         all_chunks = list(itertools.chain.from_iterable(prompt.chunks))
@@ -338,10 +383,14 @@ class Scheduler:
             if not self._with_blocks(request, lambda: self._append(seq_id, all_chunks,
                                                                   cacheable=False)):
                 return False
-            slots = self.kv_cache.slots(seq_id, start, start + len(all_chunks))
-            k = torch.cat([job.found[chunk][0] for chunk in prompt.chunks], dim=1)
-            v = torch.cat([job.found[chunk][1] for chunk in prompt.chunks], dim=1)
-            self.kv_cache.write_rows(slots, k, v)
+            table = self.block_manager.block_table(seq_id)
+            loads = self._chunk_loads.setdefault(seq_id, [])
+            at = start
+            for chunk in prompt.chunks:
+                slots = cache_slots(table, self.block_manager.block_size, at, at + len(chunk))
+                loads.append((job.found[chunk], torch.tensor(slots, dtype=torch.int64)))
+                at += len(chunk)
+            # Computed once loaded: the loads come before the model in the request's next step.
             self.block_manager.mark_computed(seq_id, start + len(all_chunks))
         rest = request.all_token_ids[start + len(all_chunks):]  # the suffix, then any output
         if not self._with_blocks(request, lambda: self._append(seq_id, rest, cacheable=False)):
@@ -404,6 +453,7 @@ class Scheduler:
             return None
         for sequence, request in zip(sequences, owners):
             sequence.request_id = request.request_id
+            sequence.chunk_loads = self._chunk_loads.pop(sequence.seq_id, [])
         return self._layout(sequences, self.take_finished_ids())
 
     def _layout(self, sequences: list[ScheduledSequence],
@@ -412,6 +462,12 @@ class Scheduler:
         they see for the first time and the grammar masks of constrained ones."""
         step = layout_batch(self.block_manager, sequences)
         step.finished_request_ids = finished_ids
+        # Every pending copy, scheduled sequence or not: a copy's source is read before any
+        # later step can write it.
+        step.block_copies = [(src, dst) for _, src, dst in self._block_copies]
+        self._block_copies = []
+        if self.chunk_index is not None:
+            step.chunk_drops = self.chunk_index.take_drops()
         sampling = [self._requests[s.request_id] for s in sequences if s.samples]
         for request in sampling:
             if request.request_id not in self._shown:
@@ -433,6 +489,10 @@ class Scheduler:
         for request_id, sequences in groups.items():
             part = layout_batch(self.block_manager, sequences)
             part.finished_request_ids = step.finished_request_ids
+            # The first part copies again (the failed step copied before its model raised, and
+            # nothing ran since); a later one must not, over what the parts before it wrote.
+            if not parts:
+                part.block_copies, part.chunk_drops = step.block_copies, step.chunk_drops
             part.new_requests = [r for r in step.new_requests if r.request_id == request_id]
             if request_id in step.constrained_request_ids:
                 row = step.constrained_request_ids.index(request_id)
@@ -520,28 +580,25 @@ class Scheduler:
             return False
         try:
             request.append_token(token, logprobs)
-        except Exception as error:  # e.g. its tokenizer cannot decode the token
+        except Exception as error:  # e.g. its grammar refuses the token
             self.fail_request(request, request_error(
                 f"this request's token {token} cannot be added", error))
             return False
         return True
 
     def _store_chunks(self, request: Request) -> None:
-        """Stores the chunk encodings of the request that are now computed, then frees their
-        encoders."""
-        manager = self.block_manager
+        """Commits the chunk encodings the workers saved in the step (the request's encoders
+        that are now computed), then frees their encoders."""
         job = self._chunk_jobs.get(request)
         if job is None or not job.encoders:
             return
         prefix = request.chunked_prompt.prefix
         for chunk, encoder in list(job.encoders.items()):
-            end = len(prefix) + len(chunk)
-            if manager.num_computed_tokens(encoder) < end:
+            if self.block_manager.num_computed_tokens(encoder) < len(prefix) + len(chunk):
                 continue
-            k, v = self.kv_cache.read_rows(self.kv_cache.slots(encoder, len(prefix), end))
-            job.found[chunk] = (k, v)
-            self.chunk_store.put(prefix, chunk, k, v)
-            manager.free(encoder)
+            entry_id = job.found[chunk] = job.saving.pop(chunk)
+            self.chunk_index.commit(entry_id)
+            self._free(encoder)
             del job.encoders[chunk]
 
     def _settle_drafts(self, request: Request, sequence: ScheduledSequence,

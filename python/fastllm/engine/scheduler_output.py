@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fastllm.kv_cache import BlockManager
+from fastllm.kv_cache import BlockManager, cache_slots
 from fastllm.sampling import SamplingParams
 
 __all__ = ["ModelRunnerOutput", "NewRequest", "SampledLogprobs", "ScheduledSequence",
@@ -45,6 +45,11 @@ class ScheduledSequence:
             ``num_prompt_logprobs`` most likely alternatives.
         num_pool_rows: rows from ``pool_row`` on whose final hidden states are summed for a
             pooled embedding.
+        chunk_loads: ``(entry id, int64 slots)`` stored chunk encodings
+            (:class:`~fastllm.kv_cache.ChunkIndex`) the workers write at these cache slots before
+            the step.
+        chunk_save: ``(entry id, int64 slots)``: the K/V at these slots, which this step
+            completes, the workers keep under the id once it ran.
     """
 
     seq_id: int
@@ -59,6 +64,8 @@ class ScheduledSequence:
     num_prompt_logprobs: int = 0
     pool_row: int = 0
     num_pool_rows: int = 0
+    chunk_loads: list[tuple[int, Tensor]] = field(default_factory=list)
+    chunk_save: tuple[int, Tensor] | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -96,9 +103,16 @@ class SchedulerOutput:
         grammar_bitmask: int32 ``[n, words]`` the allowed tokens of each constrained request
             in ``constrained_request_ids`` (its row of this step), or None.
         constrained_request_ids: the requests ``grammar_bitmask``'s rows belong to.
+        block_copies: ``(src, dst)`` blocks the workers copy on every layer's K and V before the
+            step (copy-on-write: a sequence appended into a block it shared).
+        chunk_drops: stored chunk encodings the workers forget (evicted from the index).
         started: when the engine began the step (``time.perf_counter()`` in the process that
             samples; 0 unknown): speculative decoding's step costs count the scheduling too,
             as a step costs its caller.
+
+    Every move of KV tensors is here, for each worker to run on its own cache: ``chunk_drops``,
+    ``block_copies`` and the sequences' ``chunk_loads`` before the model, their ``chunk_save``
+    after it. The scheduler moves none itself.
     """
 
     sequences: list[ScheduledSequence]
@@ -110,6 +124,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Tensor | None = None
     constrained_request_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    chunk_drops: list[int] = field(default_factory=list)
     started: float = 0.0
 
     @property
@@ -129,11 +145,14 @@ class SchedulerOutput:
         return sum(1 + s.num_draft_tokens for s in self.sequences if s.samples)
 
     @classmethod
-    def empty(cls, finished_request_ids: Sequence[str]) -> SchedulerOutput:
-        """A step that runs nothing and only tells the runner which requests left."""
+    def empty(cls, finished_request_ids: Sequence[str],
+              chunk_drops: Sequence[int] = ()) -> SchedulerOutput:
+        """A step that runs nothing and only tells the workers which requests left and which
+        chunk encodings to forget."""
         return cls([], torch.zeros(0, 0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
                    torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
-                   finished_request_ids=list(finished_request_ids))
+                   finished_request_ids=list(finished_request_ids),
+                   chunk_drops=list(chunk_drops))
 
 
 @dataclass
@@ -180,15 +199,12 @@ def layout_batch(block_manager: BlockManager,
     """The step of ``sequences`` (which hold their new tokens in the block manager): block
     tables, slot mapping, positions and key counts."""
     block_tables = block_manager.block_tables([s.seq_id for s in sequences])  # [B, W]
-    block_size = block_manager.block_size
-    # Plain Python over the host lists: a decode step's batch is a few values, where each tensor
-    # op would cost microseconds.
     positions: list[int] = []
     slots: list[int] = []
     for table, sequence in zip(block_tables.tolist(), sequences):
-        span = range(sequence.start, sequence.start + len(sequence.token_ids))
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        end = sequence.start + len(sequence.token_ids)
+        positions.extend(range(sequence.start, end))
+        slots.extend(cache_slots(table, block_manager.block_size, sequence.start, end))
     seq_lens = [s.start + len(s.token_ids) for s in sequences]
     return SchedulerOutput(sequences=sequences, block_tables=block_tables,
                            slot_mapping=torch.tensor(slots, dtype=torch.int64),

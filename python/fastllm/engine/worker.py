@@ -9,7 +9,9 @@ requests that speculate. It keeps what sampling needs of each request (penalty c
 tokens a proposer reads, the adaptive draft length) from the request's first step until the
 scheduler says it left.
 
-The host waits for the device once per step, for the sampled ids. A step's host data (the
+Every move of KV tensors runs here, on each rank's own cache, from the step's fields (block
+copies, chunk encodings loaded, saved and forgotten): the scheduler holds block and entry ids
+only. The host waits for the device once per step, for the sampled ids. A step's host data (the
 model's inputs and the sampler's parameters) reach the device in one copy, and its samples come
 back in one.
 """
@@ -30,7 +32,7 @@ from fastllm.engine.scheduler_output import (ModelRunnerOutput, NewRequest, Samp
                                              ScheduledSequence, SchedulerOutput, request_error)
 from fastllm.engine.speculative import (DraftLength, DraftModelProposer, NgramProposer,
                                         SpeculativeConfig, StepCosts, accepted_length)
-from fastllm.kv_cache import PagedKVCache
+from fastllm.kv_cache import ChunkKVStore, PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.models.pool import load
 from fastllm.ops.host_to_device import StagingBuffer, to_host
@@ -94,6 +96,7 @@ class Worker:
         self.samples = samples
         self.speculative = speculative
         self.requests: dict[str, RunnerRequest] = {}
+        self.chunks = ChunkKVStore()  # this rank's share of the stored chunk encodings
         # Constrained rows' bitmasks: sent once the model step is queued, in a copy of their own.
         self._mask_staging = StagingBuffer(self.device)
         self.proposer = self._make_proposer(speculative) if samples else None
@@ -121,11 +124,13 @@ class Worker:
         """Runs the step; without ``samples``, the model alone (its output is empty)."""
         started = step.started or time.perf_counter()
         self._update_requests(step)
+        self._move_kv(step)
         output = ModelRunnerOutput()
         if not step.sequences:
             return output
         if not self.samples:
             self.runner.execute(step)
+            self._save_chunks(step)
             return output
         sampling = [(self.requests[s.request_id], s) for s in step.sequences if s.samples]
         # The sampler's inputs travel with the model's, in the step's one copy.
@@ -136,6 +141,7 @@ class Worker:
                 self.vocab_size, dtype=torch.bool)
             mask[request.all_token_ids[:request.num_prompt_tokens]] = True
         logits = self.runner.execute(step, inputs)
+        self._save_chunks(step)
         for request in masking:  # the staged copy lasts one step
             request.prompt_mask = logits.extra[f"prompt_mask {request.request_id}"].clone()
         output.scores = logits.scores
@@ -161,6 +167,22 @@ class Worker:
                                              time.perf_counter() - started)
             output.propose_s += self._propose([request for request, _ in sampling], output)
         return output
+
+    def _move_kv(self, step: SchedulerOutput) -> None:
+        """The step's moves of KV that come before the model: chunk encodings forgotten,
+        copy-on-write block copies, then stored chunk encodings written where they now sit."""
+        self.chunks.drop(step.chunk_drops)
+        self.kv_cache.copy_blocks(step.block_copies)
+        for sequence in step.sequences:
+            for entry_id, slots in sequence.chunk_loads:
+                self.kv_cache.write_rows(slots.to(self.device), *self.chunks.load(entry_id))
+
+    def _save_chunks(self, step: SchedulerOutput) -> None:
+        """Keeps the chunk encodings the model step completed (their K/V copied out)."""
+        for sequence in step.sequences:
+            if sequence.chunk_save is not None:
+                entry_id, slots = sequence.chunk_save
+                self.chunks.save(entry_id, *self.kv_cache.read_rows(slots.to(self.device)))
 
     def _update_requests(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:

@@ -21,11 +21,12 @@ from fastllm.engine import Engine, EngineConfig
 from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.executor import (Executor, MultiprocExecutor, ParallelConfig,
                                      UniProcExecutor, make_worker)
+from fastllm.engine.output_processor import OutputProcessor, RequestState
 from fastllm.engine.request import Request
 from fastllm.gc_pause import collector_paused
 from fastllm.gguf_file import GGUFFileReader
 from fastllm.hub import resolve_model, resolve_tokenizer
-from fastllm.kv_cache import (ChunkKVStore, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
+from fastllm.kv_cache import (ChunkIndex, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
                               plan_pool)
 from fastllm.models import DecoderLM
 from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
@@ -127,9 +128,6 @@ class EngineClient:
                 loaded, kv_cache, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 enforce_eager=enforce_eager, speculative=engine_config.speculative))
         else:
-            if chunk_store_memory is not None:
-                raise ValueError("chunk_store_memory: independent-chunk prompts run on one "
-                                 "device; tensor_parallel_size must be 1")
             torch_dtype = resolve_dtype(dtype)
             executor = MultiprocExecutor(
                 ParallelConfig(model=str(model), dtype=torch_dtype, quantization=quantization,
@@ -137,23 +135,26 @@ class EngineClient:
                                tensor_parallel_size=tensor_parallel_size,
                                max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
                                batch_invariant=batch_invariant, block_size=block_size,
-                               cache_dtype=engine_config.cache_dtype(torch_dtype)),
+                               cache_dtype=engine_config.cache_dtype(torch_dtype),
+                               pre_rope=chunk_store_memory is not None),
                 self._plan_cache, enable_prefix_caching=enable_prefix_caching,
                 speculative=engine_config.speculative)
         self.model, self.kv_cache = executor.model, executor.kv_cache
         self.max_model_len = executor.worker.max_model_len
         self.vocab_size = self.model.config.vocab_size
-        chunk_store = None if chunk_store_memory is None else ChunkKVStore(chunk_store_memory)
+        chunk_index = None if chunk_store_memory is None else \
+            ChunkIndex(chunk_store_memory, self.kv_cache.spec.bytes_per_token)
         try:
             with collector_paused():
                 self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else \
                     Tokenizer.from_pretrained(model if tokenizer is None else tokenizer,
                                               gguf_reader)
             self.engine = Engine(executor, self.tokenizer, engine_config, self.max_model_len,
-                                 chunk_store)
+                                 chunk_index)
         except BaseException:
             executor.shutdown()
             raise
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.lock = threading.RLock()  # one engine step at a time, whichever thread asks
         self._request_counter = itertools.count()
 
@@ -227,7 +228,7 @@ class EngineClient:
             params.check_vocab(self.vocab_size)
             text, token_ids = self._prompt_ids(prompt)
             requests.append(Request(
-                str(next(self._request_counter)), text, token_ids, params, self.tokenizer,
+                str(next(self._request_counter)), text, token_ids, params,
                 self.tokenizer.eos_token_ids, self.max_model_len,
                 chunked_prompt=prompt if isinstance(prompt, ChunkedPrompt) else None))
         return requests
@@ -240,8 +241,8 @@ class EngineClient:
         if not 0 < len(token_ids) <= self.max_model_len:
             raise ValueError(f"a scored prompt needs 1 to max_model_len={self.max_model_len} "
                              f"tokens, got {len(token_ids)}")
-        return Request(str(next(self._request_counter)), None, token_ids, SamplingParams(),
-                       self.tokenizer, (), self.max_model_len, score_token_ids=score_token_ids)
+        return Request(str(next(self._request_counter)), None, token_ids, SamplingParams(), (),
+                       self.max_model_len, score_token_ids=score_token_ids)
 
     def make_embedding_requests(self, prompts: PromptType | Sequence[PromptType],
                                 pooling: str) -> list[Request]:
@@ -255,8 +256,8 @@ class EngineClient:
                 raise TypeError("an embedding's prompt is text or token ids, not a "
                                 "ChunkedPrompt")
             requests.append(Request(request.request_id, request.prompt,
-                                    request.prompt_token_ids, request.params, self.tokenizer,
-                                    (), self.max_model_len, pooling=pooling))
+                                    request.prompt_token_ids, request.params, (),
+                                    self.max_model_len, pooling=pooling))
         return requests
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -295,6 +296,12 @@ class EngineClient:
 
     # ---- driving the engine ------------------------------------------------------------------
 
+    def follow(self, requests: Sequence[Request]) -> list[RequestState]:
+        """What callers see of generating requests (their text, deltas, logprobs, how they
+        ended): the output processor's states, fed by every step from now on."""
+        with self.lock:
+            return [self.output_processor.add(request) for request in requests]
+
     def add(self, requests: Sequence[Request]) -> None:
         """Queues requests in the engine, all or none."""
         with self.lock:
@@ -309,16 +316,36 @@ class EngineClient:
         """Ends requests a caller no longer waits for (an error, or a stream closed early),
         freeing their KV blocks."""
         with self.lock:
-            for request in requests:
-                if not request.finished:
+            unfinished = [request for request in requests if not request.finished]
+            for request in unfinished:
+                self.engine.abort_request(request)
+            self.output_processor.process(unfinished)
+
+    def fail_request(self, request: Request, error: Exception) -> None:
+        """Ends a request on an error of its own (finish_reason "error"), freeing its KV."""
+        with self.lock:
+            self.engine.fail_request(request, error)
+            self.output_processor.process([request])
+
+    def step(self) -> list[Request]:
+        """One engine step, then its outputs processed: a request whose text hit a stop
+        string (or could not be made text) is ended in the engine before the next step.
+        Returns the requests the step updated."""
+        with self.lock:
+            updated = self.engine.step()
+            for request, error in self.output_processor.process(updated):
+                if error is None:
                     self.engine.abort_request(request)
+                else:
+                    self.engine.fail_request(request, error)
+            return updated
 
     def step_until(self, done: Callable[[], bool]) -> bool:
         """One engine step unless ``done()`` already holds (checked under the lock, so a step
         another thread ran counts); returns ``done()`` after it."""
         with self.lock:
             if not done():
-                self.engine.step()
+                self.step()
             return done()
 
     def run(self, requests: Sequence[Request],

@@ -4,7 +4,7 @@ The engine's scheduler is the one caller of the block manager; models only read 
 through the attention metadata the runner builds.
 """
 
-from fastllm.kv_cache.chunk_store import ChunkKVStore
+from fastllm.kv_cache.chunk_store import ChunkIndex, ChunkKVStore
 from fastllm.kv_cache.paged_cache import (
     BlockManager,
     KVCacheFullError,
@@ -13,11 +13,12 @@ from fastllm.kv_cache.paged_cache import (
     PagedKVCache,
     StaticKVCache,
     cache_dtype_serves,
+    cache_slots,
     default_kv_cache_memory,
     plan_pool,
     zeros_pool,
 )
 
-__all__ = ["BlockManager", "ChunkKVStore", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan",
-           "PagedKVCache", "StaticKVCache", "cache_dtype_serves", "default_kv_cache_memory",
-           "plan_pool", "zeros_pool"]
+__all__ = ["BlockManager", "ChunkIndex", "ChunkKVStore", "KVCacheFullError", "KVCacheSpec",
+           "KVPoolPlan", "PagedKVCache", "StaticKVCache", "cache_dtype_serves", "cache_slots",
+           "default_kv_cache_memory", "plan_pool", "zeros_pool"]

@@ -21,8 +21,8 @@ from fastllm import _C
 from fastllm.ops.host_to_device import to_device
 
 __all__ = ["BlockManager", "KVCacheFullError", "KVCacheSpec", "KVPoolPlan", "PagedKVCache",
-           "StaticKVCache", "cache_dtype_serves", "default_kv_cache_memory", "plan_pool",
-           "zeros_pool"]
+           "StaticKVCache", "cache_dtype_serves", "cache_slots", "default_kv_cache_memory",
+           "plan_pool", "zeros_pool"]
 
 BlockManager = _C.BlockManager
 KVCacheFullError = _C.KVCacheFullError
@@ -253,6 +253,13 @@ class StaticKVCache:
         self._lengths[batch_index] = 0
 
 
+def cache_slots(block_table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """The cache slots (``block * block_size + offset``) of positions ``[start, end)`` of a
+    sequence whose blocks are ``block_table``: plain Python, for the few positions of a step,
+    where each tensor op would cost microseconds."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def zeros_pool(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Tensor:
     """A zeroed KV pool; on the CPU in transparent huge pages, since paged attention reads its
     blocks scattered (about 10% faster decode than with 4 KiB pages), and on Linux taking memory
@@ -311,15 +318,6 @@ class PagedKVCache:
                              self.k_cache.device)  # [2, copies]: one copy
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
-
-    def slots(self, seq_id: int, start: int, end: int) -> Tensor:
-        """int64 cache slots (``block * block_size + offset``) of positions ``[start, end)`` of
-        sequence ``seq_id``, on the cache's device."""
-        table = torch.tensor(self.block_manager.block_table(seq_id), dtype=torch.long)
-        positions = torch.arange(start, end)
-        block_size = self.spec.block_size
-        return (table[positions // block_size] * block_size + positions % block_size).to(
-            self.k_cache.device)
 
     def read_rows(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """Copies of the K and V rows at ``slots``, all layers:
