@@ -23,8 +23,9 @@ a call serves them all and its wall time gives output tokens/s. Interleaved in o
   max_tokens=64, ignore_eos=True))``. Prefix caching is off: the random prompts share nothing,
   and every call computes every prompt as HF does. Per request, ``RequestOutput.metrics``
   gives TTFT, time per output token (TPOT) and queue time; per call, the difference of
-  ``llm.engine.stats`` gives steps, preemptions, the detokenization share of step time and
-  the peak KV-block usage (the largest since the LLM was made; every call is alike);
+  ``llm.engine.stats`` gives steps, preemptions and the peak KV-block usage (the largest since
+  the LLM was made; every call is alike), and the output processor's time (detokenization,
+  stop strings) as a share of the engine's step time;
 - HF: ``AutoModelForCausalLM.from_pretrained(folder, dtype=..., attn_implementation="sdpa")``;
   the prompts sorted by length (HF's best case: the least padding) and cut into batches of
   ``--hf-batch-size`` (16), each left-padded with id 0 and an attention mask, run one after
@@ -118,8 +119,8 @@ GOAL_PREFIX_TTFT_RATIO = 5.0  # cold TTFT over cached-prefix TTFT, at least
 PAD_ID = 0
 # The sections ``--sections`` chooses from, in the order they run.
 SECTIONS = ("throughput", "prefix", "batch_invariant", "defaults")
-ADDITIVE_STATS = ("steps", "scheduled_tokens", "preemptions", "step_s", "detokenize_s",
-                  "prefix_cache_hits", "prefix_cache_queries")
+ADDITIVE_STATS = ("steps", "scheduled_tokens", "preemptions", "step_s", "prefix_cache_hits",
+                  "prefix_cache_queries")
 
 
 @dataclass(frozen=True)
@@ -259,13 +260,16 @@ def fastllm_call(llm: fastllm.LLM, prompts: list[list[int]], new_tokens: int,
 
     def call() -> None:
         before = copy.copy(llm.engine.stats)
+        processed_s = llm.client.output_processor.process_s
         outputs = llm.generate(inputs, params, use_tqdm=False)
         metrics = [out.metrics for out in outputs]
+        stats = stats_since(before, llm.engine.stats)
+        # The output processor's time: detokenization, stop strings, logprobs.
+        stats["detokenize_s"] = llm.client.output_processor.process_s - processed_s
         samples.append(RunSample(
             [m.ttft for m in metrics], [m.time_per_output_token for m in metrics],
             [m.queue_time for m in metrics], [m.num_cached_tokens for m in metrics],
-            [list(out.outputs[0].token_ids) for out in outputs],
-            stats_since(before, llm.engine.stats)))
+            [list(out.outputs[0].token_ids) for out in outputs], stats))
 
     return call
 
@@ -715,8 +719,8 @@ def tables(config: EngineBenchConfig, rows: list[dict[str, object]]) -> dict[str
             + ran("throughput", about + "\n\n" + throughput),
         "Latency per request (TTFT and queue time from the arrival of all requests; "
         "HF's per batch)": ran("throughput", latency),
-        "fastllm engine per call (detokenize share: detokenization and stop checks over step "
-        "time)": ran("throughput", stats),
+        "fastllm engine per call (detokenize share: the output processor's detokenization and "
+        "stop strings over the engine's step time)": ran("throughput", stats),
         "Prefix cache: TTFT with a shared system prompt (cold / cached > 1: the cache "
         "helps)": ran("prefix", prefix_about + "\n\n" + prefix_table),
         f"fastllm.LLM(path) on its defaults: {config.mixed_requests} mixed requests "

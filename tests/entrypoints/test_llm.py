@@ -458,3 +458,35 @@ def test_generate_with_no_prompts_returns_nothing(stories):
 
 def test_public_names():
     assert fastllm.LLM is LLM and callable(fastllm.load)
+
+
+def test_a_stop_string_inside_a_speculative_step(stories, model_path):
+    """Speculation hands the front end several tokens in one step; a stop string completed by
+    one of them ends the text there and cuts the tokens after it, exactly as without
+    speculation, and a stream never shows the stop string."""
+    plain, _ = stories
+    prompt = ("Once upon a time, there was a little girl named Lily. She liked to play in the "
+              "park. Once upon a time, there was a little girl named Lily. She liked to")
+    full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40),
+                          use_tqdm=False)[0].outputs[0].text
+    # The model drafting for itself: its drafts are its own greedy tokens, so steps accept
+    # several tokens and stop strings fall inside them.
+    path = model_path("stories260K_hf")
+    llm = LLM(path, speculative={"method": "draft", "model": path, "num_speculative_tokens": 4,
+                                 "adaptive": False})
+    words = full.split(" ")
+    stops = [" ".join(words[i:i + 2]) for i in range(1, len(words) - 2)]
+    cut_mid_step = 0
+    for stop in stops:
+        params = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
+        expected = plain.generate(prompt, params, use_tqdm=False)[0]
+        got = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert got.outputs[0].text == expected.outputs[0].text == full[:full.index(stop)]
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert (got.outputs[0].finish_reason, got.outputs[0].stop_reason) == ("stop", stop)
+        deltas = list(llm.stream(prompt, params))
+        assert "".join(deltas) == got.outputs[0].text and not any(stop in d for d in deltas)
+        # The step that completed the stop string had accepted tokens beyond it.
+        cut_mid_step += got.metrics.num_generated_tokens > len(got.outputs[0].token_ids)
+    assert got.metrics.num_accepted_tokens > 0 and cut_mid_step > 0
+    assert llm.kv_cache.block_manager.usage == 0

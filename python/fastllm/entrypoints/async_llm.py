@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import Tensor
 
+from fastllm.engine.output_processor import RequestState
 from fastllm.engine.outputs import Logprob, RequestOutput
 from fastllm.engine.request import Request
 from fastllm.entrypoints.client import EngineClient, PromptType
@@ -66,7 +67,10 @@ class AsyncLLM:
     client: EngineClient
 
     def __init__(self, model: str | os.PathLike, **llm_kwargs: Any) -> None:
-        self._subscribers: dict[Request, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Each request a coroutine waits on: its loop, its queue, and what it sees of it (the
+        # output processor's state; None for a prompt-only request).
+        self._subscribers: dict[Request, tuple[asyncio.AbstractEventLoop, asyncio.Queue,
+                                               RequestState | None]] = {}
         self._subscribers_lock = threading.Lock()  # the engine thread reads them too
         # Requests to add ("add") or abort ("abort"), applied by the engine thread before its
         # next step: an event loop never waits for a step to end (nor for the engine lock,
@@ -114,16 +118,16 @@ class AsyncLLM:
         """Yields what each engine step added to one request (text, token ids, logprobs), the
         last with its finish reason; raises the request's error if it fails. A prompt or
         parameter the engine refuses raises here, before anything is yielded."""
-        request, queue = self._submit(prompt, sampling_params)
+        request, state, queue = self._submit(prompt, sampling_params)
         try:
             sent = 0  # output tokens already yielded
             while True:
                 deltas, finished, error, num_tokens = await queue.get()
-                logprobs = None if request.logprobs is None else request.logprobs[sent:num_tokens]
+                logprobs = None if state.logprobs is None else state.logprobs[sent:num_tokens]
                 yield StreamDelta(
-                    "".join(deltas), request.output_token_ids[sent:num_tokens], logprobs,
-                    request.finish_reason if finished else None,
-                    request.stop_reason if finished else None, request.output())
+                    "".join(deltas), state.token_ids[sent:num_tokens], logprobs,
+                    state.finish_reason if finished else None,
+                    state.stop_reason if finished else None, state.output())
                 sent = num_tokens
                 if error is not None:
                     raise error
@@ -135,9 +139,9 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType,
                        sampling_params: SamplingParams | None = None) -> RequestOutput:
         """The finished output of one request; raises the request's error if it fails."""
-        request, queue = self._submit(prompt, sampling_params)
+        request, state, queue = self._submit(prompt, sampling_params)
         await self._finished(request, queue)
-        return request.output()
+        return state.output()
 
     async def score(self, token_ids: Sequence[int], score_token_ids: Sequence[int]) -> Tensor:
         """The logits of ``score_token_ids`` at the last position of the prompt ``token_ids``
@@ -167,13 +171,14 @@ class AsyncLLM:
             self._forget(request)
 
     def _submit(self, prompt: PromptType, sampling_params: SamplingParams | None
-                ) -> tuple[Request, asyncio.Queue]:
+                ) -> tuple[Request, RequestState, asyncio.Queue]:
         if isinstance(sampling_params, (list, tuple)):
             raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
         request, = self.client.make_requests([prompt], sampling_params)
-        return request, self._subscribe(request)
+        state, = self.client.follow([request])
+        return request, state, self._subscribe(request, state)
 
-    def _subscribe(self, request: Request) -> asyncio.Queue:
+    def _subscribe(self, request: Request, state: RequestState | None = None) -> asyncio.Queue:
         """Has the engine thread add a request before its next step; the queue hears of each
         step that updates it (and of the error, when the engine refuses it: alone)."""
         if self._error is not None:
@@ -182,7 +187,7 @@ class AsyncLLM:
             raise RuntimeError("this AsyncLLM was shut down")
         queue: asyncio.Queue = asyncio.Queue()
         with self._subscribers_lock:
-            self._subscribers[request] = (asyncio.get_running_loop(), queue)
+            self._subscribers[request] = (asyncio.get_running_loop(), queue, state)
         self._inbox.append(("add", request))
         self._wake.set()
         return queue
@@ -215,7 +220,7 @@ class AsyncLLM:
             try:
                 self.client.engine.add_request(request)
             except Exception as error:  # e.g. a prompt the KV pool cannot hold: it alone fails
-                self.client.engine.fail_request(request, error)
+                self.client.fail_request(request, error)
                 self._notify(request)
 
     def _run(self, model: str | os.PathLike, llm_kwargs: dict[str, Any]) -> None:
@@ -233,7 +238,7 @@ class AsyncLLM:
                 busy = engine.has_unfinished()
                 if busy:
                     try:
-                        updated = engine.step()
+                        updated = self.client.step()
                     except Exception as error:  # the engine's own failure, not one request's
                         updated = self._fail_unfinished(error)
                     except BaseException as error:  # the thread ends; every waiter hears of it
@@ -253,17 +258,17 @@ class AsyncLLM:
         with self._subscribers_lock:
             subscriber = self._subscribers.get(request)
         if subscriber is not None:
-            loop, queue = subscriber
-            loop.call_soon_threadsafe(queue.put_nowait, (
-                request.take_deltas(), request.finished, request.error,
-                len(request.output_token_ids)))
+            loop, queue, state = subscriber
+            update = ([], request.finished, request.error, 0) if state is None else (
+                state.take_deltas(), state.finished, state.error, len(state.token_ids))
+            loop.call_soon_threadsafe(queue.put_nowait, update)
 
     def _fail_unfinished(self, error: Exception) -> list[Request]:
         """Fails every subscribed request with ``error``, freeing the engine for new ones."""
         with self._subscribers_lock:
             failed = [request for request in self._subscribers if not request.finished]
         for request in failed:
-            self.client.engine.fail_request(request, error)
+            self.client.fail_request(request, error)
         return failed
 
     def shutdown(self) -> None:
@@ -274,10 +279,10 @@ class AsyncLLM:
         self._thread.join()
         with self.client.lock, self._subscribers_lock:
             self._inbox.clear()
-            for request, (loop, queue) in list(self._subscribers.items()):
+            for request, (loop, queue, state) in list(self._subscribers.items()):
                 self.client.abort_unfinished([request])
                 loop.call_soon_threadsafe(queue.put_nowait, (
-                    [], True, None, len(request.output_token_ids)))
+                    [], True, None, 0 if state is None else len(state.token_ids)))
             self.client.shutdown()
 
     async def __aenter__(self) -> AsyncLLM:

@@ -143,10 +143,11 @@ class LLM:
         not been there.
         """
         requests = self.client.make_requests(prompts, sampling_params)
+        states = self.client.follow(requests)
         with tqdm(total=len(requests), desc="Generating", unit="prompt",
                   disable=not use_tqdm or not requests) as progress:
             self.client.run(requests, progress.update)
-        return [request.output() for request in requests]
+        return [state.output() for state in states]
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, pooling: str = "last",
               use_tqdm: bool = True) -> list[EmbeddingOutput]:
@@ -178,15 +179,16 @@ class LLM:
             raise TypeError("stream takes one prompt and one SamplingParams")
         client = self.client
         request, = client.make_requests([prompt], sampling_params)
+        state, = client.follow([request])
         client.add([request])
         try:
             while True:
                 with client.lock:
-                    finished = client.step_until(lambda: request.finished)
-                    deltas = request.take_deltas()
+                    finished = client.step_until(lambda: state.finished)
+                    deltas = state.take_deltas()
                 yield from deltas
-                if request.error is not None:
-                    raise request.error
+                if state.error is not None:
+                    raise state.error
                 if finished:
                     return
         finally:
