@@ -298,7 +298,7 @@ def reuse_rows_of(config: KVCacheBenchConfig, folder: Path) -> list[dict[str, ob
         "chunks reused": lambda: first_token(reuse_llm, chunked),
         "chunks encoded": lambda: first_token(encode_llm, chunked),
     }, config.prefill_timer, device=config.device)
-    if reuse_store.misses != misses or encode_llm.engine.scheduler.chunk_store.hits:
+    if reuse_store.misses != misses or encode_llm.engine.scheduler.chunk_index.hits:
         raise RuntimeError("a chunk was encoded where the store had it, or found where it "
                            "should not be kept")
     case = (f"{config.chunk_prefix_len} + {config.num_chunks} x {config.chunk_len} + "

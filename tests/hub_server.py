@@ -73,6 +73,13 @@ class LocalHub:
         self._refs.setdefault(repo_id, {})[revision] = commit
         return commit
 
+    def environ(self, cache: Path, **extra: str) -> dict[str, str]:
+        """This process's environment for a subprocess that uses the hub as a user would:
+        ``HF_ENDPOINT`` here, ``HF_HUB_CACHE`` at ``cache``, online (whatever this process set:
+        some test modules set ``HF_HUB_OFFLINE`` for their own references), plus ``extra``."""
+        return {**os.environ, "HF_ENDPOINT": self.url, "HF_HUB_CACHE": str(cache),
+                "HF_HUB_OFFLINE": "0", **extra}
+
     def requested(self, suffix: str) -> list[str]:
         """The paths requested that end with ``suffix``."""
         return [path for _, path, _ in self.requests if path.endswith(suffix)]

@@ -8,6 +8,7 @@ The set-up commands (``make``, ``pip install``) are what ``make test`` itself ru
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -128,9 +129,8 @@ def hub_env(tmp_path_factory, model_path, smollm2_path):
         # The blocks run in another folder: a PYTHONPATH of this checkout's sources as given.
         python_path = os.pathsep.join(str(Path(p).resolve()) for p in
                                       os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)
-        yield {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(folder / "cache"),
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               "PYTHONPATH": python_path}
+        yield hub.environ(folder / "cache", PYTHONPATH=python_path,
+                          PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
 
 def run_block(block: Block, env: dict[str, str], folder: Path, *, stdin: str | None = None,
@@ -195,5 +195,6 @@ def test_server_blocks_run(block, hub_env, tmp_path):
         for client in clients:
             check(client, run_block(client, hub_env, tmp_path, port=port))
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited on its own
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)

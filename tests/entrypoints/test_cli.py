@@ -5,7 +5,6 @@ serve``: test_server.py.)"""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -109,7 +108,7 @@ def test_hub_options_reach_the_model(model_path, tmp_path, name, capsys):
 
 def test_a_model_missing_from_the_hub_is_one_line(tmp_path):
     with LocalHub() as hub:
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache")}
+        env = hub.environ(tmp_path / "cache")
         done = subprocess.run([sys.executable, "-m", "fastllm", "serve", "org/missing"],
                               env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -435,7 +434,8 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
     before = finished(server)
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/v1/completions", body, timeout=httpx.Timeout(30, read=0.3))
-    wait_idle(llm, seconds=2)
+    # Generous on a loaded machine: the token count below tells an abort from a finish.
+    wait_idle(llm, seconds=30)
     assert llm.client.engine.stats.scheduled_tokens - computed < 16 * 240
     assert finished(server)["abort"] - before["abort"] == 16
 
@@ -521,7 +521,7 @@ def test_fastllm_serve_a_hub_model_under_its_name(folder, tmp_path):
     served under the name as given."""
     with LocalHub() as hub:
         hub.add("org/name", {p.name: p for p in folder.iterdir() if p.is_file()})
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "cache")}
+        env = hub.environ(tmp_path / "cache")
         with serve_command("org/name", env=env) as (port, _):
             models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
             assert [model["id"] for model in models["data"]] == ["org/name"]
