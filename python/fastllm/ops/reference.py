@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastllm.ops import BLOCK_FORMATS, all_reduce
+from fastllm.ops.collectives import all_reduce
 from fastllm.ops.decoder_layers import DecoderLayerWeights, ProjectionPart
+from fastllm.ops.quantized_ops import BLOCK_FORMATS
 
 
 def causal_mask(len_q: int, len_k: int, *, dtype: torch.dtype = torch.float32,
