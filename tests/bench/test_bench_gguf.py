@@ -82,8 +82,9 @@ def test_fastllm_keeps_kv_in_float16_as_llama_cpp_does() -> None:
     assert bench_gguf.fastllm_options(config, "bfloat16")["kv_cache_dtype"] == "bfloat16"
 
 
+@pytest.mark.llama_cpp
+@pytest.mark.usefixtures("llama_cpp")
 def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
-    pytest.importorskip("llama_cpp")
     models_dir = find_model("rerank_eval").parent
     document = bench_gguf.main(["--quick", "--out", str(tmp_path), "--models-dir",
                                 str(models_dir), "--cache-dir", str(tmp_path / "cache")])

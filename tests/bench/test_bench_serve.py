@@ -46,9 +46,9 @@ def test_speedups_and_goals() -> None:
     assert one["ttft_p50_speedup"] == 2
 
 
+@pytest.mark.llama_cpp
+@pytest.mark.usefixtures("llama_cpp")
 def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
-    for module in ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings"):
-        pytest.importorskip(module)  # llama_cpp.server's dependencies (make bench installs them)
     models_dir = find_model("rerank_eval").parent
     document = bench_serve.main(["--quick", "--out", str(tmp_path), "--models-dir",
                                  str(models_dir)])

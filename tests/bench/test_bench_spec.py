@@ -55,9 +55,9 @@ def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
                                                                        "speedup |")
 
 
+@pytest.mark.llama_cpp
+@pytest.mark.usefixtures("llama_cpp")
 def test_quick_run_beside_llama_cpps_prompt_lookup(tmp_path: Path, smollm2_path: Path) -> None:
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is a benchmark peer: `make bench` "
-                                            "builds it, `make test` does not")
     document = bench_spec.main(["--out", str(tmp_path), "--quick", "--methods", "ngram",
                                 "--tasks", "code_edit", "--decode-tokens", "8",
                                 "--peer", "llama_cpp"])

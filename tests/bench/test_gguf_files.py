@@ -158,9 +158,10 @@ def test_bad_requests_are_refused(tmp_path: Path) -> None:
         llama_cpp_quantize(tmp_path / "in.gguf", tmp_path / "out.gguf", "Q8_0", threads=1)
 
 
+@pytest.mark.llama_cpp
 def test_llama_cpp_loads_them_and_quantizes(tmp_path: Path, random_f16: Path,
-                                            random_q8_0: Path, small_tokenizer: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
+                                            random_q8_0: Path, small_tokenizer: Path,
+                                            llama_cpp) -> None:
     reference = tokenizers.Tokenizer.from_file(str(small_tokenizer / "tokenizer.json"))
     for path in (random_f16, random_q8_0):
         peer = llama_cpp.Llama(str(path), n_ctx=32, verbose=False)

@@ -18,6 +18,9 @@ from tiny_hf import FAMILY_CASES, random_hf_model, save_hf_model
 from fastllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
 
 NEW_TOKENS = 16
+# Long enough that every family's greedy text, from one prompt or another, repeats a token (an
+# n-gram lookup then finds a draft): some families' does not within 50 tokens of any prompt.
+LOOKUP_TOKENS = 80
 # A llama-shaped base under the Qwen3 tokenizer's vocabulary; 3 layers, so a sliding pattern
 # has both kinds.
 BASE = dict(vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -72,26 +75,38 @@ def test_greedy_tokens_match_hf_with_chunks_and_prefix_hits(family, device):
     assert llm.engine.stats.prefix_cache_hits > hits
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_keeps_the_tokens(family, device, method):
-    """Verified drafts change no token: n-gram lookup drafts where a random model's text
-    repeats (some families' never does in 16 tokens); the model drafting for itself in
-    bfloat16 drafts every step, and most drafts are accepted."""
+def test_speculation_by_draft_model_keeps_the_tokens(family, device):
+    """Verified drafts change no token: the model drafting for itself in bfloat16 drafts every
+    step, and most drafts are accepted."""
     prompts, expected, _, make, folder = family
-    draft = dict(model=str(folder), draft_dtype="bfloat16") if method == "draft" else {}
-    llm = make(device, speculative={"method": method, "num_speculative_tokens": 3,
-                                    "prompt_lookup_min": 1, "adaptive": False, **draft})
+    llm = make(device, speculative={"method": "draft", "num_speculative_tokens": 3,
+                                    "adaptive": False, "model": str(folder),
+                                    "draft_dtype": "bfloat16"})
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
     stats = llm.engine.stats
-    if method == "draft":
-        assert stats.num_draft_tokens >= len(prompts) * 3
-        assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
+    assert stats.num_draft_tokens >= len(prompts) * 3
+    assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
+
+
+def test_speculation_by_ngram_lookup_keeps_the_tokens(family, device):
+    """Verified n-gram drafts change no token: over LOOKUP_TOKENS greedy tokens (the first
+    NEW_TOKENS HF's), where each family's text repeats itself, so lookups find drafts."""
+    prompts, expected, plain, make, _ = family
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=LOOKUP_TOKENS, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain(device).generate(batch, params,
+                                                                   use_tqdm=False)]
+    assert [tokens[:NEW_TOKENS] for tokens in want] == expected
     # A step after output token i can look up a draft when that token occurred earlier.
     lookups = sum(tokens[i] in (prompt + tokens)[:len(prompt) + i]
-                  for prompt, tokens in zip(prompts, expected) for i in range(len(tokens) - 1))
-    if method == "ngram" and lookups:
-        assert stats.num_draft_tokens > 0
+                  for prompt, tokens in zip(prompts, want) for i in range(len(tokens) - 1))
+    assert lookups > 0, "no prompt's text repeats a token: no n-gram draft to verify"
+    llm = make(device, speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                    "prompt_lookup_min": 1, "adaptive": False})
+    got = llm.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert llm.engine.stats.num_draft_tokens > 0
 
 
 def test_structured_output(family, device):

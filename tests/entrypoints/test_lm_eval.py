@@ -1,6 +1,7 @@
 """lm-eval's ``local-completions`` against ``fastllm serve``: a multiple-choice task scored by
 loglikelihood (completions with ``echo`` and prompt logprobs), whose scores equal the prompt
-logprobs ``LLM`` computes in process for the same tokens."""
+logprobs ``LLM`` computes in process for the same tokens, and whose accuracy is the share of
+questions where the answer's in-process loglikelihood is the highest."""
 
 from __future__ import annotations
 
@@ -63,14 +64,16 @@ def test_multiple_choice_scores_are_the_prompt_logprobs(folder, tmp_path):
     finally:
         llm.shutdown()
     samples = results["samples"]["tiny_mc"]
-    assert len(samples) == len(QUESTIONS)
-    assert 0 <= results["results"]["tiny_mc"]["acc,none"] <= 1
+    assert sorted(sample["doc"]["question"] for sample in samples) == sorted(
+        question["question"] for question in QUESTIONS)
     # The same tokens in process: the continuation's prompt logprobs, summed.
     lm = lm_eval.api.registry.get_model("local-completions")(
         model="tiny", base_url="http://127.0.0.1:1/v1/completions", tokenizer=str(folder),
         tokenizer_backend="huggingface")
     local = LLM(folder, max_model_len=256, batch_invariant=True)
+    right = 0
     for sample in samples:
+        loglikelihoods = []
         for (context, continuation), response in zip(sample["arguments"], sample["resps"]):
             context_ids, continuation_ids = lm._encode_pair(context, continuation)
             [out] = local.generate({"prompt_token_ids": context_ids + continuation_ids},
@@ -83,4 +86,8 @@ def test_multiple_choice_scores_are_the_prompt_logprobs(folder, tmp_path):
             served, served_greedy = response[0]
             assert float(served) == pytest.approx(loglikelihood, rel=1e-6, abs=1e-6)
             assert served_greedy == greedy
+            loglikelihoods.append(loglikelihood)
+        assert len(loglikelihoods) == len(sample["doc"]["choices"])
+        right += loglikelihoods.index(max(loglikelihoods)) == sample["doc"]["answer"]
+    assert results["results"]["tiny_mc"]["acc,none"] == pytest.approx(right / len(QUESTIONS))
     assert out.outputs[0].token_ids == [] and out.outputs[0].finish_reason == "length"

@@ -1,8 +1,10 @@
 """Tool calling through ``fastllm serve``, on a tiny random-weight Qwen3 with the real Qwen3
 tokenizer and chat template (Hermes' ``<tool_call>`` format): forced calls (``required``, a
 named function) come back valid for the tools' schemas, streamed and not, though the model is
-noise; tools, assistant calls with null content and tool results render as HF renders them;
-``tool_choice`` "none" calls nothing; bad tools are 400s naming the field. Then the clients
+noise; under "auto" a reply without a call is plain text and one that calls (here a reply
+held to a call's JSON by ``response_format``) is that call; tools, assistant calls with null
+content and tool results render as HF renders them; ``tool_choice`` "none" calls nothing; bad
+tools are 400s naming the field. Then the clients
 agents are built with: langchain-openai (``bind_tools`` and a ``ToolMessage`` round trip,
 ``with_structured_output`` by function calling) and openai-agents (an ``Agent`` with a
 ``function_tool``)."""
@@ -185,6 +187,29 @@ def test_auto_is_read_like_a_plain_reply(client):
     assert finish == auto.finish_reason == "length"
     # The tools change the prompt, so compare each reply with its own kind only.
     assert content == auto.message.content and isinstance(plain.message.content, str)
+
+
+def test_auto_reads_a_call_the_reply_makes(llm):
+    """A reply that is a call (Llama 3's JSON format, which a JSON schema can hold the noise
+    to: Hermes' tags are not JSON) comes back as that call under "auto", streamed or not."""
+    call_schema = {"type": "object", "properties": {
+        "name": {"const": "get_weather"}, "parameters": WEATHER_PARAMETERS},
+        "required": ["name", "parameters"], "additionalProperties": False}
+    kwargs = dict(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="auto",
+                  max_tokens=200, seed=0, response_format={
+                      "type": "json_schema", "json_schema": {"name": "call",
+                                                             "schema": call_schema}})
+    with running_server(llm, MODEL, tool_call_parser="llama3_json") as server:
+        client = openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0)
+        reply = client.chat.completions.create(**kwargs).choices[0]
+        content, calls, finish = stream_message(client.chat.completions.create(stream=True,
+                                                                               **kwargs))
+    assert reply.finish_reason == finish == "tool_calls"
+    assert reply.message.content is None and content is None
+    [call] = reply.message.tool_calls
+    arguments = assert_valid_call(call, ("get_weather",))
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather",
+                                                                         arguments)]
 
 
 def post(server, body: dict) -> httpx.Response:

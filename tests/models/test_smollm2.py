@@ -103,9 +103,10 @@ def hf_model(smollm2_path) -> transformers.PreTrainedModel:
             smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
 
 
-# Greedy continuations whose agreement with HF is measured: in bfloat16 a single 64-token
-# continuation moves by a token or two with the path its prompt takes (a prefix cached by an
-# earlier test or not), as HF's own bfloat16 does; over several prompts the rate is steady.
+# Greedy continuations whose agreement with HF is measured: in float32 every token is HF's
+# argmax; in bfloat16 a single 64-token continuation moves by a token or two with the path its
+# prompt takes (a prefix cached by an earlier test or not), as HF's own bfloat16 does; over
+# several prompts the rate is steady.
 AGREEMENT_QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
                        "Explain photosynthesis in two sentences.",
                        "List three uses of a paperclip.", "How do I boil an egg?"]
@@ -113,7 +114,7 @@ AGREEMENT_QUESTIONS = ["What is the capital of France?", "Write a haiku about th
 
 def test_greedy_tokens_agree_with_hf_gguf_loading(device_llm, hf_model):
     """Teacher-forced: HF's argmax (float32, on the CPU) at every position of fastllm's greedy
-    continuations of several chat prompts, at least 95% of them in all."""
+    continuations of several chat prompts: all of them in float32, at least 95% in bfloat16."""
     llm = device_llm
     prompts = [request.prompt_token_ids for request in llm.client.make_requests(
         [llm.chat_prompt([{"role": "user", "content": q}]) for q in AGREEMENT_QUESTIONS], None)]
@@ -128,4 +129,5 @@ def test_greedy_tokens_agree_with_hf_gguf_loading(device_llm, hf_model):
             logits = hf_model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1:]
         agreed.append(int((logits.argmax(-1) == torch.tensor(generated)).sum()))
     agree = sum(agreed) / (64 * len(prompts))
-    assert agree >= 0.95, f"{agree:.1%} of fastllm's greedy tokens are HF's argmax ({agreed} of 64)"
+    bar = 1.0 if llm.model.dtype == torch.float32 else 0.95
+    assert agree >= bar, f"{agree:.1%} of fastllm's greedy tokens are HF's argmax ({agreed} of 64)"

@@ -6,10 +6,17 @@ threshold: 64 rows in float32, 8 in bfloat16, 4 in float16; ATen's, or converted
 and tiles of weight rows with a remainder.
 Every dtype is held to flash-attention's 2x rule against a float64 product of the same inputs
 (the plain composition: the float32 product, rounded to the dtype).
+
+The grids are covering arrays (tests/covering.py) over the backend, dtype, row count, feature
+shape and bias: every pair of values meets in some case, so each backend (the simulator and a
+GPU included) runs every row count, shape, dtype and bias at least once; the CPU kernels'
+switches (a dtype's last streamed row count and the first past it) and CUDA's biased product in
+each dtype (float32's goes to ATen, 16-bit ones accumulate onto the bias) are always in.
 """
 
 import threading
 
+import covering
 import pytest
 import torch
 from conftest import assert_within_twice_plain_error
@@ -32,25 +39,39 @@ def check(linear, x, weight, bias):
     assert_within_twice_plain_error(got.cpu().double(), plain, expected)
 
 
+# The CPU's last row count that streams the weights, and the first that takes a GEMM, per dtype
+# (bfloat16 streams 8 rows where the CPU has a bfloat16 dot product, else 4).
+CPU_SWITCHES = [(torch.float32, 64), (torch.float32, 65), (torch.bfloat16, 4),
+                (torch.bfloat16, 5), (torch.bfloat16, 8), (torch.bfloat16, 9),
+                (torch.float16, 4), (torch.float16, 5)]
+BIAS_IDS = {"with_bias": lambda with_bias: "bias" if with_bias else "no_bias"}
+
+
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 65])
-@pytest.mark.parametrize("in_features, out_features", [(64, 24), (1, 9), (7, 3), (33, 17),
-                                                       (1029, 70)])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-def test_matches_float64(backend, dtype, rows, in_features, out_features, with_bias):
+@covering.grid(dtype=DTYPES, rows=[0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 65],
+               shape=[(64, 24), (1, 9), (7, 3), (33, 17), (1029, 70)],
+               with_bias=[False, True], ids=BIAS_IDS,
+               edges=[*(dict(backend="cpu", dtype=dtype, rows=rows)
+                        for dtype, rows in CPU_SWITCHES),
+                      *(dict(backend=backend, dtype=dtype, with_bias=True)
+                        for backend in ("cuda_sim", "cuda") for dtype in DTYPES)])
+def test_matches_float64(backend, dtype, rows, shape, with_bias):
+    in_features, out_features = shape
     x = torch.randn(rows, in_features, dtype=dtype, device=backend.device)
     weight = torch.randn(out_features, in_features, dtype=dtype, device=backend.device)
     bias = torch.randn(out_features, dtype=dtype, device=backend.device) if with_bias else None
     check(backend.ops.linear, x, weight, bias)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 16, 17, 40])
-@pytest.mark.parametrize("in_features, out_features", [(64, 24), (7, 3), (1029, 70)])
-def test_16_bit_weights_under_float32(backend, weight_dtype, rows, in_features, out_features):
+@covering.grid(weight_dtype=[torch.bfloat16, torch.float16], rows=[0, 1, 3, 4, 5, 16, 17, 40],
+               shape=[(64, 24), (7, 3), (1029, 70)],
+               edges=[dict(backend="cpu", weight_dtype=weight_dtype, rows=rows)
+                      for weight_dtype in (torch.bfloat16, torch.float16) for rows in (16, 17)])
+def test_16_bit_weights_under_float32(backend, weight_dtype, rows, shape):
     """A float16 GGUF or a bfloat16 checkpoint run in float32 keeps its weights in 16 bits: the
-    result is the float32 product with the upcast weight (exact conversion), both paths."""
+    result is the float32 product with the upcast weight (exact conversion), both paths (the
+    CPU streams up to 16 rows: both sides of that always)."""
+    in_features, out_features = shape
     x = torch.randn(rows, in_features, device=backend.device)
     weight = torch.randn(out_features, in_features, device=backend.device).to(weight_dtype)
     bias = torch.randn(out_features, device=backend.device)

@@ -1,7 +1,7 @@
 """SmolLM2's GGUF tokenizer gives llama.cpp's ids: on llama.cpp's tokenizer test strings, 300
 DL19 passages and chat-formatted text, against the ids llama.cpp gave (stored in
 ``tests/data/smollm2_llama_cpp_ids.json`` by ``make_llama_cpp_ids.py``; checked against
-llama.cpp itself where llama-cpp-python is installed, as ``make bench`` does)."""
+llama.cpp itself by ``make bench``, which builds llama-cpp-python)."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def test_llama_cpps_ids_decode_to_the_text(smollm2_tokenizer):
             assert smollm2_tokenizer.decode(case["ids"]) == case["text"]
 
 
-def test_golden_ids_are_llama_cpps_own(smollm2_path):
-    """Where llama-cpp-python is installed: it still tokenizes every text as stored."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+@pytest.mark.llama_cpp
+def test_golden_ids_are_llama_cpps_own(smollm2_path, llama_cpp):
+    """llama-cpp-python still tokenizes every text as stored."""
     vocab = llama_cpp.Llama(str(smollm2_path), vocab_only=True, verbose=False)
     for case in golden()["cases"]:
         assert vocab.tokenize(case["text"].encode("utf-8"), add_bos=False,
