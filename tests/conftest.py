@@ -390,21 +390,20 @@ def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     device = model_device(model)
     cache = PagedKVCache(model.kv_cache_spec(4), -(-len(tokens) // 4), device=device)
     cache.block_manager.allocate(0, tokens)
-    meta = metadata_for(cache, [0], [len(tokens)])
-    return model.compute_logits(model(torch.tensor(tokens, device=device), meta.positions, meta,
-                                      cache))
+    step = metadata_for(cache, [0], [len(tokens)])
+    return model.compute_logits(model(torch.tensor(tokens, device=device), step, cache))
 
 
 def metadata_for(cache, seq_ids, counts, starts=None):
-    """The attention metadata (on the cache's device) of ``counts[b]`` new tokens of each
-    sequence placed in ``cache``'s block manager by hand, laid out as the scheduler lays out a
-    step."""
-    from fastllm.engine.model_runner import attention_metadata
+    """The step metadata (a :class:`fastllm.ops.DecoderStep` on the cache's device) of
+    ``counts[b]`` new tokens of each sequence placed in ``cache``'s block manager by hand, laid
+    out as the scheduler lays out a step."""
+    from fastllm.engine.model_runner import decoder_step
     from fastllm.engine.scheduler_output import batch_of_sequences
 
     batch = batch_of_sequences(cache.block_manager, seq_ids, [[0] * n for n in counts],
                                starts=starts, logits=False)
-    return attention_metadata(batch, cache.k_cache.device)
+    return decoder_step(batch, cache.k_cache.device)
 
 
 # Float32 logits off the CPU, against a reference computed on the CPU: cuBLAS and the GPU

@@ -5,7 +5,8 @@
 
 namespace fastllm {
 
-// Adds DecoderLayer and DecoderLayers to the module.
+// Adds the decoder's records (ProjectionPart, Experts, DecoderLayer, DecoderStep) and
+// DecoderLayers to the module.
 void bind_decoder(pybind11::module_& m);
 
 }  // namespace fastllm

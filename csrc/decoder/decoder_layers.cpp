@@ -2,6 +2,10 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cmath>
+
+#include "common/checks.h"
+
 namespace fastllm {
 namespace {
 
@@ -11,8 +15,6 @@ template <class Sig>
 c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
-
-using OptionalTensor = std::optional<at::Tensor>;
 
 // fastllm's ops, called by qualified name (argument-dependent lookup would also find ATen's).
 namespace ops {
@@ -114,13 +116,14 @@ at::Tensor all_reduce(const at::Tensor& x, const std::string& group_name) {
 
 }  // namespace ops
 
-// Fused QKV projection, optional q/k RMSNorm, RoPE, paged cache write and attention, then the
-// output projection: [T, hidden] -> [T, hidden].
+// Fused QKV projection, optional q/k RMSNorm, RoPE (with `table`, none in a NoPE layer), paged
+// cache write and attention, then the output projection: [T, hidden] -> [T, hidden].
 at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_cache,
-                  at::Tensor v_cache, const DecoderStep& step) {
+                  at::Tensor v_cache, const DecoderStep& step, const OptionalTensor& table,
+                  bool pre_rope) {
   const int64_t tokens = x.size(0);
   // Strided views of one matmul: q [T, n_heads, head_dim], k and v [T, n_kv_heads, head_dim].
-  const auto qkv = layer.qkv(x).view({tokens, -1, layer.head_dim}).split_with_sizes(
+  const auto qkv = project(layer.qkv, x).view({tokens, -1, layer.head_dim}).split_with_sizes(
       {layer.n_heads, layer.n_kv_heads, layer.n_kv_heads}, 1);
   at::Tensor q = qkv[0], k = qkv[1];
   const at::Tensor& v = qkv[2];
@@ -132,14 +135,11 @@ at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_c
     q_norm = k_norm = std::nullopt;
   }
   // Per-head q/k norms and RoPE in place (on k unless the cache holds keys before RoPE: then
-  // attention rotates the cached keys with the table as it reads them; NoPE layers rotate
-  // nothing), then k and v into the cache.
-  const OptionalTensor table = layer.use_rope
-                                   ? OptionalTensor(step.cos_sin_caches.at(layer.rope_table))
-                                   : OptionalTensor();
+  // attention rotates the cached keys with the table as it reads them), then k and v into the
+  // cache.
   ops::rotary_and_cache(step.positions, q, k, v, k_cache, v_cache, step.slot_mapping, table,
-                        q_norm, k_norm, layer.eps, !step.pre_rope);
-  const OptionalTensor key_rotation = step.pre_rope ? table : OptionalTensor();
+                        q_norm, k_norm, layer.eps, !pre_rope);
+  const OptionalTensor key_rotation = pre_rope ? table : OptionalTensor();
   // A cache narrower than the activations (kv_cache_dtype) is always read back: attention must
   // see K/V as stored, or a sequence's result would depend on whether its keys came from this
   // step or from the cache (chunked prefill, prefix hits, preemption).
@@ -150,16 +150,17 @@ at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_c
     out = ops::attention(q, k, v, step.cu_seqlens_q, step.max_seqlen_q, layer);
   else
     out = ops::paged_attention(q, k_cache, v_cache, step, layer, key_rotation);
-  return layer.o(out.view({tokens, -1}));
+  return project(layer.o, out.view({tokens, -1}));
 }
 
 // The dense gated MLP (gate|up, the activation, down) or the experts: [T, hidden] -> [T, hidden].
 at::Tensor feed_forward(const DecoderLayer& layer, const at::Tensor& x) {
-  if (layer.experts.has_value()) return ops::moe(x, layer.experts->router(x), *layer.experts);
-  const at::Tensor gate_up = (*layer.gate_up)(x);  // [T, 2 * intermediate]
-  return (*layer.down)(layer.activation == Activation::kGeluTanh
-                           ? ops::gelu_tanh_and_mul(gate_up)
-                           : ops::silu_and_mul(gate_up));
+  if (layer.experts.has_value())
+    return ops::moe(x, project(layer.experts->router, x), *layer.experts);
+  const at::Tensor gate_up = project(*layer.gate_up, x);  // [T, 2 * intermediate]
+  return project(*layer.down, layer.activation == Activation::kGeluTanh
+                                  ? ops::gelu_tanh_and_mul(gate_up)
+                                  : ops::silu_and_mul(gate_up));
 }
 
 // Adds the pending branch output x into the residual stream res (none yet: x is the stream)
@@ -177,41 +178,138 @@ at::Tensor branch_input(at::Tensor& x, at::Tensor& res, const OptionalTensor& no
   return res;
 }
 
+void check_projection(const Projection& projection, const char* name) {
+  TORCH_CHECK_TYPE(!projection.empty(), name, " must be a non-empty list of ProjectionPart");
+}
+
+void check_weight_type(const std::optional<int64_t>& weight_type, const char* name) {
+  TORCH_CHECK_VALUE(!weight_type.has_value() || *weight_type >= 0, name,
+                    " must be a ggml type id or None, got ", *weight_type);
+}
+
+void check_tensor(const at::Tensor& t, const char* name, int64_t rank, const char* layout,
+                  at::ScalarType dtype, const at::Tensor& positions) {
+  check_rank(t, rank, name, layout);
+  check_dtype(t, dtype, name);
+  check_same_device(t, name, positions, "positions");
+}
+
 }  // namespace
 
-at::Tensor Projection::operator()(const at::Tensor& x) const {
+at::Tensor project(const Projection& projection, const at::Tensor& x) {
   std::vector<at::Tensor> outputs;
-  outputs.reserve(parts.size());
-  for (const ProjectionPart& part : parts) {
-    outputs.push_back(part.weight_type < 0
-                          ? ops::linear(x, part.weight, part.bias)
-                          : ops::quantized_linear(x, part.weight, part.weight_type, part.bias));
+  outputs.reserve(projection.size());
+  for (const ProjectionPart& part : projection) {
+    outputs.push_back(part.weight_type.has_value()
+                          ? ops::quantized_linear(x, part.weight, *part.weight_type, part.bias)
+                          : ops::linear(x, part.weight, part.bias));
   }
   return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
 }
 
-std::pair<at::Tensor, at::Tensor> run_decoder_layers(const std::vector<DecoderLayer>& layers,
-                                                     at::Tensor x,
-                                                     std::optional<at::Tensor> residual,
-                                                     const DecoderStep& step,
-                                                     const std::optional<std::string>& group_name) {
-  TORCH_CHECK_VALUE(!layers.empty(), "a decoder needs at least one layer");
-  TORCH_CHECK_VALUE(step.k_cache.dim() == 5 && step.v_cache.dim() == 5 &&
-                        step.k_cache.size(0) == int64_t(layers.size()) &&
-                        step.v_cache.size(0) == int64_t(layers.size()),
-                    "k_cache and v_cache must be [num_layers=", layers.size(),
-                    ", num_blocks, block_size, n_kv_heads, head_dim], got ",
-                    step.k_cache.sizes(), " and ", step.v_cache.sizes());
+void check_record(const ProjectionPart& part) {
+  TORCH_CHECK_VALUE(part.weight.defined(), "a ProjectionPart needs a weight");
+  check_weight_type(part.weight_type, "weight_type");
+}
+
+void check_record(const Experts& experts) {
+  check_projection(experts.router, "router");
+  TORCH_CHECK_VALUE(experts.top_k > 0, "top_k must be positive, got ", experts.top_k);
+  check_weight_type(experts.gate_up_type, "gate_up_type");
+  check_weight_type(experts.down_type, "down_type");
+}
+
+void check_record(const DecoderLayer& layer) {
+  check_projection(layer.qkv, "qkv");
+  check_projection(layer.o, "o");
+  TORCH_CHECK_VALUE(layer.n_heads > 0 && layer.n_kv_heads > 0 && layer.head_dim > 0 &&
+                        layer.n_heads % layer.n_kv_heads == 0,
+                    "n_heads, n_kv_heads and head_dim must be positive with n_heads a multiple "
+                    "of n_kv_heads, got ", layer.n_heads, ", ", layer.n_kv_heads, ", ",
+                    layer.head_dim);
+  TORCH_CHECK_VALUE(layer.q_norm.has_value() == layer.k_norm.has_value(),
+                    "q_norm and k_norm come together");
+  TORCH_CHECK_VALUE(layer.experts.has_value() !=
+                            (layer.gate_up.has_value() && layer.down.has_value()) &&
+                        layer.gate_up.has_value() == layer.down.has_value(),
+                    "a layer has either gate_up and down or experts");
+  if (layer.gate_up.has_value()) {
+    check_projection(*layer.gate_up, "gate_up");
+    check_projection(*layer.down, "down");
+  }
+  TORCH_CHECK_VALUE(layer.eps > 0 && std::isfinite(layer.eps),
+                    "eps must be a positive number, got ", layer.eps);
+  TORCH_CHECK_VALUE(layer.rope_table >= 0, "rope_table must be >= 0, got ", layer.rope_table);
+  TORCH_CHECK_VALUE(layer.window_left >= -1, "window_left must be >= -1 (-1: no window), got ",
+                    layer.window_left);
+  TORCH_CHECK_VALUE(!layer.scale.has_value() || (*layer.scale > 0 && std::isfinite(*layer.scale)),
+                    "scale must be a positive number or None, got ", *layer.scale);
+  TORCH_CHECK_VALUE(layer.softcap >= 0 && std::isfinite(layer.softcap),
+                    "softcap must be finite and >= 0, got ", layer.softcap);
+}
+
+void check_record(const DecoderStep& step) {
+  check_rank(step.positions, 1, "positions", "[tokens]");
+  check_dtype(step.positions, at::kLong, "positions");
+  check_tensor(step.slot_mapping, "slot_mapping", 1, "[tokens]", at::kLong, step.positions);
+  check_tensor(step.cu_seqlens_q, "cu_seqlens_q", 1, "[batch + 1]", at::kInt, step.positions);
+  check_tensor(step.seq_lens, "seq_lens", 1, "[batch]", at::kInt, step.positions);
+  check_tensor(step.block_tables, "block_tables", 2, "[batch, max_blocks]", at::kInt,
+               step.positions);
+  const int64_t batch = step.seq_lens.size(0);
+  TORCH_CHECK_VALUE(step.slot_mapping.size(0) == step.positions.size(0) &&
+                        step.cu_seqlens_q.size(0) == batch + 1 &&
+                        step.block_tables.size(0) == batch,
+                    "a step of ", step.positions.size(0), " tokens (positions) in ", batch,
+                    " sequences (seq_lens) needs slot_mapping [", step.positions.size(0),
+                    "], cu_seqlens_q [", batch + 1, "] and block_tables [", batch,
+                    ", max_blocks], got ", step.slot_mapping.sizes(), ", ",
+                    step.cu_seqlens_q.sizes(), " and ", step.block_tables.sizes());
+  TORCH_CHECK_VALUE(step.max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got ",
+                    step.max_seqlen_q);
+}
+
+DecoderLayers::DecoderLayers(std::vector<DecoderLayer> layers,
+                             std::vector<at::Tensor> rope_tables,
+                             std::optional<std::string> group_name)
+    : layers_(std::move(layers)),
+      rope_tables_(std::move(rope_tables)),
+      group_name_(std::move(group_name)) {
+  TORCH_CHECK_TYPE(!layers_.empty(), "layers must be a non-empty list of DecoderLayer");
+  TORCH_CHECK_VALUE(!group_name_.has_value() || !group_name_->empty(),
+                    "group_name must be a process group's name or None");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecoderLayer& layer = layers_[i];
+    TORCH_CHECK_VALUE(!layer.use_rope || layer.rope_table < int64_t(rope_tables_.size()),
+                      "layer ", i, " rotates with RoPE table ", layer.rope_table, " but ",
+                      rope_tables_.size(), " table(s) were given");
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> DecoderLayers::forward(at::Tensor x,
+                                                         std::optional<at::Tensor> residual,
+                                                         const DecoderStep& step,
+                                                         const at::Tensor& k_cache,
+                                                         const at::Tensor& v_cache,
+                                                         bool pre_rope) const {
+  const auto num_layers = int64_t(layers_.size());
+  TORCH_CHECK_VALUE(k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(0) == num_layers &&
+                        v_cache.size(0) == num_layers,
+                    "k_cache and v_cache must be [num_layers=", num_layers,
+                    ", num_blocks, block_size, n_kv_heads, head_dim], got ", k_cache.sizes(),
+                    " and ", v_cache.sizes());
   at::Tensor res = residual.has_value() ? *residual : at::Tensor();
-  for (size_t i = 0; i < layers.size(); ++i) {
-    const DecoderLayer& layer = layers[i];
-    x = attend(layer, branch_input(x, res, layer.input_norm, layer.eps),
-               step.k_cache.select(0, int64_t(i)), step.v_cache.select(0, int64_t(i)), step);
-    if (group_name.has_value()) x = ops::all_reduce(x, *group_name);  // o's partial sums
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const DecoderLayer& layer = layers_[i];
+    const OptionalTensor table =
+        layer.use_rope ? OptionalTensor(rope_tables_[layer.rope_table]) : OptionalTensor();
+    x = attend(layer, branch_input(x, res, layer.input_norm, layer.eps), k_cache.select(0, i),
+               v_cache.select(0, i), step, table, pre_rope);
+    if (group_name_.has_value()) x = ops::all_reduce(x, *group_name_);  // o's partial sums
     if (layer.post_attention_norm.has_value())
       x = ops::rms_norm(x, *layer.post_attention_norm, layer.eps);
     x = feed_forward(layer, branch_input(x, res, layer.pre_feedforward_norm, layer.eps));
-    if (group_name.has_value()) x = ops::all_reduce(x, *group_name);  // down's partial sums
+    if (group_name_.has_value()) x = ops::all_reduce(x, *group_name_);  // down's partial sums
     if (layer.post_feedforward_norm.has_value())
       x = ops::rms_norm(x, *layer.post_feedforward_norm, layer.eps);
   }

@@ -13,7 +13,7 @@ import torch
 from fastllm import LLM, SamplingParams
 from fastllm.engine.decode_graphs import DecodeGraphs, padded_batch_sizes
 from fastllm.kv_cache import PagedKVCache
-from fastllm.engine.model_runner import run_step
+from fastllm.engine.model_runner import run_step, step_tensors
 from fastllm.engine.scheduler_output import batch_of_sequences
 from fastllm.models import load_model
 
@@ -88,8 +88,7 @@ def test_steps_that_are_not_plain_decode_run_eagerly(stories_path):
     assert run_step(model, cache, [0, 1, 2], [[5]] * 3, decode_graphs=graphs).shape[0] == 3
     batch = batch_of_sequences(cache.block_manager, [0, 1], [[5, 5], [5]], starts=[0, 3])
     with pytest.raises(ValueError, match="one new token per sequence, got 3 tokens for 2"):
-        graphs.pack([5, 5, 5], batch.positions, batch.slot_mapping, batch.seq_lens,
-                    batch.block_tables)
+        graphs.pack([5, 5, 5], step_tensors(batch))
 
 
 def test_cuda_graphs_need_a_cuda_device(stories_path):

@@ -697,6 +697,13 @@ def test_transformers_reads_the_writer_s_files(hf_models, tmp_path, case):
             assert torch.equal(tensor, state[name]), name
 
 
+def gemma_switches(scale: float, softcap: float | None = None) -> dict:
+    """A Gemma config's layer switches: GELU-tanh, ``scale``, and ``softcap`` if any (None:
+    scores not capped)."""
+    return dict(activation="gelu_tanh", scale=scale,
+                **({} if softcap is None else dict(softcap=softcap)))
+
+
 def metadata_file(path: Path, case: str, **metadata) -> Path:
     """A file of ``case``'s metadata (``metadata`` added or replaced) and only token_embd:
     enough for config_from_gguf."""
@@ -710,21 +717,23 @@ def metadata_file(path: Path, case: str, **metadata) -> Path:
 @pytest.mark.parametrize("case, metadata, expected", [
     # The 27B sizes (Gemma 2: 46 layers, Gemma 3: 62) scale attention by (hidden / heads) **
     # -0.5, every other by head_dim ** -0.5.
-    ("gemma2", {}, dict(attention_scale=32 ** -0.5)),
-    ("gemma2", {"block_count": 46}, dict(attention_scale=64 ** -0.5)),
-    ("gemma3", {"block_count": 62}, dict(attention_scale=64 ** -0.5)),
-    ("gemma3", {"block_count": 46}, dict(attention_scale=32 ** -0.5)),
+    ("gemma2", {}, dict(layer_switches=gemma_switches(32 ** -0.5, softcap=20.0))),
+    ("gemma2", {"block_count": 46}, dict(layer_switches=gemma_switches(64 ** -0.5, softcap=20.0))),
+    ("gemma3", {"block_count": 62}, dict(layer_switches=gemma_switches(64 ** -0.5))),
+    ("gemma3", {"block_count": 46}, dict(layer_switches=gemma_switches(32 ** -0.5))),
     # Gemma 2's window defaults to llama.cpp's 4096, its soft-caps to 50 and 30.
     ("gemma2", {"attention.sliding_window": None, "attn_logit_softcapping": None,
                 "final_logit_softcapping": None},
-     dict(sliding_window=4096, sliding_layers=(True, False), attn_softcap=50.0,
+     dict(sliding_window=4096, sliding_layers=(True, False),
+          layer_switches=gemma_switches(32 ** -0.5, softcap=50.0),
           final_softcap=30.0)),
     # Gemma 3 without a window (or with 0) has none: every layer is full.
     ("gemma3", {"attention.sliding_window": None},
      dict(sliding_window=None, sliding_layers=(False,) * 6, rope_local_theta=10000.0)),
     ("gemma3", {"attention.sliding_window": 0}, dict(sliding_window=None,
                                                       sliding_layers=(False,) * 6)),
-    ("gemma3", {"final_logit_softcapping": 30.0}, dict(final_softcap=30.0, attn_softcap=None)),
+    ("gemma3", {"final_logit_softcapping": 30.0},
+     dict(final_softcap=30.0, layer_switches=gemma_switches(32 ** -0.5))),
     # Phi-4 writes a window of 0: none.
     ("phi3", {"attention.sliding_window": 0}, dict(sliding_window=None,
                                                     sliding_layers=(False, False))),

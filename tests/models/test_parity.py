@@ -131,7 +131,7 @@ def run_step(model: DecoderLM, cache: PagedKVCache, seq_ids: list[int],
     meta = metadata_for(cache, seq_ids, counts)
     input_ids = torch.tensor([t for tokens in new_tokens for t in tokens],
                              device=cache.k_cache.device)
-    hidden = model(input_ids, meta.positions, meta, cache)  # [T, hidden]
+    hidden = model(input_ids, meta, cache)  # [T, hidden]
     return list(model.compute_logits(hidden).split(counts))
 
 
@@ -245,7 +245,7 @@ def test_logits_for_selected_rows_only(models):
         cache.block_manager.allocate(seq_id, prompt)
     meta = metadata_for(cache, [0, 1], [3, 6])
     assert meta.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5]
-    hidden = model(torch.tensor(batch[0] + batch[1]), meta.positions, meta, cache)
+    hidden = model(torch.tensor(batch[0] + batch[1]), meta, cache)
     last_rows = meta.cu_seqlens_q[1:].long() - 1
     logits = model.compute_logits(hidden[last_rows])
     assert logits.shape == (2, model.config.vocab_size)

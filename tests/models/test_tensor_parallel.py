@@ -257,11 +257,12 @@ def test_tensor_parallel_is_checked(rank, size, group_name, error):
 
 
 def test_decoder_layers_take_a_group_name_or_none(model_path):
-    weights = [load_model(model_path("stories260K_hf")).layers[0].weights()]
+    model = load_model(model_path("stories260K_hf"))
+    layers = [model.layers[0].record()]
     for bad in ("", 0):
         with pytest.raises(ValueError, match="group_name must be a process group's name or "
                                              "None"):
-            ops.DecoderLayers(weights, bad)
+            ops.DecoderLayers(layers, model.rope_tables(), bad)
 
 
 def decode_ops(tensor_parallel: TensorParallel, path: Path, token_ids: list[int]) -> dict:
@@ -276,22 +277,18 @@ def decode_ops(tensor_parallel: TensorParallel, path: Path, token_ids: list[int]
     run_step(model, cache, [0, 1], [[1, 2, 3], [1, 2, 3]])
     for seq_id in range(2):
         cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [4]))
-    meta = metadata_for(cache, [0, 1], [1, 1])
-    step = dict(positions=meta.positions, cu_seqlens_q=meta.cu_seqlens_q,
-                max_seqlen_q=meta.max_seqlen_q, seq_lens=meta.seq_lens,
-                block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
-                keys_are_new=False, cos_sin_caches=model.rope_tables(), pre_rope=False)
-    weights = [model.layers[0].weights()]
+    step = metadata_for(cache, [0, 1], [1, 1])
+    layers = [model.layers[0].record()]
     x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    layer, layer_input = ops.DecoderLayers(weights, tensor_parallel.group_name), x.clone()
+    layer = ops.DecoderLayers(layers, model.rope_tables(), tensor_parallel.group_name)
+    caches = (cache.k_cache[:1], cache.v_cache[:1])
     with OpLog() as layer_log:
-        out, _ = layer(layer_input, None, **step, k_cache=cache.k_cache[:1],
-                       v_cache=cache.v_cache[:1])
-    want, _, _, _ = reference.decoder_layers(weights, x, None, **step, k_cache=cache.k_cache[:1],
-                                             v_cache=cache.v_cache[:1],
+        out, _ = layer(x.clone(), None, step, *caches, pre_rope=False)
+    want, _, _, _ = reference.decoder_layers(layers, x, None, step, *caches,
+                                             rope_tables=model.rope_tables(), pre_rope=False,
                                              group_name=tensor_parallel.group_name)
     with OpLog() as model_log:
-        hidden = model(torch.tensor([4, 4]), meta.positions, meta, cache)
+        hidden = model(torch.tensor([4, 4]), step, cache)
         logits = model.compute_logits(hidden)
     return dict(layer_ops=layer_log.names, layer_out=out, reference_out=want,
                 model_ops=model_log.names,

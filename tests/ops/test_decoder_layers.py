@@ -7,8 +7,6 @@ window, two RoPE tables, partial rotary and pre-RoPE caches."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import OpLog
@@ -42,7 +40,7 @@ def norm(n: int) -> torch.Tensor:
     return 1 + 0.1 * torch.randn(n)
 
 
-def experts(quantized: bool, decisive: bool) -> ops.ExpertWeights:
+def experts(quantized: bool, decisive: bool) -> ops.Experts:
     """Four SwiGLU experts, two a token, renormalized; quantized: gate|up Q8_0, down Q4_1.
     ``decisive``: the router's bias puts experts 0 and 1 far ahead, so that rounding of the
     hidden state (bfloat16) cannot change which experts a token runs, only their weights."""
@@ -53,16 +51,16 @@ def experts(quantized: bool, decisive: bool) -> ops.ExpertWeights:
         router = [ops.ProjectionPart(router[0].weight * 0.1, None,
                                      torch.tensor([4.0, 4.0, -4.0, -4.0]))]
     if not quantized:
-        return ops.ExpertWeights(router, gate_up, down, TOP_K, renormalize=True)
+        return ops.Experts(router, gate_up, down, TOP_K, renormalize=True)
     blocks = lambda w, kind: torch.stack(  # noqa: E731
         [quantize_weight(e, kind).data for e in w])
-    return ops.ExpertWeights(router, blocks(gate_up, Q8_0), blocks(down, Q4_1), TOP_K,
-                             renormalize=True, gate_up_type=Q8_0, down_type=Q4_1)
+    return ops.Experts(router, blocks(gate_up, Q8_0), blocks(down, Q4_1), TOP_K,
+                       renormalize=True, gate_up_type=Q8_0, down_type=Q4_1)
 
 
 def layer_weights(quantized: bool, variant: str = "plain", *, use_rope: bool = True,
                   window_left: int = -1, rope_table: int = 0,
-                  decisive_router: bool = False) -> ops.DecoderLayerWeights:
+                  decisive_router: bool = False) -> ops.DecoderLayer:
     """A layer of the family ``variant`` names:
 
     - plain: Llama's pre-norms, SwiGLU;
@@ -81,7 +79,7 @@ def layer_weights(quantized: bool, variant: str = "plain", *, use_rope: bool = T
         norm(qk_norm) if qk_norm else None)
     k_norm = norm(N_KV_HEADS * HEAD_DIM) if variant == "post_norms" else (
         norm(qk_norm) if qk_norm else None)
-    return ops.DecoderLayerWeights(
+    return ops.DecoderLayer(
         input_norm=norm(HIDDEN) if pre else None,
         post_attention_norm=norm(HIDDEN) if post else None,
         pre_feedforward_norm=norm(HIDDEN) if pre else None,
@@ -99,37 +97,37 @@ def layer_weights(quantized: bool, variant: str = "plain", *, use_rope: bool = T
         q_norm=q_norm, k_norm=k_norm, qk_norm_per_head=variant != "post_norms")
 
 
-def as_dtype(layer: ops.DecoderLayerWeights, dtype: torch.dtype) -> ops.DecoderLayerWeights:
+def as_dtype(layer: ops.DecoderLayer, dtype: torch.dtype) -> ops.DecoderLayer:
     """Float tensors in ``dtype`` (the activations'); quantized blocks as they are."""
     cast = lambda t: t if t is None or t.dtype == torch.uint8 else t.to(dtype)  # noqa: E731
     parts = lambda ps: None if ps is None else [  # noqa: E731
         ops.ProjectionPart(cast(p.weight), p.weight_type, cast(p.bias)) for p in ps]
     e = layer.experts
-    return dataclasses.replace(
-        layer, input_norm=cast(layer.input_norm),
+    return layer.replace(
+        input_norm=cast(layer.input_norm),
         post_attention_norm=cast(layer.post_attention_norm),
         pre_feedforward_norm=cast(layer.pre_feedforward_norm),
         post_feedforward_norm=cast(layer.post_feedforward_norm), qkv=parts(layer.qkv),
         o=parts(layer.o), gate_up=parts(layer.gate_up), down=parts(layer.down),
-        experts=None if e is None else dataclasses.replace(
-            e, router=parts(e.router), gate_up=cast(e.gate_up), down=cast(e.down)),
+        experts=None if e is None else e.replace(
+            router=parts(e.router), gate_up=cast(e.gate_up), down=cast(e.down)),
         q_norm=cast(layer.q_norm), k_norm=cast(layer.k_norm))
 
 
-def steps() -> list[dict]:
+def steps() -> list[ops.DecoderStep]:
     """Two sequences: a prefill of 7 and 3 tokens, then one decoded token each."""
     tables = torch.tensor([[0, 1, 2], [3, 4, 0]], dtype=torch.int32)
 
-    def step(starts: list[int], lens: list[int], keys_are_new: bool) -> dict:
+    def step(starts: list[int], lens: list[int], keys_are_new: bool) -> ops.DecoderStep:
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
         slots = tables[seq, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-        return dict(positions=positions, slot_mapping=slots, block_tables=tables,
-                    cu_seqlens_q=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
-                                              dtype=torch.int32),
-                    max_seqlen_q=max(lens), keys_are_new=keys_are_new,
-                    seq_lens=torch.tensor([s + n for s, n in zip(starts, lens)],
-                                          dtype=torch.int32))
+        return ops.DecoderStep(
+            positions=positions, slot_mapping=slots, block_tables=tables,
+            cu_seqlens_q=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                      dtype=torch.int32),
+            max_seqlen_q=max(lens), keys_are_new=keys_are_new,
+            seq_lens=torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32))
     return [step([0, 0], [7, 3], True), step([7, 3], [1, 1], False)]
 
 
@@ -147,6 +145,14 @@ VARIANTS = {
 }
 
 
+# Relative error against the float64 twin. float32 as tight as the op tests: every op sums in
+# float32. Quantized projections also round their inputs to integer blocks (int16 for these
+# types, test_quantized_linear.py's bound: 2^-16 of a block's largest value), which each layer's
+# norms and attention compound.
+TOLERANCE = {(torch.float32, False): 2e-5, (torch.float32, True): 1e-3,
+             (torch.bfloat16, False): 6e-2, (torch.bfloat16, True): 6e-2}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -162,16 +168,14 @@ def test_decoder_layers_match_their_float64_twin(dtype, quantized, variant):
     # Unwritten slots poisoned: a read of one would turn the outputs NaN.
     k_cache, v_cache = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    bound = ops.DecoderLayers(layers)
+    bound = ops.DecoderLayers(layers, tables)
     assert len(bound) == 2
     for step in steps():
-        x = torch.randn(step["positions"].shape[0], HIDDEN).to(dtype)
-        out, residual = bound(x.clone(), None, **step, k_cache=k_cache, v_cache=v_cache,
-                              cos_sin_caches=tables, pre_rope=pre_rope)
+        x = torch.randn(step.positions.shape[0], HIDDEN).to(dtype)
+        out, residual = bound(x.clone(), None, step, k_cache, v_cache, pre_rope)
         want, want_residual, ref_k, ref_v = reference.decoder_layers(
-            layers, x, None, **step, k_cache=ref_k, v_cache=ref_v, cos_sin_caches=tables,
-            pre_rope=pre_rope)
-        tolerance = 2e-3 if dtype == torch.float32 else 6e-2
+            layers, x, None, step, ref_k, ref_v, rope_tables=tables, pre_rope=pre_rope)
+        tolerance = TOLERANCE[dtype, quantized]
         for got, expected in ((out, want), (residual, want_residual)):
             assert got.dtype == dtype and torch.isfinite(got).all()
             err = (got.double() - expected).abs().max() / expected.abs().max()
@@ -187,17 +191,15 @@ def test_a_decode_layer_is_nine_fastllm_ops():
     op (views aside), so on CUDA one kernel each (attention adds its merge of key splits, and
     cuBLAS a split-K reduction, where they split)."""
     layers = [layer_weights(False, "qk_norm") for _ in range(2)]
-    layers = [dataclasses.replace(layer, qkv=[dataclasses.replace(layer.qkv[0], bias=None)])
-              for layer in layers]
+    layers = [layer.replace(qkv=[layer.qkv[0].replace(bias=None)]) for layer in layers]
     shape = (len(layers), NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
     caches = dict(k_cache=torch.zeros(shape), v_cache=torch.zeros(shape))
-    bound = ops.DecoderLayers(layers)
+    bound = ops.DecoderLayers(layers, [ops.rope_cos_sin_cache(16, HEAD_DIM)])
     prefill, decode = steps()
-    table = ops.rope_cos_sin_cache(16, HEAD_DIM)
-    bound(torch.randn(10, HIDDEN), None, **prefill, **caches, cos_sin_caches=[table], pre_rope=False)
+    bound(torch.randn(10, HIDDEN), None, prefill, **caches, pre_rope=False)
     x = torch.randn(2, HIDDEN)
     with OpLog() as log:
-        bound(x, None, **decode, **caches, cos_sin_caches=[table], pre_rope=False)
+        bound(x, None, decode, **caches, pre_rope=False)
     layer = ["fastllm::add_rms_norm", "fastllm::linear", "fastllm::rotary_and_cache",
              "fastllm::paged_attention", "fastllm::linear", "fastllm::add_rms_norm",
              "fastllm::linear", "fastllm::silu_and_mul", "fastllm::linear"]
@@ -213,38 +215,59 @@ def test_the_residual_stream_continues_from_the_caller():
     caches = dict(k_cache=torch.zeros(shape), v_cache=torch.zeros(shape))
     x, stream = torch.randn(10, HIDDEN), torch.randn(10, HIDDEN)
     residual = stream.clone()
-    out, got_residual = ops.DecoderLayers(layers)(
-        x.clone(), residual, **step, **caches, cos_sin_caches=[ops.rope_cos_sin_cache(16, HEAD_DIM)],
-        pre_rope=False)
+    tables = [ops.rope_cos_sin_cache(16, HEAD_DIM)]
+    out, got_residual = ops.DecoderLayers(layers, tables)(x.clone(), residual, step, **caches,
+                                                          pre_rope=False)
     want, want_residual, _, _ = reference.decoder_layers(
-        layers, x, stream, **step, **caches, cos_sin_caches=[ops.rope_cos_sin_cache(16, HEAD_DIM)],
-        pre_rope=False)
+        layers, x, stream, step, **caches, rope_tables=tables, pre_rope=False)
     assert got_residual.data_ptr() == residual.data_ptr()  # updated in place
     torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_residual.double(), want_residual, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bad, error, match", [
-    (dict(layers=[]), TypeError, "non-empty"),
-    (dict(n_kv_heads=3), ValueError, "multiple of n_kv_heads"),
-    (dict(qkv=[]), TypeError, "qkv must be a non-empty"),
-    (dict(q_norm=torch.ones(HEAD_DIM)), ValueError, "q_norm and k_norm come together"),
-    (dict(down=[ops.ProjectionPart(torch.zeros(4, 34, dtype=torch.uint8), -3)]), ValueError,
-     "weight_type must be a ggml type id"),
+    (lambda: dict(layers=[]), TypeError, "non-empty"),
+    (lambda: dict(n_kv_heads=3), ValueError, "multiple of n_kv_heads"),
+    (lambda: dict(qkv=[]), TypeError, "qkv must be a non-empty"),
+    (lambda: dict(q_norm=torch.ones(HEAD_DIM)), ValueError, "q_norm and k_norm come together"),
+    (lambda: dict(down=[ops.ProjectionPart(torch.zeros(4, 34, dtype=torch.uint8), -3)]),
+     ValueError, "weight_type must be a ggml type id"),
+    (lambda: dict(activation="relu"), ValueError, "activation must be 'silu' or 'gelu_tanh'"),
+    (lambda: dict(use_rope=None), TypeError, "use_rope must be a bool"),
+    (lambda: dict(rope_table=1), ValueError, "layer 0 rotates with RoPE table 1 but 1 table"),
+    (lambda: dict(eps=1e-5, epsilon=1e-5), TypeError, "DecoderLayer has no field epsilon"),
 ])
 def test_bad_layers_are_refused(bad, error, match):
-    layer = layer_weights(False)
-    fields = {**layer.__dict__, **{k: v for k, v in bad.items() if k != "layers"}}
-    layers = bad["layers"] if "layers" in bad else [ops.DecoderLayerWeights(**fields)]
+    """Each record is checked as it is built (fields, values), the layers as they are bound
+    (their RoPE tables): a ValueError or TypeError naming what is wrong."""
+    tables = [ops.rope_cos_sin_cache(16, HEAD_DIM)]
     with pytest.raises(error, match=match):
-        ops.DecoderLayers(layers)
+        changes = bad()
+        layers = changes.pop("layers", None)
+        if layers is None:
+            layers = [layer_weights(False).replace(**changes)]
+        ops.DecoderLayers(layers, tables)
 
 
 def test_caches_of_another_layer_count_are_refused():
     layers = [layer_weights(False)] * 2
     shape = (3, NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
     with pytest.raises(ValueError, match=r"k_cache and v_cache must be \[num_layers=2"):
-        ops.DecoderLayers(layers)(torch.randn(10, HIDDEN), None, **steps()[0],
-                                  k_cache=torch.zeros(shape), v_cache=torch.zeros(shape),
-                                  cos_sin_caches=[ops.rope_cos_sin_cache(16, HEAD_DIM)],
-                                  pre_rope=False)
+        ops.DecoderLayers(layers, [ops.rope_cos_sin_cache(16, HEAD_DIM)])(
+            torch.randn(10, HIDDEN), None, steps()[0], torch.zeros(shape), torch.zeros(shape),
+            pre_rope=False)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(positions=torch.zeros(10, dtype=torch.int32)), TypeError,
+     "positions must be torch.int64"),
+    (dict(slot_mapping=torch.zeros(9, dtype=torch.long)), ValueError,
+     r"a step of 10 tokens \(positions\) in 2 sequences \(seq_lens\) needs slot_mapping \[10\]"),
+    (dict(block_tables=torch.zeros(3, dtype=torch.int32)), ValueError,
+     r"block_tables must be \[batch, max_blocks\]"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
+    (dict(keys_are_new=1), TypeError, "keys_are_new must be a bool"),
+])
+def test_bad_steps_are_refused(change, error, match):
+    with pytest.raises(error, match=match):
+        steps()[0].replace(**change)

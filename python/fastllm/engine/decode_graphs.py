@@ -18,13 +18,14 @@ how the padding is tested on machines without a GPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from fastllm import ops
 from fastllm.kv_cache import PagedKVCache
-from fastllm.models import AttentionMetadata, DecoderLM
+from fastllm.models import DecoderLM
 
 __all__ = ["DecodeGraphs", "padded_batch_sizes"]
 
@@ -44,9 +45,11 @@ class DecodeGraphs:
     sequences of up to ``max_model_len`` tokens. Graphs are captured on first use of a size
     and live as long as this object (they hold the model's activations for that size).
 
-    A step's inputs arrive as one packed tensor (:meth:`pack`, on the host, padding rows
-    included), which travels with the rest of the step's host data and lands in the graphs'
-    static inputs in one device-to-device copy (:meth:`run`)."""
+    A graph's static inputs are the token ids and one :class:`fastllm.ops.DecoderStep` over
+    views of one buffer. A step's inputs (its token ids and the host tensors of its
+    ``DecoderStep``, as the model runner builds them for any step) arrive packed as that buffer
+    holds them (:meth:`pack`, on the host, padding rows included), travel with the rest of the
+    step's host data and land in the buffer in one device-to-device copy (:meth:`run`)."""
 
     def __init__(self, model: DecoderLM, kv_cache: PagedKVCache, *, max_batch: int,
                  max_model_len: int, use_cuda_graphs: bool | None = None) -> None:
@@ -57,10 +60,11 @@ class DecodeGraphs:
         if self.use_cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
         self.width = math.ceil(max_model_len / kv_cache.spec.block_size)  # block-table columns
-        # Every size's inputs, packed (_layout), share this buffer: graphs never run at once.
+        # Every size's inputs, packed (_views), share this buffer: graphs never run at once.
         self.inputs = torch.zeros(self._words(self.sizes[-1]), dtype=torch.long, device=device)
         # One query per sequence, padding rows included: never changes.
         self.cu_seqlens_q = torch.arange(self.sizes[-1] + 1, dtype=torch.int32, device=device)
+        self._static: dict[int, tuple[Tensor, ops.DecoderStep]] = {}  # size -> (ids, step)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None  # the memory pool every graph shares (they never run at once)
 
@@ -69,39 +73,51 @@ class DecodeGraphs:
         wide, fits the buffers."""
         return 0 < batch <= self.sizes[-1] and max_blocks <= self.width
 
+    def _fields(self, size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The packed inputs at padded batch ``size``, in their order in the buffer: the token
+        ids and the DecoderStep's tensors that change from step to step (int64 ones first, so
+        that each starts aligned)."""
+        return {"input_ids": (torch.long, (size,)), "positions": (torch.long, (size,)),
+                "slot_mapping": (torch.long, (size,)), "seq_lens": (torch.int32, (size,)),
+                "block_tables": (torch.int32, (size, self.width))}
+
     def _words(self, size: int) -> int:
-        """int64 words of a step's packed inputs at padded batch ``size``: input ids, positions
-        and slots (int64), then seq_lens and block tables (int32)."""
-        return 3 * size + -(-size * (1 + self.width) // 2)
+        """int64 words of a step's packed inputs at padded batch ``size``."""
+        nbytes = sum(math.prod(shape) * dtype.itemsize
+                     for dtype, shape in self._fields(size).values())
+        return -(-nbytes // 8)
 
-    def _layout(self, packed: Tensor, size: int) -> tuple[Tensor, ...]:
-        """Views of ``packed``: input_ids, positions, slot_mapping, seq_lens, block_tables."""
-        input_ids, positions, slot_mapping = packed[:3 * size].view(3, size)
-        small = packed[3 * size:].view(torch.int32)
-        block_tables = small[size:size * (1 + self.width)].view(size, self.width)
-        return input_ids, positions, slot_mapping, small[:size], block_tables
+    def _views(self, packed: Tensor, size: int) -> dict[str, Tensor]:
+        """The inputs :meth:`_fields` lists, as views of ``packed``."""
+        raw, offset, views = packed.view(torch.uint8), 0, {}
+        for name, (dtype, shape) in self._fields(size).items():
+            nbytes = math.prod(shape) * dtype.itemsize
+            views[name] = raw[offset:offset + nbytes].view(dtype).view(shape)
+            offset += nbytes
+        return views
 
-    def pack(self, input_ids: Sequence[int], positions: Tensor, slot_mapping: Tensor,
-             seq_lens: Tensor, block_tables: Tensor) -> Tensor:
-        """A decode step's inputs (on the host: one new token per sequence) packed as :meth:`run`
-        reads them, with the padding rows of its captured size: no keys, no slot, position 0."""
-        batch = seq_lens.shape[0]
-        if len(input_ids) != batch or slot_mapping.shape[0] != batch:
+    def pack(self, input_ids: Sequence[int], step: Mapping[str, Tensor]) -> Tensor:
+        """A decode step's inputs on the host, packed as :meth:`run` reads them: its token ids
+        (one per sequence) and the host tensors of its DecoderStep by field
+        (:func:`fastllm.engine.model_runner.step_tensors`), with the padding rows of its
+        captured size: no keys, no slot, position 0."""
+        batch = step["seq_lens"].shape[0]
+        if len(input_ids) != batch or step["slot_mapping"].shape[0] != batch:
             raise ValueError(f"a decode step has one new token per sequence, got "
-                             f"{slot_mapping.shape[0]} tokens for {batch} sequences")
+                             f"{step['slot_mapping'].shape[0]} tokens for {batch} sequences")
+        block_tables = step["block_tables"]
         if not self.supports(batch, block_tables.shape[1]):
             raise ValueError(f"a decode step of {batch} sequences with block tables "
                              f"{block_tables.shape[1]} wide exceeds the captured "
                              f"{self.sizes[-1]} x {self.width}")
         size = next(s for s in self.sizes if s >= batch)
         packed = torch.zeros(self._words(size), dtype=torch.long)
-        ids, pos, slots, lens, tables = self._layout(packed, size)
-        ids[:batch] = torch.tensor(input_ids, dtype=torch.long)
-        pos[:batch] = positions
-        slots[:batch] = slot_mapping
-        slots[batch:] = -1
-        lens[:batch] = seq_lens
-        tables[:batch, :block_tables.shape[1]] = block_tables
+        views = self._views(packed, size)
+        views["input_ids"][:batch] = torch.tensor(input_ids, dtype=torch.long)
+        for name in ("positions", "slot_mapping", "seq_lens"):
+            views[name][:batch] = step[name]
+        views["slot_mapping"][batch:] = -1
+        views["block_tables"][:batch, :block_tables.shape[1]] = block_tables
         return packed
 
     def run(self, packed: Tensor, batch: int) -> Tensor:
@@ -120,14 +136,19 @@ class DecodeGraphs:
         graph.replay()
         return logits[:batch]
 
+    def _static_inputs(self, size: int) -> tuple[Tensor, ops.DecoderStep]:
+        """The token ids and the DecoderStep a step of padded batch ``size`` reads (and its
+        graph captures): views of the shared buffer, built once."""
+        if size not in self._static:
+            views = self._views(self.inputs, size)
+            input_ids = views.pop("input_ids")
+            self._static[size] = input_ids, ops.DecoderStep(
+                **views, cu_seqlens_q=self.cu_seqlens_q[:size + 1], max_seqlen_q=1)
+        return self._static[size]
+
     def _forward(self, size: int) -> Tensor:
-        input_ids, positions, slot_mapping, seq_lens, block_tables = self._layout(self.inputs,
-                                                                                  size)
-        meta = AttentionMetadata(cu_seqlens_q=self.cu_seqlens_q[:size + 1], max_seqlen_q=1,
-                                 seq_lens=seq_lens, block_tables=block_tables,
-                                 slot_mapping=slot_mapping, positions=positions)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache)
-        return self.model.compute_logits(hidden)
+        input_ids, step = self._static_inputs(size)
+        return self.model.compute_logits(self.model(input_ids, step, self.kv_cache))
 
     def _capture(self, size: int) -> None:
         # Warm-up on a side stream first (torch's recipe: lazy initializations such as cuBLAS

@@ -1,10 +1,10 @@
 """The model runner: turns the scheduler's batch into the model's inputs and runs one step.
 
-It builds :class:`~fastllm.models.AttentionMetadata` from a
-:class:`~fastllm.engine.scheduler_output.SchedulerOutput` (host
-tensors, moved to the device in one copy with whatever else the step reads, such as the
-sampler's parameters, without a wait), runs the model (or replays a CUDA graph of a decode step)
-and computes logits on the rows that need them. It never touches the block manager:
+It builds the step's one :class:`fastllm.ops.DecoderStep` from a
+:class:`~fastllm.engine.scheduler_output.SchedulerOutput` (its host tensors moved to the device
+in one copy with whatever else the step reads, such as the sampler's parameters, without a
+wait), hands it to the model as it is (or to a CUDA graph of a decode step, whose static inputs
+are one) and computes logits on the rows that need them. It never touches the block manager:
 the scheduler decided everything about KV placement before, and learns what was computed after.
 """
 
@@ -22,10 +22,10 @@ from fastllm import ops
 from fastllm.engine.decode_graphs import DecodeGraphs
 from fastllm.engine.scheduler_output import SchedulerOutput, batch_of_sequences
 from fastllm.kv_cache import PagedKVCache
-from fastllm.models import AttentionMetadata, DecoderLM
+from fastllm.models import DecoderLM
 from fastllm.ops.host_to_device import StagingBuffer
 
-__all__ = ["ModelRunner", "StepLogits", "attention_metadata", "run_step"]
+__all__ = ["ModelRunner", "StepLogits", "decoder_step", "run_step", "step_tensors"]
 
 
 @dataclass
@@ -59,27 +59,25 @@ class StepLogits:
 _PROMPT_LOGPROB_ELEMENTS = 16 << 20
 
 
-def _metadata_inputs(batch: SchedulerOutput) -> dict[str, Tensor]:
-    """The host tensors of the batch's metadata."""
+def step_tensors(batch: SchedulerOutput) -> dict[str, Tensor]:
+    """The host tensors of the batch's :class:`fastllm.ops.DecoderStep`, by field."""
     counts = [len(s.token_ids) for s in batch.sequences]
-    return {"cu_seqlens_q": torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32),
+    return {"positions": batch.positions,
+            "cu_seqlens_q": torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32),
             "seq_lens": batch.seq_lens, "block_tables": batch.block_tables,
-            "slot_mapping": batch.slot_mapping, "positions": batch.positions}
+            "slot_mapping": batch.slot_mapping}
 
 
-def _metadata(batch: SchedulerOutput, staged: Mapping[str, Tensor]) -> AttentionMetadata:
-    """The batch's metadata from :func:`_metadata_inputs`' tensors on the device."""
-    return AttentionMetadata(
-        cu_seqlens_q=staged["cu_seqlens_q"],
-        max_seqlen_q=max((len(s.token_ids) for s in batch.sequences), default=0),
-        seq_lens=staged["seq_lens"], block_tables=staged["block_tables"],
-        slot_mapping=staged["slot_mapping"], positions=staged["positions"],
+def _step(batch: SchedulerOutput, tensors: Mapping[str, Tensor]) -> ops.DecoderStep:
+    """The batch's step over :func:`step_tensors`' tensors on the device."""
+    return ops.DecoderStep(
+        **tensors, max_seqlen_q=max((len(s.token_ids) for s in batch.sequences), default=0),
         keys_are_new=all(s.start == 0 for s in batch.sequences))
 
 
-def attention_metadata(batch: SchedulerOutput, device: torch.device | str) -> AttentionMetadata:
-    """The batch's metadata on ``device`` (one copy, without waiting for the device)."""
-    return _metadata(batch, StagingBuffer(device).send(_metadata_inputs(batch))[0])
+def decoder_step(batch: SchedulerOutput, device: torch.device | str) -> ops.DecoderStep:
+    """The batch's step on ``device`` (one copy, without waiting for the device)."""
+    return _step(batch, StagingBuffer(device).send(step_tensors(batch))[0])
 
 
 class ModelRunner:
@@ -103,8 +101,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and batch.is_decode
                 and graphs.supports(len(batch.sequences), batch.block_tables.shape[1])):
-            packed = graphs.pack(input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
-                                 batch.block_tables)
+            packed = graphs.pack(input_ids, step_tensors(batch))
             staged, staged_extra = self.staging.send({"packed": packed}, extra)
             # The metadata come from the block manager, checked on the host: GPU ops need not
             # copy them back to check them again.
@@ -133,8 +130,7 @@ class ModelRunner:
                 first = start + sequence.pool_row
                 pool_rows[index] = slice(first, first + sequence.num_pool_rows)
             start += len(sequence.token_ids)
-        inputs = _metadata_inputs(batch)
-        inputs["input_ids"] = torch.tensor(input_ids, dtype=torch.long)
+        inputs = {"input_ids": torch.tensor(input_ids, dtype=torch.long)}
         if prompt_rows:
             inputs["prompt_rows"] = torch.tensor([r for rows in prompt_rows.values()
                                                   for r in rows], dtype=torch.long)
@@ -147,10 +143,9 @@ class ModelRunner:
         for i, (token_ids, entries) in enumerate(score_rows.items()):
             inputs[f"score_rows{i}"] = torch.tensor([row for _, row in entries], dtype=torch.long)
             inputs[f"score_ids{i}"] = torch.tensor(token_ids, dtype=torch.long)
-        staged, staged_extra = self.staging.send(inputs, extra)
-        meta = _metadata(batch, staged)
+        staged_step, staged, staged_extra = self.staging.send(step_tensors(batch), inputs, extra)
         with ops.trusted_inputs():
-            hidden = self.model(staged["input_ids"], meta.positions, meta,
+            hidden = self.model(staged["input_ids"], _step(batch, staged_step),
                                 self.kv_cache)  # [T, hidden]
         logits = None
         if sampling_rows:

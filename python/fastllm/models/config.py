@@ -9,24 +9,21 @@ experts), so the model code never branches on the architecture name.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastllm.models.checks import brief, check_bool, check_int, check_positive_number
 from fastllm.models.families import FAMILIES, Family
 
-__all__ = ["ACTIVATIONS", "ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES"]
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # model_type -> architecture, for a config.json that has no "architectures" list.
 _MODEL_TYPES = {model_type: family.architecture for family in FAMILIES.values()
                 for model_type in family.model_types}
-
-# MLP activations by their HF name -> the name fastllm's decoder knows them by.
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -70,15 +67,15 @@ class RopeScaling:
         if self.rope_type not in ("linear", "llama3"):
             raise ValueError(f"unsupported RoPE scaling type {self.rope_type!r}; fastllm supports "
                              "'default', 'linear' and 'llama3'")
-        _check_positive_number("RoPE scaling factor", self.factor)
+        check_positive_number("RoPE scaling factor", self.factor)
         if self.rope_type == "llama3":
             low, high = self.low_freq_factor, self.high_freq_factor
-            _check_positive_number("low_freq_factor", low)
-            _check_positive_number("high_freq_factor", high)
+            check_positive_number("low_freq_factor", low)
+            check_positive_number("high_freq_factor", high)
             if not low < high:
                 raise ValueError("llama3 RoPE scaling needs 0 < low_freq_factor < "
                                  f"high_freq_factor, got {low!r} and {high!r}")
-            _check_int("original_max_position_embeddings", self.original_max_position_embeddings,
+            check_int("original_max_position_embeddings", self.original_max_position_embeddings,
                        MAX_POSITIONS)
 
 
@@ -99,12 +96,13 @@ class ModelConfig:
         sliding_layers: per layer, whether it uses ``sliding_window``.
         rope_layers: per layer, whether it applies RoPE (False: a SmolLM3 NoPE layer).
         bos_token_id, eos_token_ids: special tokens (eos may be several).
-        activation: the MLP's gate activation, ``"silu"`` or ``"gelu_tanh"``.
+        layer_switches: the values of the family's layer switches
+            (:class:`~fastllm.models.families.LayerSwitch`), by field of the decoder's layer
+            record (:class:`fastllm.ops.DecoderLayer`); a field not here keeps the record's
+            default.
         rotary_dim: channels of each head RoPE rotates (the first ones; partial rotary).
         rope_local_theta: the RoPE base of sliding layers, when theirs is their own (Gemma 3).
-        attention_scale: the query-key scale, None for ``head_dim ** -0.5``.
-        attn_softcap, final_softcap: attention scores and logits soft-capped as
-            ``cap * tanh(x / cap)``; None: not capped.
+        final_softcap: logits soft-capped as ``cap * tanh(x / cap)``; None: not capped.
         num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob: the
             mixture-of-experts block (``num_experts`` 0: none); each token runs its
             ``num_experts_per_tok`` best experts, their weights renormalized to sum to 1 when
@@ -133,11 +131,9 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = field(default=())
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    activation: str = "silu"
+    layer_switches: Mapping[str, Any] = field(default_factory=dict)
     rotary_dim: int | None = None
     rope_local_theta: float | None = None
-    attention_scale: float | None = None
-    attn_softcap: float | None = None
     final_softcap: float | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -150,7 +146,7 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {self.architecture!r}; fastllm supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         for name, (_, high) in _SIZES.items():
-            _check_int(name, getattr(self, name), high)
+            check_int(name, getattr(self, name), high)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
                              f"n_kv_heads={self.n_kv_heads}")
@@ -158,35 +154,36 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rotary_dim is None:
             object.__setattr__(self, "rotary_dim", self.head_dim)
-        _check_int("rotary_dim", self.rotary_dim, self.head_dim, low=2)
+        check_int("rotary_dim", self.rotary_dim, self.head_dim, low=2)
         if self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
         for name in ("rms_norm_eps", "rope_theta"):
-            _check_positive_number(name, getattr(self, name))
-        for name in ("rope_local_theta", "attention_scale", "attn_softcap", "final_softcap"):
+            check_positive_number(name, getattr(self, name))
+        for name in ("rope_local_theta", "final_softcap"):
             if getattr(self, name) is not None:
-                _check_positive_number(name, getattr(self, name))
-        if self.activation not in ACTIVATIONS.values():
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS.values())}, got "
-                             f"{_brief(self.activation)}")
+                check_positive_number(name, getattr(self, name))
+        if not isinstance(self.layer_switches, Mapping) or not all(
+                isinstance(name, str) for name in self.layer_switches):
+            raise TypeError(f"layer_switches must map DecoderLayer fields to values, got "
+                            f"{brief(self.layer_switches)}")
         if not self.moe_layers:
             object.__setattr__(self, "moe_layers", (False,) * self.num_layers)
         if len(self.moe_layers) != self.num_layers or not all(
                 isinstance(f, bool) for f in self.moe_layers):
             raise ValueError(f"moe_layers must be {self.num_layers} bools (one per layer), got "
-                             f"{_brief(self.moe_layers)}")
+                             f"{brief(self.moe_layers)}")
         if any(self.moe_layers):
-            _check_int("num_experts", self.num_experts, 1 << 12)
-            _check_int("num_experts_per_tok", self.num_experts_per_tok, self.num_experts)
-            _check_int("moe_intermediate_size", self.moe_intermediate_size, 1 << 20)
-            _check_bool("norm_topk_prob", self.norm_topk_prob)
+            check_int("num_experts", self.num_experts, 1 << 12)
+            check_int("num_experts_per_tok", self.num_experts_per_tok, self.num_experts)
+            check_int("moe_intermediate_size", self.moe_intermediate_size, 1 << 20)
+            check_bool("norm_topk_prob", self.norm_topk_prob)
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"rope_scaling must be a RopeScaling or None, got "
-                            f"{_brief(self.rope_scaling)}")
+                            f"{brief(self.rope_scaling)}")
         for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias"):
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         if self.sliding_window is not None:
-            _check_int("sliding_window", self.sliding_window, MAX_POSITIONS)
+            check_int("sliding_window", self.sliding_window, MAX_POSITIONS)
         for name in ("sliding_layers", "rope_layers"):
             flags = getattr(self, name)
             if len(flags) != self.num_layers or not all(isinstance(f, bool) for f in flags):
@@ -198,7 +195,7 @@ class ModelConfig:
         for token in (self.bos_token_id, *self.eos_token_ids):
             if token is not None and not (isinstance(token, int) and not isinstance(token, bool)
                                           and token >= 0):
-                raise ValueError(f"token ids must be non-negative ints, got {_brief(token)}")
+                raise ValueError(f"token ids must be non-negative ints, got {brief(token)}")
 
     @property
     def family(self) -> Family:
@@ -212,6 +209,18 @@ class ModelConfig:
         keys counting itself, so ``sliding_window - 1`` to its left; -1 is no window.
         """
         return self.sliding_window - 1 if self.sliding_layers[layer] else -1
+
+    def layer_fields(self, layer: int) -> dict[str, Any]:
+        """The fields of layer ``layer``'s record (:class:`fastllm.ops.DecoderLayer`) that are
+        neither weights nor shapes: the family's layer switches, then the per-layer rules (its
+        window, RoPE table and NoPE flag, the q/k norms' span, the norms' epsilon)."""
+        return {**self.layer_switches, "eps": self.rms_norm_eps,
+                "use_rope": self.rope_layers[layer],
+                # Table 1: the local RoPE of sliding layers, where theirs is their own (Gemma 3).
+                "rope_table": int(self.rope_local_theta is not None
+                                  and self.sliding_layers[layer]),
+                "window_left": self.window_left(layer),
+                "qk_norm_per_head": self.family.qk_norm != "full"}
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelConfig:
@@ -252,43 +261,38 @@ class ModelConfig:
             # A key present with null stays None (HF: an explicit null sliding_window or eos).
             return hf[key] if key in hf else defaults.get(key, default)
 
-        hidden_act = get(family.activation_key, "silu")
-        if hidden_act not in ACTIVATIONS:
-            raise ValueError(f"{family.activation_key} must be one of {sorted(ACTIVATIONS)}, got "
-                             f"{_brief(hidden_act)}")
+        switches = {name: switch.value(switch.key, get(switch.key))
+                    for name, switch in family.layer_switches.items()
+                    if get(switch.key) is not None}
         sizes: dict[str, int] = {}
         for name, (key, high) in _SIZES.items():
             value = get(key)
             if value is not None or name not in ("n_kv_heads", "head_dim"):  # those two derive
-                sizes[name] = _check_int(key, value, high)
+                sizes[name] = check_int(key, value, high)
         sizes.setdefault("n_kv_heads", sizes["n_heads"])
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["n_heads"])
         rope = _rope(hf, family, get("rope_theta"), sizes["max_position_embeddings"],
                      sizes["head_dim"])
         sliding_window, layer_types, rope_layers = _layer_rules(family, hf, get,
                                                                 sizes["num_layers"])
-        attention_bias = _check_bool("attention_bias", hf.get("attention_bias", False))
+        attention_bias = check_bool("attention_bias", hf.get("attention_bias", False))
         eos = get("eos_token_id")
         return cls(
             architecture=arch,
             **sizes,
             rms_norm_eps=get("rms_norm_eps", 1e-6),
             **rope,
-            tie_word_embeddings=_check_bool("tie_word_embeddings", get("tie_word_embeddings")),
+            tie_word_embeddings=check_bool("tie_word_embeddings", get("tie_word_embeddings")),
             qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
             o_bias=attention_bias if family.o_bias is None else family.o_bias,
-            mlp_bias=family.mlp_bias and _check_bool("mlp_bias", hf.get("mlp_bias", False)),
+            mlp_bias=family.mlp_bias and check_bool("mlp_bias", hf.get("mlp_bias", False)),
             sliding_window=sliding_window,
             sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
             rope_layers=rope_layers,
             bos_token_id=get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-            activation=ACTIVATIONS[hidden_act],
-            attention_scale=(None if not family.query_pre_attn_scalar else
-                             _check_positive_number("query_pre_attn_scalar",
-                                                    get("query_pre_attn_scalar")) ** -0.5),
-            attn_softcap=get("attn_logit_softcapping") if family.softcaps else None,
-            final_softcap=get("final_logit_softcapping") if family.softcaps else None,
+            layer_switches=switches,
+            final_softcap=get("final_logit_softcapping") if family.final_softcap else None,
             **_experts(family, hf, get, sizes["num_layers"], sizes["intermediate_size"]),
         )
 
@@ -298,7 +302,7 @@ def _architecture(hf: Mapping[str, Any]) -> str:
     if architectures is not None and not (isinstance(architectures, list) and all(
             isinstance(name, str) for name in architectures)):
         raise TypeError(f"architectures must be a list of class names, got "
-                        f"{_brief(architectures)}")
+                        f"{brief(architectures)}")
     model_type = hf.get("model_type")
     if architectures:
         arch = architectures[0]
@@ -306,7 +310,7 @@ def _architecture(hf: Mapping[str, Any]) -> str:
         arch = _MODEL_TYPES[model_type]
     else:
         raise ValueError("config.json names no architecture (no 'architectures' list and an "
-                         f"unknown model_type {_brief(model_type)})")
+                         f"unknown model_type {brief(model_type)})")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; fastllm supports "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -323,7 +327,7 @@ def _rope(hf: Mapping[str, Any], family: Family, top_level_theta: float, max_pos
     for key in ("rope_scaling", "rope_parameters"):
         if hf.get(key) is not None and not isinstance(hf[key], Mapping):
             raise TypeError(f"{key} must be a JSON object (e.g. {{\"rope_type\": \"linear\", "
-                            f"\"factor\": 2.0}}) or null, got {_brief(hf[key])}")
+                            f"\"factor\": 2.0}}) or null, got {brief(hf[key])}")
     params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     local_theta = None
     if family.local_rope:
@@ -332,22 +336,22 @@ def _rope(hf: Mapping[str, Any], family: Family, top_level_theta: float, max_pos
             local = params.get("sliding_attention") or {}
             if not isinstance(local, Mapping) or local.get("rope_type", "default") != "default":
                 raise ValueError(f"sliding layers' RoPE must be default RoPE, got "
-                                 f"{_brief(local)}")
+                                 f"{brief(local)}")
             local_theta = local.get("rope_theta", local_theta)
             params = dict(params.get("full_attention") or {})
-        _check_positive_number("rope_local_base_freq", local_theta)
+        check_positive_number("rope_local_base_freq", local_theta)
     if any(isinstance(value, Mapping) for value in params.values()):
         raise ValueError(f"per-layer-type RoPE parameters are not supported, got "
-                         f"{_brief(params)}")
+                         f"{brief(params)}")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
         raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got "
-                         f"{_brief(partial)}")
+                         f"{brief(partial)}")
     rope = dict(rope_theta=params.get("rope_theta", top_level_theta), rope_scaling=None,
                 rotary_dim=int(head_dim * partial), rope_local_theta=local_theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if not isinstance(rope_type, str):
-        raise TypeError(f"rope_type must be a string, got {_brief(rope_type)}")
+        raise TypeError(f"rope_type must be a string, got {brief(rope_type)}")
     if rope_type == "default":
         return rope
     if rope_type == "linear":
@@ -370,17 +374,17 @@ def _experts(family: Family, hf: Mapping[str, Any], get, num_layers: int, interm
     if names is None:
         return {}
     key = next((key for key in names.experts_keys if key in hf), names.experts_keys[0])
-    num_experts = _check_int(key, get(key), 1 << 12)
-    top_k = _check_int("num_experts_per_tok", get("num_experts_per_tok"), num_experts)
+    num_experts = check_int(key, get(key), 1 << 12)
+    top_k = check_int("num_experts_per_tok", get("num_experts_per_tok"), num_experts)
     renormalize = (True if names.renormalize_key is None else
-                   _check_bool(names.renormalize_key, get(names.renormalize_key)))
-    step = _check_int("decoder_sparse_step", get("decoder_sparse_step", 1), num_layers)
+                   check_bool(names.renormalize_key, get(names.renormalize_key)))
+    step = check_int("decoder_sparse_step", get("decoder_sparse_step", 1), num_layers)
     dense = get("mlp_only_layers", [])
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                               for i in dense):
-        raise TypeError(f"mlp_only_layers must be a list of layer indices, got {_brief(dense)}")
+        raise TypeError(f"mlp_only_layers must be a list of layer indices, got {brief(dense)}")
     return dict(num_experts=num_experts, num_experts_per_tok=top_k,
-                moe_intermediate_size=_check_int(
+                moe_intermediate_size=check_int(
                     "moe_intermediate_size", get("moe_intermediate_size", intermediate_size),
                     1 << 20),
                 norm_topk_prob=renormalize,
@@ -393,24 +397,24 @@ def _layer_rules(family: Family, hf: Mapping[str, Any], get, num_layers: int
     """(sliding_window, layer_types, rope_layers) as each HF config class resolves them."""
     layer_types = hf.get("layer_types")
     if layer_types is not None and not isinstance(layer_types, list):
-        raise TypeError(f"layer_types must be a list, got {_brief(layer_types)}")
+        raise TypeError(f"layer_types must be a list, got {brief(layer_types)}")
     rope_layers = (True,) * num_layers
     rule = family.windows
     if rule == "none":
         sliding_window, layer_types = None, ["full_attention"] * num_layers
     elif rule in ("every", "every_if_used"):
         # Every layer slides when the window is set; these classes ignore layer_types.
-        used = rule == "every" or _check_bool("use_sliding_window",
+        used = rule == "every" or check_bool("use_sliding_window",
                                                hf.get("use_sliding_window", False))
         sliding_window = get("sliding_window") if used else None
         layer_types = ["full_attention" if sliding_window is None else "sliding_attention"
                        ] * num_layers
     elif rule == "qwen2":
         # The window exists only with use_sliding_window, and then only from max_window_layers.
-        use_window = _check_bool("use_sliding_window", hf.get("use_sliding_window", False))
+        use_window = check_bool("use_sliding_window", hf.get("use_sliding_window", False))
         sliding_window = get("sliding_window") if use_window else None
         if layer_types is None:
-            first_sliding = _check_int("max_window_layers", get("max_window_layers", 28),
+            first_sliding = check_int("max_window_layers", get("max_window_layers", 28),
                                        MAX_POSITIONS, low=0)
             layer_types = ["sliding_attention" if sliding_window is not None and i >= first_sliding
                            else "full_attention" for i in range(num_layers)]
@@ -418,7 +422,7 @@ def _layer_rules(family: Family, hf: Mapping[str, Any], get, num_layers: int
         # Gemma: one full layer in every sliding_window_pattern, the others slide.
         sliding_window = get("sliding_window")
         if layer_types is None:
-            pattern = _check_int("sliding_window_pattern", get("sliding_window_pattern"),
+            pattern = check_int("sliding_window_pattern", get("sliding_window_pattern"),
                                  MAX_POSITIONS)
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                            for i in range(num_layers)]
@@ -428,53 +432,21 @@ def _layer_rules(family: Family, hf: Mapping[str, Any], get, num_layers: int
         # no_rope_layers[i] == 1 means layer i *uses* RoPE (HF: use_rope = no_rope_layers[i]).
         no_rope_layers = hf.get("no_rope_layers")
         if no_rope_layers is None:
-            interval = _check_int("no_rope_layer_interval", hf.get("no_rope_layer_interval", 4),
+            interval = check_int("no_rope_layer_interval", hf.get("no_rope_layer_interval", 4),
                                   MAX_POSITIONS)
             no_rope_layers = [int((i + 1) % interval != 0) for i in range(num_layers)]
         if not isinstance(no_rope_layers, list) or len(no_rope_layers) != num_layers or any(
                 f not in (0, 1) or isinstance(f, float) for f in no_rope_layers):
             raise ValueError(f"no_rope_layers must be {num_layers} values of 0 or 1, got "
-                             f"{_brief(no_rope_layers)}")
+                             f"{brief(no_rope_layers)}")
         rope_layers = tuple(bool(f) for f in no_rope_layers)
         sliding_window = get("sliding_window")
         if layer_types is None:
-            slide = _check_bool("use_sliding_window", hf.get("use_sliding_window", False)) \
+            slide = check_bool("use_sliding_window", hf.get("use_sliding_window", False)) \
                 and sliding_window is not None
             layer_types = ["sliding_attention" if slide and not rope else "full_attention"
                            for rope in rope_layers]
     if len(layer_types) != num_layers or any(t not in _LAYER_TYPES for t in layer_types):
         raise ValueError(f"layer_types must be {num_layers} of {_LAYER_TYPES}, got "
-                         f"{_brief(layer_types)}")
+                         f"{brief(layer_types)}")
     return sliding_window, layer_types, rope_layers
-
-
-def _check_int(name: str, value: Any, high: int, *, low: int = 1) -> int:
-    """``value``, if it is an int in ``[low, high]``; else a TypeError (not an int: a bool, a
-    float, a string) or a ValueError (out of bounds) naming ``name`` and the value."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int in [{low}, {high}], got {_brief(value)}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value}")
-    return value
-
-
-def _check_positive_number(name: str, value: Any) -> float:
-    """``value``, if it is a finite int or float > 0; else a TypeError or ValueError."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a positive number, got {_brief(value)}")
-    if not 0 < value <= sys.float_info.max:  # False for NaN and inf; exact for huge ints
-        raise ValueError(f"{name} must be a positive number, got {_brief(value)}")
-    return value
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    """``value``, if it is a bool: JSON's ``"false"`` is a string, and truthy."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be true or false, got {_brief(value)}")
-    return value
-
-
-def _brief(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a config may hold long lists)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."

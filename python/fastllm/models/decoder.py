@@ -3,13 +3,15 @@
 The forward pass runs on packed variable-length batches (sequences back to back, no padding)
 against a :class:`~fastllm.kv_cache.PagedKVCache`: every layer writes its new K/V rows into the
 cache, then attends over the cached keys through each sequence's block table. Prefill, chunked
-prefill and decode are the same call; only :class:`AttentionMetadata` differs. Projections are
-plain matmuls, with q/k/v fused into one and gate/up into another (per expert in a
-mixture-of-experts MLP). The family's record says which norms a layer has, its activation,
-soft-caps and RoPE tables; the model code never branches on the architecture's name.
+prefill and decode are the same call; only the step's :class:`fastllm.ops.DecoderStep` differs.
+Projections are plain matmuls, with q/k/v fused into one and gate/up into another (per expert in
+a mixture-of-experts MLP). The family's record says which norms a layer has and how its config
+sets the rest of the layer's record (:meth:`ModelConfig.layer_fields`: activation, scale,
+soft-cap, window, RoPE table); the model code never branches on the architecture's name.
 
 The modules hold the weights; the layers run as :class:`fastllm.ops.DecoderLayers`, the same ops
-called from C++ (a decode step's ten small ops a layer cost more from Python than they compute).
+called from C++ (a decode step's ten small ops a layer cost more from Python than they compute),
+each layer described by one :class:`fastllm.ops.DecoderLayer` record.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from torch import Tensor, nn
 
 from fastllm import ops
 from fastllm.kv_cache import KVCacheSpec, PagedKVCache, cache_dtype_serves
-from fastllm.models.attention_metadata import AttentionMetadata
 from fastllm.models.config import ModelConfig
 from fastllm.models.quantized import QuantizedEmbedding, QuantizedLinear
 from fastllm.models.rope import build_cos_sin_cache
@@ -87,11 +88,14 @@ class Attention(nn.Module):
             per_head = self.qk_norm == "head"
             self.q_norm = RMSNorm(self.head_dim if per_head else q_size, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim if per_head else kv_size, config.rms_norm_eps)
-        self.use_rope = config.rope_layers[layer]
-        # Table 1: the local RoPE of sliding layers, where theirs is their own (Gemma 3).
-        self.rope_table = int(config.rope_local_theta is not None
-                              and config.sliding_layers[layer])
-        self.window_left = config.window_left(layer)
+
+    def record_fields(self) -> dict:
+        """Attention's fields of the layer's :class:`fastllm.ops.DecoderLayer`."""
+        has_norms = self.qk_norm is not None
+        return dict(qkv=self.qkv_proj.projection_parts(), o=self.o_proj.projection_parts(),
+                    n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                    q_norm=self.q_norm.weight if has_norms else None,
+                    k_norm=self.k_norm.weight if has_norms else None)
 
 
 class MLP(nn.Module):
@@ -106,7 +110,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, config.hidden_size,
                                 bias=config.mlp_bias and row_bias)
 
-    def weights(self) -> dict:
+    def record_fields(self) -> dict:
+        """The MLP's fields of the layer's :class:`fastllm.ops.DecoderLayer`."""
         return dict(gate_up=self.gate_up_proj.projection_parts(),
                     down=self.down_proj.projection_parts())
 
@@ -129,18 +134,18 @@ class Experts(nn.Module):
         self.down_type: int | None = None
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
 
-    def weights(self) -> dict:
-        return dict(experts=ops.ExpertWeights(
+    def record_fields(self) -> dict:
+        """The experts' field of the layer's :class:`fastllm.ops.DecoderLayer`."""
+        return dict(experts=ops.Experts(
             router=self.router.projection_parts(), gate_up=self.gate_up_proj,
-            down=self.down_proj,
-            top_k=self.top_k, renormalize=self.renormalize, gate_up_type=self.gate_up_type,
-            down_type=self.down_type))
+            down=self.down_proj, top_k=self.top_k, renormalize=self.renormalize,
+            gate_up_type=self.gate_up_type, down_type=self.down_type))
 
 
 class DecoderLayer(nn.Module):
     """Attention, then the MLP, each a residual branch with the family's norms
     (:data:`~fastllm.models.families.NORM_ROLES`: before and after each branch), each residual
-    add fused into the norm after it (:class:`fastllm.ops.DecoderLayerWeights`)."""
+    add fused into the norm after it (:class:`fastllm.ops.DecoderLayer`)."""
 
     def __init__(self, config: ModelConfig, layer: int, shard: ShardLayout) -> None:
         super().__init__()
@@ -152,44 +157,34 @@ class DecoderLayer(nn.Module):
             self.mlp = Experts(config)
         else:
             self.mlp = MLP(config, shard.intermediate_size, shard.row_bias)
-        self.eps = config.rms_norm_eps
-        self.activation = config.activation
-        self.scale = config.attention_scale
-        self.softcap = config.attn_softcap or 0.0
+        self.layer_fields = config.layer_fields(layer)
 
-    def weights(self) -> ops.DecoderLayerWeights:
-        """This layer's current weights as :class:`fastllm.ops.DecoderLayers` runs them."""
-        attn = self.self_attn
+    def record(self) -> ops.DecoderLayer:
+        """This layer, with its current weights, as :class:`fastllm.ops.DecoderLayers` runs
+        it."""
         norms = {role: getattr(self, role).weight for role in self.norm_roles}
-        return ops.DecoderLayerWeights(
+        return ops.DecoderLayer(
             input_norm=norms.get("input_layernorm"),
             post_attention_norm=norms.get("post_attention_layernorm"),
             pre_feedforward_norm=norms.get("pre_feedforward_layernorm"),
             post_feedforward_norm=norms.get("post_feedforward_layernorm"),
-            qkv=attn.qkv_proj.projection_parts(), o=attn.o_proj.projection_parts(),
-            **self.mlp.weights(), activation=self.activation,
-            n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim,
-            eps=self.eps,
-            use_rope=attn.use_rope, rope_table=attn.rope_table, window_left=attn.window_left,
-            scale=self.scale, softcap=self.softcap,
-            q_norm=attn.q_norm.weight if attn.qk_norm else None,
-            k_norm=attn.k_norm.weight if attn.qk_norm else None,
-            qk_norm_per_head=attn.qk_norm != "full")
+            **self.self_attn.record_fields(), **self.mlp.record_fields(), **self.layer_fields)
 
 
 class DecoderLM(nn.Module):
-    """A decoder-only causal LM of the Llama family, for inference (no parameter needs grad).
+    """A decoder-only causal LM of any family :mod:`fastllm.models.families` describes, for
+    inference (no parameter needs grad).
 
     Parameter names are fastllm's own (``layers.{i}.self_attn.qkv_proj.weight``, ...);
     :func:`fastllm.models.loader.load_model` maps HF checkpoints onto them. With tied
     embeddings there is no ``lm_head``: :meth:`compute_logits` reads ``embed_tokens.weight``.
 
     :meth:`forward` runs the layers as one :class:`fastllm.ops.DecoderLayers` call, bound to
-    their weights at the first forward and again after ``load_state_dict`` or a move (``.to()``
-    and the like): op calls from Python cost more than the small ops of a decode step (SmolLM2's
-    30 layers: 1.7 ms of Python a token, about 35 us a layer). Forward hooks on the layers
-    therefore do not run; after replacing a submodule or parameter by hand, call
-    :meth:`unbind_layers`.
+    their weights and the RoPE tables at the first forward and again after ``load_state_dict``, a
+    move (``.to()`` and the like) or a longer RoPE table (:meth:`reserve_positions`): op calls
+    from Python cost more than the small ops of a decode step (SmolLM2's 30 layers: 1.7 ms of
+    Python a token, about 35 us a layer). Forward hooks on the layers therefore do not run;
+    after replacing a submodule or parameter by hand, call :meth:`unbind_layers`.
 
     With ``tensor_parallel``, the model is that rank's shard (Megatron's:
     :mod:`fastllm.models.tensor_parallel`, laid out by :attr:`shard`): its layers hold the
@@ -245,6 +240,7 @@ class DecoderLM(nn.Module):
             self.local_cos_sin_cache = (
                 build_cos_sin_cache(self.config, max_positions, device=device, local=True)
                 if local else torch.empty(0, device=device))
+        self.unbind_layers()  # the layers read the tables they were bound to
 
     def rope_tables(self) -> list[Tensor]:
         """The RoPE tables the layers index by their ``rope_table``: the model's, then the
@@ -268,7 +264,7 @@ class DecoderLM(nn.Module):
                 self._replaced_rope_tables.extend(replaced)
 
     def unbind_layers(self) -> None:
-        """Forgets the bound layers: the next forward binds them to the weights
+        """Forgets the bound layers: the next forward binds them to the weights and RoPE tables
         then in place."""
         self._bound_layers = None
 
@@ -295,14 +291,13 @@ class DecoderLM(nn.Module):
         return KVCacheSpec(num_layers=self.config.num_layers, n_kv_heads=self.shard.n_kv_heads,
                            head_dim=self.config.head_dim, dtype=dtype, block_size=block_size)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
-                kv_cache: PagedKVCache) -> Tensor:
+    def forward(self, input_ids: Tensor, step: ops.DecoderStep, kv_cache: PagedKVCache) -> Tensor:
         """Runs one step over a packed batch and writes its K/V into ``kv_cache``.
 
         Args:
             input_ids: int64 ``[T]``, every sequence's new tokens back to back.
-            positions: int64 ``[T]``, each token's position in its sequence.
-            meta: the step's :class:`AttentionMetadata` (built by the engine's model runner).
+            step: where the tokens sit in the batch and the cache, their positions included (a
+                :class:`fastllm.ops.DecoderStep`, built by the engine's model runner).
             kv_cache: the paged cache the tokens' K/V go into and are read from (post-RoPE
                 keys, or pre-RoPE ones rotated as attention reads them: ``kv_cache.pre_rope``).
 
@@ -323,15 +318,12 @@ class DecoderLM(nn.Module):
         if self.config.family.embedding_scale:
             # Gemma: times sqrt(hidden) rounded to the activations' dtype, as HF does.
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        if self._bound_layers is None:
-            self._bound_layers = ops.DecoderLayers([layer.weights() for layer in self.layers],
-                                                   None if tp is None else tp.group_name)
-        x, residual = self._bound_layers(
-            x, None, positions=positions, cu_seqlens_q=meta.cu_seqlens_q,
-            max_seqlen_q=meta.max_seqlen_q, seq_lens=meta.seq_lens,
-            block_tables=meta.block_tables, slot_mapping=meta.slot_mapping,
-            keys_are_new=meta.keys_are_new, k_cache=kv_cache.k_cache, v_cache=kv_cache.v_cache,
-            cos_sin_caches=self.rope_tables(), pre_rope=kv_cache.pre_rope)
+        layers = self._bound_layers
+        if layers is None:
+            layers = self._bound_layers = ops.DecoderLayers(
+                [layer.record() for layer in self.layers], self.rope_tables(),
+                None if tp is None else tp.group_name)
+        x, residual = layers(x, None, step, kv_cache.k_cache, kv_cache.v_cache, kv_cache.pre_rope)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:

@@ -1,12 +1,13 @@
 """The decoder families fastllm runs, one record each.
 
 A :class:`Family` says how one HF architecture differs from the Llama decoder: where its norms
-sit and how they scale, its q/k norms, its activation, its embedding scale, which config keys
-give its soft-caps, attention scale and sliding windows, its mixture-of-experts block, and the
-names of its tensors in HF checkpoints and in llama.cpp's GGUF files. :class:`~fastllm.models.
-config.ModelConfig` reads a family's config keys, :mod:`fastllm.models.build` its tensor names,
-and one decoder (:class:`fastllm.ops.DecoderLayers` in C++, ``ops.reference.decoder_layers`` in
-float64) runs them all.
+sit and how they scale, its q/k norms, its embedding scale, which config keys give its sliding
+windows and logit soft-cap, its layer switches (:class:`LayerSwitch`: which config keys set
+fields of the decoder's layer record, such as the activation, the attention scale and soft-cap),
+its mixture-of-experts block, and the names of its tensors in HF checkpoints and in llama.cpp's
+GGUF files. :class:`~fastllm.models.config.ModelConfig` reads a family's config keys,
+:mod:`fastllm.models.build` its tensor names, and one decoder (:class:`fastllm.ops.DecoderLayers`
+in C++, ``ops.reference.decoder_layers`` in float64) runs them all.
 
 Adding a family: a record here (its HF config class's defaults included), a parity test against
 HF transformers on a tiny random checkpoint (tests/models/test_parity.py), and, when llama.cpp
@@ -15,12 +16,16 @@ converts it, its :class:`GGUFConventions` and a GGUF round trip (tests/models/te
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastllm import ops
+from fastllm.models.checks import brief, check_positive_number
+
 __all__ = ["FAMILIES", "Family", "GGUFConventions", "GGUF_EXPERT_NAMES", "GGUF_GLOBAL_NAMES",
-           "GGUF_LAYER_NAMES", "GGUF_NORM_NAMES", "MoeNames", "NORM_ROLES"]
+           "GGUF_LAYER_NAMES", "GGUF_NORM_NAMES", "HF_ACTIVATIONS", "LayerSwitch", "MoeNames",
+           "NORM_ROLES"]
 
 # Where a decoder layer's norms may sit, in order: before attention, on attention's output,
 # before the MLP, on the MLP's output. fastllm names its norm modules by role.
@@ -61,6 +66,46 @@ GGUF_EXPERT_NAMES = {"router": "ffn_gate_inp", "gate": "ffn_gate_exps", "up": "f
                      "down": "ffn_down_exps"}
 
 
+# HF's names of the MLP activations -> the decoder's (DecoderLayer.activation).
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def hf_activation(key: str, name: Any) -> str:
+    """The decoder's name of HF's activation ``name`` (config key ``key``)."""
+    if name not in HF_ACTIVATIONS:
+        raise ValueError(f"{key} must be one of {sorted(HF_ACTIVATIONS)}, got {brief(name)}")
+    return HF_ACTIVATIONS[name]
+
+
+def inverse_sqrt(key: str, value: Any) -> float:
+    """``value ** -0.5`` of a positive number (Gemma's ``query_pre_attn_scalar``)."""
+    return check_positive_number(key, value) ** -0.5
+
+
+@dataclass(frozen=True)
+class LayerSwitch:
+    """How a family sets one field of the decoder's layer record (:class:`fastllm.ops.
+    DecoderLayer`, declared in ``csrc/decoder/decoder_layers.h``) from its HF config: one value
+    for every layer. A key absent from the config takes the family's ``defaults``; absent there
+    too, or null, it leaves the field at the record's default.
+
+    Attributes:
+        key: the ``config.json`` key.
+        value: ``value(key, config value)``, the field's value (a TypeError or ValueError naming
+            ``key`` for a bad one).
+        gguf: llama.cpp's metadata key for it (after ``{arch}.``) and that key's type (int,
+            float, str or bool); None where GGUF files do not carry it (the default applies).
+    """
+
+    key: str
+    value: Callable[[str, Any], Any] = check_positive_number
+    gguf: tuple[str, type] | None = None
+
+
+# The switch every family has: its MLP's activation, HF's default SiLU unless the config says.
+_ACTIVATION = {"activation": LayerSwitch("hidden_act", hf_activation)}
+
+
 @dataclass(frozen=True)
 class GGUFConventions:
     """How llama.cpp stores a family: what ``convert_hf_to_gguf.py`` does to its tensors, and
@@ -75,9 +120,9 @@ class GGUFConventions:
         default_window: ``sliding_window`` when the file has no ``attention.sliding_window``
             (None: no layer slides).
         local_rope_theta: the RoPE base of sliding layers.
-        hidden_scalar_layers: the layer count (of the 27B model) at which
-            ``query_pre_attn_scalar`` is ``hidden_size / heads``; at any other it is
-            ``head_dim``.
+        hidden_scalar_layers: llama.cpp fixes ``query_pre_attn_scalar`` (Gemma): ``hidden_size
+            / heads`` at this layer count (the 27B model's), ``head_dim`` at any other; None:
+            the family has none.
         expert_weights_norm: whether the experts' top-k weights are renormalized when the file
             has no ``{arch}.expert_weights_norm`` (a family whose renormalization is a config
             key; llama.cpp's ``qwen3moe`` graph always renormalizes).
@@ -119,15 +164,15 @@ class Family:
             weights at load (llama.cpp's converter does the same).
         qk_norm: per-head RMSNorm of q and k (``"head"``: Qwen3, Gemma 3), over all of q and
             all of k (``"full"``: OLMo 2), or none.
-        activation_key: the config key naming the MLP's activation.
+        layer_switches: the fields of the decoder's layer record it sets from its config, by
+            field name (every family: the activation).
         embedding_scale: embeddings are multiplied by ``sqrt(hidden_size)`` (in their dtype).
         windows: how layers slide: ``"none"``; ``"every"`` (every layer, when ``sliding_window``
             is set); ``"every_if_used"`` (the same, when ``use_sliding_window`` too);
             ``"qwen2"`` (layers from ``max_window_layers`` on, with ``use_sliding_window``);
             ``"layer_types"`` (per ``layer_types``, else one full layer in
             ``sliding_window_pattern``); ``"smollm3"`` (NoPE layers, with ``use_sliding_window``).
-        softcaps: reads ``attn_logit_softcapping`` and ``final_logit_softcapping``.
-        query_pre_attn_scalar: attention scales by ``query_pre_attn_scalar ** -0.5``.
+        final_softcap: reads ``final_logit_softcapping`` (the logits' soft-cap).
         local_rope: sliding layers rotate with their own RoPE base (Gemma 3).
         qkv_bias, o_bias: fixed biases; None: as ``attention_bias`` says.
         mlp_bias: reads ``mlp_bias``.
@@ -142,11 +187,10 @@ class Family:
     norms: str = "pre"
     norm_offset: float = 0.0
     qk_norm: str | None = None
-    activation_key: str = "hidden_act"
+    layer_switches: Mapping[str, LayerSwitch] = field(default_factory=lambda: _ACTIVATION)
     embedding_scale: bool = False
     windows: str = "none"
-    softcaps: bool = False
-    query_pre_attn_scalar: bool = False
+    final_softcap: bool = False
     local_rope: bool = False
     qkv_bias: bool | None = None
     o_bias: bool | None = None
@@ -158,6 +202,10 @@ class Family:
     gguf_expert_names: Mapping[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
+        unknown = set(self.layer_switches) - set(ops.DecoderLayer.fields)
+        if unknown:
+            raise ValueError(f"{self.architecture}'s layer switches {sorted(unknown)} are not "
+                             f"fields of fastllm.ops.DecoderLayer ({ops.DecoderLayer.fields})")
         object.__setattr__(self, "norm_names", _NORM_NAMES[self.norms])
         router = {} if self.moe is None else {self.moe.router: GGUF_EXPERT_NAMES["router"]}
         # HF module after "model.layers.{i}." -> llama.cpp's name after "blk.{i}."
@@ -178,6 +226,11 @@ _MIXTRAL_MOE = MoeNames(router="block_sparse_moe.gate", gate="block_sparse_moe.e
                         down="block_sparse_moe.experts.{e}.w2", renormalize_key=None,
                         experts_keys=("num_local_experts",))
 
+# Gemma's activation, attention scale and scores' soft-cap (llama.cpp writes the soft-cap).
+_GEMMA_SWITCHES = {
+    "activation": LayerSwitch("hidden_activation", hf_activation),
+    "scale": LayerSwitch("query_pre_attn_scalar", inverse_sqrt),
+    "softcap": LayerSwitch("attn_logit_softcapping", gguf=("attn_logit_softcapping", float))}
 _GEMMA_DEFAULTS = dict(tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
                        rms_norm_eps=1e-6, rope_theta=10000.0, head_dim=256,
                        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh")
@@ -204,22 +257,22 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
         max_position_embeddings=32768, rope_theta=2000000.0, tie_word_embeddings=True,
         bos_token_id=128000, eos_token_id=128001, sliding_window=None)),
     Family("Gemma2ForCausalLM", ("gemma2",), norms="sandwich", norm_offset=1.0,
-           activation_key="hidden_activation", embedding_scale=True, windows="layer_types",
+           layer_switches=_GEMMA_SWITCHES, embedding_scale=True, windows="layer_types",
            # llama.cpp: layers 0, 2, ... slide; the 27B (46 layers) scales by hidden / heads.
            gguf=GGUFConventions("gemma2", window_pattern=2, default_window=4096,
                                 hidden_scalar_layers=46),
-           softcaps=True, query_pre_attn_scalar=True, defaults=dict(
+           final_softcap=True, defaults=dict(
                _GEMMA_DEFAULTS, max_position_embeddings=8192, sliding_window=4096,
                sliding_window_pattern=2, attn_logit_softcapping=50.0,
                final_logit_softcapping=30.0)),
     Family("Gemma3ForCausalLM", ("gemma3_text",), norms="sandwich",
-           norm_offset=1.0, qk_norm="head", activation_key="hidden_activation",
+           norm_offset=1.0, qk_norm="head", layer_switches=_GEMMA_SWITCHES,
            # llama.cpp: five sliding layers of RoPE base 10000, then a full one; the 27B (62
            # layers) scales by hidden / heads.
            gguf=GGUFConventions("gemma3", window_pattern=6, local_rope_theta=10000.0,
                                 hidden_scalar_layers=62),
-           embedding_scale=True, windows="layer_types", softcaps=True,
-           query_pre_attn_scalar=True, local_rope=True, defaults=dict(
+           embedding_scale=True, windows="layer_types", final_softcap=True, local_rope=True,
+           defaults=dict(
                _GEMMA_DEFAULTS, max_position_embeddings=131072, rope_theta=1000000.0,
                rope_local_base_freq=10000.0, sliding_window=4096, sliding_window_pattern=6,
                attn_logit_softcapping=None, final_logit_softcapping=None)),

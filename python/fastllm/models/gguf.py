@@ -291,11 +291,13 @@ def _family_keys(path: Path, family: Family, get, hidden: int | None, n_heads: i
         window = conventions.default_window if window is None else window or None
         keys["sliding_window"] = window
         keys["sliding_window_pattern"] = conventions.window_pattern if window else 1
-    if family.softcaps:  # absent: the HF defaults, which are llama.cpp's
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if (value := get(key, float)) is not None:
-                keys[key] = value
-    if family.query_pre_attn_scalar and n_heads and hidden is not None:
+    # Absent: the HF defaults, which are llama.cpp's.
+    for switch in family.layer_switches.values():
+        if switch.gguf is not None and (value := get(*switch.gguf)) is not None:
+            keys[switch.key] = value
+    if family.final_softcap and (value := get("final_logit_softcapping", float)) is not None:
+        keys["final_logit_softcapping"] = value
+    if conventions.hidden_scalar_layers is not None and n_heads and hidden is not None:
         # llama.cpp scales queries by 1 / sqrt(head_dim), but the 27B's by 1 / sqrt(hidden /
         # heads), as Google's reference code does.
         wide = get("block_count") == conventions.hidden_scalar_layers

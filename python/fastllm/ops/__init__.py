@@ -22,7 +22,7 @@ from __future__ import annotations
 from fastllm.ops.activation_ops import gelu_tanh_and_mul, silu_and_mul
 from fastllm.ops.attention_ops import attention, paged_attention, reshape_and_cache
 from fastllm.ops.collectives import all_gather, all_reduce
-from fastllm.ops.decoder_layers import (DecoderLayers, DecoderLayerWeights, ExpertWeights,
+from fastllm.ops.decoder_layers import (DecoderLayer, DecoderLayers, DecoderStep, Experts,
                                        ProjectionPart)
 from fastllm.ops.linear_ops import linear
 from fastllm.ops.moe_ops import moe
@@ -36,7 +36,7 @@ from fastllm.ops.rotary_ops import rope_cos_sin_cache, rotary_and_cache, rotary_
 from fastllm.ops.sampling_ops import apply_penalties, sample, sample_with_logprobs
 from fastllm.ops.thread_flags import batch_invariant, trusted_inputs
 
-__all__ = ["BLOCK_FORMATS", "DecoderLayerWeights", "DecoderLayers", "ExpertWeights",
+__all__ = ["BLOCK_FORMATS", "DecoderLayer", "DecoderLayers", "DecoderStep", "Experts",
            "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_1", "INTERLEAVED_Q4_K", "INTERLEAVED_Q5_0",
            "INTERLEAVED_Q6_K", "INTERLEAVED_Q8_0", "INTERLEAVED_TYPES", "ProjectionPart",
            "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",

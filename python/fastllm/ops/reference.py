@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from fastllm.ops.collectives import all_reduce
-from fastllm.ops.decoder_layers import DecoderLayerWeights, ProjectionPart
+from fastllm.ops.decoder_layers import DecoderLayer, DecoderStep, ProjectionPart
 from fastllm.ops.quantized_ops import BLOCK_FORMATS
 
 
@@ -387,17 +387,16 @@ def moe(x: Tensor, router_logits: Tensor, gate_up: Tensor, down: Tensor, top_k: 
     return out
 
 
-def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: Tensor | None, *,
-                   positions: Tensor, cu_seqlens_q: Tensor, max_seqlen_q: int, seq_lens: Tensor,
-                   block_tables: Tensor, slot_mapping: Tensor, keys_are_new: bool,
-                   k_cache: Tensor, v_cache: Tensor, cos_sin_caches: Sequence[Tensor],
-                   pre_rope: bool, group_name: str | None = None
+def decoder_layers(layers: Sequence[DecoderLayer], x: Tensor, residual: Tensor | None,
+                   step: DecoderStep, k_cache: Tensor, v_cache: Tensor, *,
+                   rope_tables: Sequence[Tensor], pre_rope: bool, group_name: str | None = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Twin of :class:`fastllm.ops.DecoderLayers`, in float64 (K/V rounded to the caches'
-    dtype as they are cached); returns ``(out, residual, k_cache, v_cache)``, the caches as
-    updated copies. ``keys_are_new`` changes nothing here: attention always reads the cache.
-    With ``group_name``, the o and down projections' outputs are summed over that process
-    group, as the layers of a tensor-parallel rank do."""
+    """Twin of :class:`fastllm.ops.DecoderLayers` (built from ``layers``, ``rope_tables`` and
+    ``group_name``, then called), in float64 (K/V rounded to the caches' dtype as they are
+    cached); returns ``(out, residual, k_cache, v_cache)``, the caches as updated copies.
+    ``step.keys_are_new`` changes nothing here: attention always reads the cache. With
+    ``group_name``, the o and down projections' outputs are summed over that process group, as
+    the layers of a tensor-parallel rank do."""
 
     def reduce(x: Tensor) -> Tensor:
         return x if group_name is None else all_reduce(x, group_name)
@@ -412,7 +411,7 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
     def norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         return x if weight is None else rms_norm(x, weight, eps)
 
-    def feed_forward(layer: DecoderLayerWeights, x: Tensor) -> Tensor:
+    def feed_forward(layer: DecoderLayer, x: Tensor) -> Tensor:
         if layer.experts is not None:
             e = layer.experts
             return moe(x, project(e.router, x), e.gate_up, e.down, e.top_k, e.renormalize,
@@ -435,14 +434,15 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], x: Tensor, residual: T
             q = rms_norm(q.reshape(tokens, -1), q_norm, layer.eps).view(q.shape)
             k = rms_norm(k.reshape(tokens, -1), k_norm, layer.eps).view(k.shape)
             q_norm = k_norm = None
-        table = cos_sin_caches[layer.rope_table] if layer.use_rope else None
+        table = rope_tables[layer.rope_table] if layer.use_rope else None
         q, k, k_cache[i], v_cache[i] = rotary_and_cache(
-            positions, q, k, v, k_cache[i], v_cache[i], slot_mapping, table, q_norm,
+            step.positions, q, k, v, k_cache[i], v_cache[i], step.slot_mapping, table, q_norm,
             k_norm, layer.eps, rotate_keys=not pre_rope)
         rotation = table if pre_rope else None
-        out = paged_attention(q, k_cache[i], v_cache[i], block_tables, seq_lens, cu_seqlens_q,
-                              max_seqlen_q, scale=layer.scale, window_left=layer.window_left,
-                              rotary_cos_sin_cache=rotation, softcap=layer.softcap)
+        out = paged_attention(q, k_cache[i], v_cache[i], step.block_tables, step.seq_lens,
+                              step.cu_seqlens_q, step.max_seqlen_q, scale=layer.scale,
+                              window_left=layer.window_left, rotary_cos_sin_cache=rotation,
+                              softcap=layer.softcap)
         x = norm(reduce(project(layer.o, out.reshape(tokens, -1))), layer.post_attention_norm,
                  layer.eps)
         residual = residual + x
