@@ -281,9 +281,9 @@ def decode_ops(tensor_parallel: TensorParallel, path: Path, token_ids: list[int]
     layers = [model.layers[0].record()]
     x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     layer = ops.DecoderLayers(layers, model.rope_tables(), tensor_parallel.group_name)
-    caches = (cache.k_cache[:1], cache.v_cache[:1])
+    layer_input, caches = x.clone(), (cache.k_cache[:1], cache.v_cache[:1])
     with OpLog() as layer_log:
-        out, _ = layer(x.clone(), None, step, *caches, pre_rope=False)
+        out, _ = layer(layer_input, None, step, *caches, pre_rope=False)
     want, _, _, _ = reference.decoder_layers(layers, x, None, step, *caches,
                                              rope_tables=model.rope_tables(), pre_rope=False,
                                              group_name=tensor_parallel.group_name)

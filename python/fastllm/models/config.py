@@ -261,9 +261,11 @@ class ModelConfig:
             # A key present with null stays None (HF: an explicit null sliding_window or eos).
             return hf[key] if key in hf else defaults.get(key, default)
 
-        switches = {name: switch.value(switch.key, get(switch.key))
+        switch_keys = {name: get(switch.key, switch.default)
+                       for name, switch in family.layer_switches.items()}
+        switches = {name: switch.value(switch.key, switch_keys[name])
                     for name, switch in family.layer_switches.items()
-                    if get(switch.key) is not None}
+                    if switch_keys[name] is not None}
         sizes: dict[str, int] = {}
         for name, (key, high) in _SIZES.items():
             value = get(key)

@@ -86,24 +86,27 @@ def inverse_sqrt(key: str, value: Any) -> float:
 class LayerSwitch:
     """How a family sets one field of the decoder's layer record (:class:`fastllm.ops.
     DecoderLayer`, declared in ``csrc/decoder/decoder_layers.h``) from its HF config: one value
-    for every layer. A key absent from the config takes the family's ``defaults``; absent there
-    too, or null, it leaves the field at the record's default.
+    for every layer. A key absent from the config takes the family's ``defaults``, else
+    ``default``; null, it leaves the field at the record's default.
 
     Attributes:
         key: the ``config.json`` key.
         value: ``value(key, config value)``, the field's value (a TypeError or ValueError naming
             ``key`` for a bad one).
+        default: the key's value where neither the config nor the family's defaults give one
+            (the HF config class's default shared by several families).
         gguf: llama.cpp's metadata key for it (after ``{arch}.``) and that key's type (int,
             float, str or bool); None where GGUF files do not carry it (the default applies).
     """
 
     key: str
     value: Callable[[str, Any], Any] = check_positive_number
+    default: Any = None
     gguf: tuple[str, type] | None = None
 
 
 # The switch every family has: its MLP's activation, HF's default SiLU unless the config says.
-_ACTIVATION = {"activation": LayerSwitch("hidden_act", hf_activation)}
+_ACTIVATION = {"activation": LayerSwitch("hidden_act", hf_activation, default="silu")}
 
 
 @dataclass(frozen=True)
