@@ -6,11 +6,9 @@ memory budget) on mixed prompts.
 The model is bench_generate's random-weight Qwen3-0.6B (28 layers, hidden 1024, MLP 3072,
 16 query and 8 KV heads of 128, vocabulary 151,936, tied embeddings), saved once with the Qwen3
 tokenizer files; ``--layers``, ``--hidden-size`` and ``--intermediate-size`` scale it down. Per
-dtype (bfloat16 by default), both competitors load that folder in the dtype. On this project's
-2-core machine the default run takes about 6 minutes: about 4.5 for the throughput section
-(one call each, fastllm about 75 s, HF about 150 s; a call this long is its own warm-up, see
-``TimerConfig``), the prefix section and saving the model, and about 1.5 for the LLM-defaults
-section (one call each, fastllm about 30 s, HF about 40 s); ``--layers 4`` takes about 2.5.
+dtype (bfloat16 by default), both competitors load that folder in the dtype. The throughput
+and LLM-defaults sections time one call each: on two cores a call lasts long enough to be its
+own warm-up (see ``TimerConfig``); ``--layers 4`` makes a shorter run.
 
 Throughput: ``--num-requests`` prompts (64) of random ordinary-token ids, their lengths drawn
 uniformly from ``--min-prompt-len`` .. ``--max-prompt-len`` (32 .. 512, fixed seed), each

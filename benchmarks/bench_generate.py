@@ -91,8 +91,8 @@ class GenerateBenchConfig:
     device: str = "cpu"
     seed: int = 0
     models_dir: str = str(DEFAULT_MODELS_DIR)
-    # On two cores a call lasts about 17 - 20 s in float32 and 10 - 13 s in bfloat16: one
-    # warm-up, then up to three timed calls or 30 s each, keep the default run near 4 minutes.
+    # On two cores a call lasts many seconds: one warm-up, then up to three timed calls or 30 s
+    # each, keep the default run within minutes.
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=3,
                                                                    budget_s=30.0))
     copy_mib: int = 1024

@@ -56,9 +56,8 @@ Load time: seconds from the call to a ready model, ``fastllm.LLM(path, ...)`` an
 alternating, the median of ``--load-repeats`` processes each.
 
 Goal (at the full size), in every dtype on every file: fastllm decode >= 1.3x llama.cpp's
-tokens/s, TTFT >= 1.5x, and a load time within 3x of llama.cpp's. On this project's two cores
-the default run took about 25 minutes (an AVX2 machine), plus 1-2 minutes the first time to
-make the files; ``--quick`` measures the shipped file alone on a short prompt, once.
+tokens/s, TTFT >= 1.5x, and a load time within 3x of llama.cpp's. The first run also makes
+the files; ``--quick`` measures the shipped file alone on a short prompt, once.
 
     python benchmarks/bench_gguf.py --out results
     python benchmarks/bench_gguf.py --out results --files smollm2:Q4_1 qwen3-0.6b:Q8_0
@@ -130,7 +129,7 @@ class GGUFBenchConfig:
     seed: int = 0
     models_dir: str = str(DEFAULT_MODELS_DIR)
     cache_dir: str = str(DEFAULT_CACHE_DIR)
-    # Calls last 1 - 3 s on SmolLM2 and 5 - 30 s on the Qwen3 shape: one warm-up, then up to
+    # Calls last seconds on SmolLM2 and longer on the Qwen3 shape: one warm-up, then up to
     # five timed calls or 60 s each.
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=5,
                                                                    budget_s=60.0))

@@ -18,7 +18,7 @@ caller's. Per case, interleaved in one process:
 Rows carry the speedups and fastllm's weight bandwidth: the bytes of the experts the tokens
 chose (each read once) over its time.
 
-Defaults depend on ``--device``: on the CPU the sizes above (two cores: about a minute); on
+Defaults depend on ``--device``: on the CPU the sizes above (sized for two cores); on
 CUDA tokens 1 to 1024. Sizes given on the command line replace the device's.
 
     python benchmarks/bench_moe.py --out results --tokens 1 16 --formats Q4_K

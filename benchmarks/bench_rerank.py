@@ -7,10 +7,9 @@ The model is bench_generate's random-weight Qwen3-0.6B shape (28 layers, hidden 
 real Qwen3 tokenizer files (``--models-dir``). The full depth is the default, on a small
 workload instead: ``--queries`` (2) DL19 queries with their ``--top-k`` (16) BM25 hits each, the
 real passage texts (pairs of about 100 to 380 tokens, of which the chat prefix, instruction and
-query, about 60 to 75 tokens, are the same for all of a query's pairs). On this project's
-2-core machine the default run takes about 6 minutes. Fewer layers would not do as a scaled-down
-model: the recipe computes the 151,936-row LM head at every position, a quarter of the 0.6B
-model's work but most of a shallow one's, so the speedup would be inflated.
+query, about 60 to 75 tokens, are the same for all of a query's pairs). Fewer layers would not
+do as a scaled-down model: the recipe computes the 151,936-row LM head at every position, a
+quarter of the 0.6B model's work but most of a shallow one's, so the speedup would be inflated.
 
 Each competitor's call scores every pair, query by query (the recipe's per-query batches;
 ``Reranker.score`` per query), tokenization included; interleaved in one process, per dtype
@@ -59,7 +58,7 @@ longest pair and shares nothing, so fastllm's lead grows with the passages per q
 (``--top-k``): 16, a shallow rerank, keeps the default run within minutes.
 
     python benchmarks/bench_rerank.py --out results
-    python benchmarks/bench_rerank.py --queries 1 --top-k 20  # a deeper rerank, 4 to 5 minutes
+    python benchmarks/bench_rerank.py --queries 1 --top-k 20  # a deeper rerank
 """
 
 from __future__ import annotations
@@ -130,8 +129,8 @@ class RerankBenchConfig:
     device: str = "cpu"
     seed: int = 0
     models_dir: str = str(DEFAULT_MODELS_DIR)
-    # On two cores a call takes 13 to 40 s at the default size: the recipe and the slower
-    # rungs are timed once, the Reranker and the rungs near it twice, after the one-pair
+    # On two cores a call at the default size is long against the budget: the recipe and the
+    # slower rungs are timed once, the Reranker and the rungs near it twice, after the one-pair
     # warm-up per model (see the module docstring); at tiny sizes three times each.
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=0, repeats=3,
                                                                    budget_s=20.0))
@@ -290,7 +289,7 @@ def dtype_rows(config: RerankBenchConfig, folder: Path, dtype_name: str,
         for shared in sorted({rung.shared_prefix for rung in rungs.values()})}
     for reranker in rerankers.values():
         RungModel.install(reranker)  # one model, shared by the pool, wrapped per reranker
-    # Warm-up: one pair per model (the first forward of a fresh model is several times slower).
+    # Warm-up: one pair per model (the first forward of a fresh model pages its weights in).
     query, documents = work[0]
     next(iter(rerankers.values())).score(query, documents[:1])
     recipe_scores(hf, tokenizer, query, documents[:1], max_length=config.max_length)

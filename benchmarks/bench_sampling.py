@@ -117,8 +117,8 @@ class SamplingBenchConfig:
     prompt_len: int = 512  # penalties: prompt tokens per row
     output_len: int = 128  # penalties: generated tokens per row
     device: str = "cpu"
-    # 36 cases x 3 competitors: half a second each keeps the default run under a minute on
-    # two cores; a peer call at batch 64 and vocab 151,936 (0.3 - 1 s) is timed once or twice.
+    # 36 cases x 3 competitors: half a second each keeps the default run short on two cores;
+    # a slow peer call (batch 64, vocab 151,936) is timed once or twice.
     timer: TimerConfig = field(default_factory=lambda: TimerConfig(warmup=1, repeats=20,
                                                                    budget_s=0.5))
 

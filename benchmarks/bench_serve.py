@@ -24,8 +24,7 @@ time, first send to last token) and requests/s.
   a new request cancels the one streaming; with the flag off, concurrent requests wait.
 
 Goals: output tokens/s >= 1.0x llama.cpp's at concurrency 1 and >= 3x at 32. The default run
-(levels of concurrency 1, 8 and 32) took under 5 minutes on two busy cores; ``--quick`` runs two
-tiny levels.
+has levels of concurrency 1, 8 and 32; ``--quick`` runs two tiny levels.
 
     python benchmarks/bench_serve.py --out results
     python benchmarks/bench_serve.py --out results --quick

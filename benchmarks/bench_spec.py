@@ -34,10 +34,9 @@ tokens must be the same: a run where they differ fails. Acceptance rate: accepte
 drafted ones; tokens/step (mean accepted length): tokens per verification step, its own
 included.
 
-Goal: >= 1.5x decode tokens/s on the repetitive tasks (code_edit, summarize), >= 1.0x (no
-loss) on free_writing. On two cores the default run takes about 3 minutes on a quiet machine;
-``--quick`` runs one short call of each on the shipped file (n-gram, and the file drafting for
-itself).
+Goal: >= 1.5x decode tokens/s on the repetitive tasks (code_edit, summarize), >= 1.0x (no loss)
+on free_writing. ``--quick`` runs one short call of each on the shipped file (n-gram, and the
+file drafting for itself).
 
     python benchmarks/bench_spec.py --out results
     python benchmarks/bench_spec.py --out results --quick

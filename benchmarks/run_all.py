@@ -6,7 +6,7 @@ on two cores: the embedded SmolLM2 GGUF against llama.cpp in float32 and bfloat1
 throughput against HF, serving at concurrency 1 and 32, speculative decoding, reranking and
 the mask cache, each at the sizes of its preset (:data:`DEFAULT_SET`: the benchmark's own
 options, printed as it starts). ``--full`` (``make bench FULL=1``) runs every benchmark at its
-own defaults, about an hour on two cores.
+own defaults, a much longer run.
 
 ``--device`` (default cpu) is passed to every benchmark. On a device other than the CPU every
 benchmark runs at that device's defaults (each one's docstring says which), and the GGUF,

@@ -1,8 +1,8 @@
 """The build refuses a compiler whose C++ library is not the one torch runs with.
 
-On an H100 machine, fastllm built by a GCC with a libstdc++ of its own (13.3, in /opt/gcc) and
-loaded beside the system's (libstdc++.so.6.0.33) crashed the process in every error message
-with a number in it: iostreams code compiled into _C read the other library's internal data.
+fastllm built by a GCC with a libstdc++ of its own and loaded beside the system's can crash the
+process in every error message with a number in it: iostreams code compiled into _C reads the
+other library's internal data.
 CMakeLists.txt compares the two libraries at configure time; here a compiler that reports a
 copy of the runtime's library as its own must stop the configure with a message naming both.
 """

@@ -41,8 +41,7 @@ constexpr int64_t kMinKeysPerSplit = 128;
 constexpr int64_t kMinParallelWork = int64_t(1) << 17;
 // Decode tiles (one position: its GQA group's rows, at most this many) read K and V rows in
 // place instead of packing them for the tile GEMM, which needs more rows to pay off: from two
-// positions on (a verification step's) the GEMM path took 0.75-0.85x the time (SmolLM2's
-// 3-head groups, 400 keys).
+// positions on (a verification step's) the GEMM path is the faster one.
 constexpr int64_t kDirectMaxRows = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -120,8 +119,8 @@ inline void visible_keys(const Problem& pb, const Tile& t, int64_t p, int64_t& l
 
 // Rows of one head sit n_kv_heads * head_dim apart in the packed and paged layouts, often a
 // page or more: hardware prefetchers stop at page boundaries, so fetch rows ahead by hand. Far
-// enough to hide a miss plus a page walk where a paged block ends (Qwen3-0.6B heads, batch 8-32:
-// 4 rows ahead left paged decode at 0.76-0.92x the contiguous speed, 16 rows at 0.86-0.98x).
+// enough to hide a miss plus a page walk where a paged block ends, so paged decode keeps up
+// with the contiguous layout.
 constexpr int64_t kPrefetchRows = 16;
 
 template <typename scalar_t>

@@ -1,6 +1,6 @@
 // A GGUF metadata array of strings (a vocabulary's tokens, its merges: tens of thousands of
 // length-prefixed values) read in one pass. Each string's length depends on the one before, so
-// Python reads them one at a time: a microsecond each, 0.1 s of a small model's load.
+// Python can only read them one at a time, a slow loop over so many values.
 #include "gguf/gguf_bindings.h"
 
 #include <Python.h>

@@ -25,7 +25,7 @@ at::Tensor zeros_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype) {
   if (rounded == 0) return at::zeros(sizes, at::TensorOptions().dtype(dtype));
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   // Fresh anonymous pages are zero and cost nothing until touched: the pool is committed as
-  // sequences fill it, not at load (a memset of a 4 GiB pool took 4 s of a Qwen3-0.6B load).
+  // sequences fill it, not at load (zeroing a pool of gigabytes would slow the load).
   // The mapping is padded to align the pool to a huge page, and advised before any touch, so
   // the pages come huge when they are first written.
   const size_t mapped = rounded + kHugePage;

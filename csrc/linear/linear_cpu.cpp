@@ -1,7 +1,7 @@
 // The linear layer on the CPU. A decode step multiplies a few rows of activations by every
 // weight matrix, so its cost is streaming the weights from memory once: the few-row kernel
 // here reads each weight row once for all the activation rows and keeps the activations in L1,
-// where a general GEMM call reaches about half the memory bandwidth for one row. Many rows
+// where a general GEMM call falls well short of the memory bandwidth for one row. Many rows
 // (prefill) are compute-bound: ATen's GEMM for float32 weights (and bfloat16 ones where the CPU
 // multiplies bfloat16), panels of a 16-bit weight converted to float32 otherwise.
 #include <ATen/ATen.h>
@@ -54,9 +54,8 @@ at::Tensor linear_weight_panels(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // Many rows (compute-bound): ATen's GEMM in float32, and in bfloat16 where the CPU multiplies
-// it natively (AVX512-BF16, which oneDNN uses); elsewhere ATen's 16-bit GEMM ran 7-8x slower
-// than its float32 one (AMD EPYC, AVX2, 2 threads: 17 against 140 GFLOP/s), so 16-bit weights
-// go through the float32 panels.
+// it natively (AVX512-BF16, which oneDNN uses); elsewhere ATen's 16-bit GEMM is far slower
+// than its float32 one, so 16-bit weights go through the float32 panels.
 at::Tensor linear_gemm(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   const at::ScalarType dtype = x.scalar_type();

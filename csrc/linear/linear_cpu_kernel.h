@@ -24,10 +24,9 @@
 namespace fastllm {
 namespace {
 
-// Up to this many activation rows the kernel below beats ATen's GEMM (measured on AVX-512 with
-// Qwen3-0.6B's matrices); past it the product is compute-bound and GEMM's blocking wins. Halves
-// convert every weight vector, so they switch over early; bfloat16 does too without the BF16
-// dot-product instruction.
+// Up to this many activation rows the kernel below beats ATen's GEMM; past it the product is
+// compute-bound and GEMM's blocking wins. Halves convert every weight vector, so they switch
+// over early; bfloat16 does too without the BF16 dot-product instruction.
 inline int64_t max_stream_rows(at::ScalarType dtype) {
   if (dtype == at::kFloat) return 64;
 #ifdef FASTLLM_BF16_DOT
@@ -41,11 +40,9 @@ inline int64_t max_stream_rows(at::ScalarType dtype) {
 constexpr int64_t kMaxUpcastStreamRows = 16;
 
 // A tile: kActRows activation rows x kTileRows weight rows of float32 sums. With AVX-512,
-// eight weight rows keep eight streams in flight, which the hardware prefetchers needed to
-// approach the memory bandwidth (four reached about 80% of it). Elsewhere one row at a time, in
-// address order: with AVX2 (an AMD EPYC Zen 3 VM) rows interleaved in a tile drew less from
-// memory (SmolLM2's F16 projections, 2 threads: 11.7-12.3 GB/s with eight or four, 13.0-13.2
-// with one; the quantized kernels' AVX2 tiles say more).
+// eight weight rows keep eight streams in flight, which the hardware prefetchers need to
+// approach the memory bandwidth. Elsewhere one row at a time, in address order: with AVX2 rows
+// interleaved in a tile draw less from memory (the quantized kernels' AVX2 tiles say more).
 constexpr int kActRows = 4;
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kTileRows = 8;
@@ -53,8 +50,8 @@ constexpr int kTileRows = 8;
 constexpr int kTileRows = 1;
 #endif
 // The float path asks for the next tile's weights as it reads this one's (as the quantized
-// kernel does), into L2 (more misses in flight than L1 takes): SmolLM2's F16 projections, 2
-// threads, 15.8 -> 18.3 GB/s into L1, 22 into L2.
+// kernel does), into L2: a core keeps more L2 misses in flight than L1 ones, so more of the
+// memory bandwidth is drawn.
 constexpr int kPrefetchRows = 8;
 constexpr int kPrefetchIntoL2 = 2;  // __builtin_prefetch's locality for _MM_HINT_T1
 
@@ -248,7 +245,7 @@ void gemm_weight_panels(const float* x_tiles, int64_t rows, int64_t k_len, const
                                   int(k_len));
     // A tile's activation rows stay in L1 across the panel's columns. Each block's products
     // are summed apart and then added to the row's sums: a float32 sum of k_len terms in one
-    // chain errs about 4x as much as ATen's GEMM (1029 values).
+    // chain errs far more than ATen's GEMM.
     for (int64_t k0 = 0; k0 < k_len; k0 += kPanelBlockK) {
       const int64_t block = std::min(kPanelBlockK, k_len - k0);
       for (int64_t m = 0; m < rows; m += kPanelTileRows) {

@@ -1,7 +1,7 @@
 // The linear layer on CUDA: cuBLAS through ATen, with the bias added before the one rounding to
 // x's dtype (the plain composition's arithmetic). ATen's linear hands a 16-bit bias to cuBLASLt's
-// bias epilogue, whose result erred about twice the plain composition's against a float64
-// product on an H100; a GEMM accumulating onto the broadcast bias (beta = 1) rounds once.
+// bias epilogue, whose result errs more than the plain composition's against a float64
+// product; a GEMM accumulating onto the broadcast bias (beta = 1) rounds once.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -200,12 +200,10 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
     });
     return y;
   }
-  // Compute-bound. The byte GEMM where the ISA has one for the format (AVX2: 1.7-1.8x the
-  // float32 GEMM below on SmolLM2's Q4_0 and a Qwen3-0.6B shape's Q4_K layers, 512 rows, 2
-  // threads; AVX-512: 2.6-3.0x oneDNN's bfloat16 GEMM without AMX on those and the Qwen3
-  // shape's Q6_K layers; it wins from about 6 rows on, but decode rows keep up to kMaxStreamRows, each row's bits
-  // the same in any batch of them). Not with AMX: there oneDNN's bfloat16 GEMM on AMX tiles
-  // took 0.5-0.95x its time (Q6_K the least, Q4_0 the most; Sapphire Rapids, 2 threads).
+  // Compute-bound. The byte GEMM where the ISA has one for the format: it beats the float32
+  // GEMM below with AVX2 and oneDNN's bfloat16 GEMM without AMX with AVX-512 (it wins from a
+  // few rows on, but decode rows keep up to kMaxStreamRows, each row's bits the same in any
+  // batch of them). Not with AMX: there oneDNN's bfloat16 GEMM on AMX tiles is faster.
   const CpuIsa isa = cpu_isa();
   if (cpu.byte_gemm_rows && isa != CpuIsa::kAmx) {
     FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::quantized_linear_cpu", [&] {
@@ -214,8 +212,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
     return y;
   }
   // Where the CPU multiplies bfloat16 natively, dequantized tiles of weight rows and the
-  // activations go through ATen's bfloat16 GEMM (float32 sums, a bfloat16 result): about 1.7x
-  // the float32 GEMM's speed, within 2^-7 of the sum of |x w| (llama.cpp's 8-bit activations
+  // activations go through ATen's bfloat16 GEMM (float32 sums, a bfloat16 result): faster than
+  // the float32 GEMM, within 2^-7 of the sum of |x w| (llama.cpp's 8-bit activations
   // err about as much). Elsewhere the ISA's float32 GEMM takes the weight rows dequantized a
   // panel at a time (gemm_rows).
   const auto x_float = x.to(at::kFloat).contiguous();

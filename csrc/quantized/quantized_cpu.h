@@ -17,11 +17,10 @@ namespace fastllm {
 // x = 256 * high + low with both signed bytes (the form 8-bit dot products take).
 constexpr int kActivationMax = 127 * 256 + 127;
 // Q4_0's and the K-quants' decode rows take activations of one signed byte (high is 0): one
-// 8-bit dot product per 4 values instead of two, +15-20% on a hot product, as llama.cpp does
-// (q8_0, q8_K), with a scale per 32 values. SmolLM2's Q4_0 and Q4_K_M rewrites still answer
-// "Paris" and agree with HF's greedy tokens at 97-100% of positions; the other formats keep
-// int16: with bytes, the shipped SmolLM2 Q4_1 no longer answered "Paris"
-// (tests/models/test_smollm2.py).
+// 8-bit dot product per 4 values instead of two, as llama.cpp does (q8_0, q8_K), with a scale
+// per 32 values: SmolLM2's Q4_0 and Q4_K_M rewrites still answer "Paris" and agree with HF's
+// greedy tokens. The other formats keep int16: with bytes, the shipped SmolLM2 Q4_1 would not
+// answer "Paris" (tests/models/test_smollm2.py).
 constexpr int kByteActivationMax = 127;
 
 template <BlockFormat F>
@@ -88,9 +87,9 @@ CpuKernels isa_kernels(BlockFormat format);
 // past it the product is compute-bound and a GEMM wins (decode rows and prefill rows differ in
 // their last bits: int16 activations against a GEMM's, or the byte GEMM's sums in another
 // order; the byte GEMM wins from fewer rows, quantized_cpu.cpp). The dequantize + GEMM path
-// pays for dequantizing the whole weight, so it wins only past 44-64 rows (SmolLM2's Q8_0 and
-// Q4_0, the Qwen3 shape's Q4_K, 2 threads); at 17-32 rows streaming took 1.3-2.8x less time,
-// which is a draft model's catch-up chunk, a verification step or a batch of 32 decodes.
+// pays for dequantizing the whole weight, so it wins only well past this many rows; up to it
+// streaming is faster, which covers a draft model's catch-up chunk, a verification step or a
+// batch of 32 decodes.
 constexpr int64_t kMaxStreamRows = 32;
 
 // Activations quantized per row and block of 32 to integers of at most `max` with one float

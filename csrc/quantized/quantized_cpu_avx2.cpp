@@ -22,13 +22,10 @@ struct Avx2 {
   // 16 registers: two activation rows' accumulators for up to four weight rows, and their
   // operands.
   static constexpr int kActRows = 2;
-  // Weight rows are read one at a time, in address order: on an AMD EPYC (Zen 3) VM, a tile
-  // that interleaves two or four rows ~1 KB apart drew half the bandwidth from memory whatever
-  // the prefetch distance (a Qwen3-0.6B shape's Q8_0 products, 2 threads, one activation row:
-  // 7.3-9.6 -> 12.6-15.0 GB/s, four rows: 5.4-5.6 -> 6.8-7.0; its Q4_K_M file's, one row:
-  // 8.6-8.8 -> 11.0-11.1). Q4_0, Q4_1, Q5_0 and Q5_1 do more arithmetic per byte and stay
-  // compute-bound there, so they keep four weight rows sharing each activation load
-  // (SmolLM2's Q4_0 products, one row: 7.2-7.6 GB/s with four, 6.2-6.4 with one).
+  // Weight rows are read one at a time, in address order: a tile that interleaves two or four
+  // rows ~1 KB apart draws less bandwidth from memory whatever the prefetch distance. Q4_0,
+  // Q4_1, Q5_0 and Q5_1 do more arithmetic per byte and stay compute-bound, so they keep four
+  // weight rows sharing each activation load.
   template <BlockFormat F>
   static constexpr int kTileRows = F == BlockFormat::kQ4_0 || F == BlockFormat::kQ4_1 ||
                                            F == BlockFormat::kQ5_0 || F == BlockFormat::kQ5_1

@@ -21,7 +21,7 @@ namespace {
 
 struct Avx512 {
   // One activation row leaves registers (32 of them) for twice the weight rows: twice the
-  // streams in flight (a Qwen3-0.6B shape's Q8_0 products, 2 threads: 13 -> 17.6 GB/s).
+  // streams in flight, which memory-bound decode needs.
   static constexpr int kActRows = 4;
   template <BlockFormat>
   static constexpr int kTileRows = 4;
@@ -118,7 +118,7 @@ struct Avx512 {
   static void store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
   static Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
   // The prefill byte GEMM: four activation rows against two vectors of 16 weight rows (four
-  // rows took 0.91-0.95x the time of three, five or six; SmolLM2's Q4_0 layers, one thread).
+  // rows beat three, five or six).
   // vpdpbusd adds each lane's 4 products into int32 at once: no int16 pairs, so a partial sum
   // takes a whole sub-block (|u . x| <= 32 * 63 * 127).
   static constexpr bool kByteGemm = true;
@@ -150,12 +150,10 @@ struct Avx512 {
 // high nibbles 4 more, so one vpdpbusd multiplies 4 values of 16 rows and the rows' sums stay in
 // the lanes. Per 32 values and activation row that is 8 vpdpbusd and a float multiply-add or
 // two for all 16 rows, where the row-major kernel takes 2 and 1 a row, and sums its lanes at
-// the end: a third of the instructions (SmolLM2's Q4_0 layers from L2, one thread: 2.5x the
-// speed), so the product streams at the memory's speed.
+// the end: a third of the instructions, so the product streams at the memory's speed.
 //
-// Each group is one stream of bytes, fetched this far ahead (into L1) of the block in use
-// (SmolLM2's Q4_0 layers, 2 threads: 1.2-1.3x the speed of no prefetch; 1152 and 2304 bytes
-// ahead took 1.05-1.1x the time of 4608).
+// Each group is one stream of bytes, fetched this far ahead (into L1) of the block in use:
+// far enough to hide the memory's latency, which nearer distances do not.
 constexpr int64_t kInterleavedPrefetchBytes = 4608;
 
 template <int64_t kBlockBytes>

@@ -83,10 +83,9 @@ constexpr bool kOffsets = kHasOffset<F> && !kSignedInts<Isa, F>;
 constexpr int kUnit = 8;
 // Each unit asks for the same unit of the weight rows this far below (two register tiles on):
 // a tile's rows are few short streams that the hardware prefetcher follows too late, so without
-// it a decode product moved 4-8 GB/s from memory instead of 11-18 (a Qwen3-0.6B shape's Q4_K
-// weights). Into L2, not L1: a core has far more L2 misses in flight than L1 ones, and a
-// Qwen3-0.6B shape's Q8_0 products went 18 -> 25 GB/s (2 threads). A prefetch past the
-// weight's end is dropped, never a fault.
+// it a decode product draws far less than the memory bandwidth. Into L2, not L1: a core has far
+// more L2 misses in flight than L1 ones. A prefetch past the weight's end is dropped, never a
+// fault.
 constexpr int kPrefetchRows = 8;
 constexpr int kPrefetchIntoL2 = 2;  // __builtin_prefetch's locality for _MM_HINT_T1
 

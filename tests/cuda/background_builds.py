@@ -1,9 +1,9 @@
 """The CUDA tests' slow builds (the simulator, nvcc's compile checks: minutes each on a cold
 checkout), started when a session has collected the tests that need them and run one after the
-other in a background thread at the lowest CPU priority. The rest of the suite leaves one of
-this machine's two cores idle about half the time; the builds take that time, and take none
-from the tests while those run. A test that needs a build waits for it (and fails with its
-error); one never started runs where the test asks for it.
+other in a background thread at the lowest CPU priority. The rest of the suite leaves a core
+idle much of the time; the builds take that time, and take none from the tests while those run.
+A test that needs a build waits for it (and fails with its error); one never started runs where
+the test asks for it.
 
 The thread's priority (``nice`` 19) is a Linux thread's own, and the compilers it starts, and
 the threads those start, inherit it. The compilers stay in pytest's session: a new one (setsid)

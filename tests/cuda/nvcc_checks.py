@@ -6,9 +6,8 @@ each (``background_builds``: a cold checkout starts them ahead of the tests):
   architecture in ``csrc/cuda_architectures.txt``.
 - The host files (``csrc/**/*_cuda.cu``: checks, dispatch, launches, registration) compile
   against the installed torch's headers, which a CPU build of torch ships too: all of them as
-  one translation unit (torch's headers, most of a host file's compile time, are read once: 2
-  minutes instead of 10 on two cores), to PTX for the newest target architecture (the templates
-  already go to SASS for every one).
+  one translation unit (torch's headers, most of a host file's compile time, are read once), to
+  PTX for the newest target architecture (the templates already go to SASS for every one).
 
 A compile takes up to a few minutes; a passing one is remembered under
 ``build/cuda-compile-check``, keyed by everything that can change its outcome (all of csrc, the
@@ -42,8 +41,7 @@ COMMON_FLAGS = ["-std=c++20", "--expt-relaxed-constexpr", "-Werror", "all-warnin
 HOST_FILES_CHECK = "nvcc: the host files"
 # Device code unoptimized (NVVM and ptxas at -O0): every line is still parsed, instantiated,
 # lowered to PTX and, for the templates, assembled to SASS for each architecture, which is what
-# is checked, in a third of the time (sampling_kernels.cuh for sm_90a: 70 -> 21 s); optimizing
-# the code is the real build's job.
+# is checked, in far less time; optimizing the code is the real build's job.
 UNOPTIMIZED = ["-Xcicc", "-O0", "-Xptxas", "-O0"]
 
 

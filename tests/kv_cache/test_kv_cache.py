@@ -226,8 +226,8 @@ def resident_bytes() -> int:
                     reason="Linux only: the pool is an anonymous mapping committed as written "
                            "only there (elsewhere it is zeroed at once), and /proc measures it")
 def test_a_cpu_pool_costs_memory_only_as_it_is_written():
-    """A pool is as large as memory allows, so it is committed as sequences fill it: at load a
-    memset of a Qwen3-0.6B's 4 GiB of K/V took 4 of its 10 s."""
+    """A pool is as large as memory allows, so it is committed as sequences fill it: zeroing
+    gigabytes of K/V at load would slow the load."""
     before = resident_bytes()
     pool = zeros_pool((16, 1024, 16, 8, 128), torch.float32, "cpu")  # 1 GiB
     assert resident_bytes() - before < (64 << 20)

@@ -132,8 +132,8 @@ class DeviceCopy:
     @classmethod
     def of_mib(cls, mib: int, device: torch.device | str) -> DeviceCopy:
         """A copy of ``mib`` MiB. Both buffers are written first, so no read hits untouched
-        (zero-mapped) pages and no write faults a page in: a first copy into fresh pages ran
-        at 0.7 GB/s on a 2-core VM, longer than a timer's budget, and was its one sample."""
+        (zero-mapped) pages and no write faults a page in: a first copy into fresh pages is
+        far slower, can outlast a timer's budget and then be its one sample."""
         src = torch.ones(mib << 18, dtype=torch.float32, device=device)  # 4 bytes each
         return cls(src, torch.zeros_like(src))
 

@@ -26,8 +26,8 @@ before it is ever marked computed, so no block holding it enters the prefix cach
 
 Speculation turns itself down per request (:class:`DraftLength`): each request drafts the
 number of tokens that pays best for its recent acceptance and the engine's measured cost of
-steps that draft and verify that many (:class:`StepCosts`: a verification row costs a few
-percent of a decode step on float weights, tens of percent on quantized ones), and stops
+steps that draft and verify that many (:class:`StepCosts`: a verification row costs a small
+share of a decode step on float weights, a larger one on quantized ones), and stops
 drafting for a while, longer each time, when none pays or its drafts keep failing.
 """
 
@@ -135,20 +135,18 @@ class DraftLength:
     accepted probe lets the estimate choose again: when drafting still does not pay, the next
     pause is longer). So a request whose text does not repeat, or an engine where drafting
     costs more than it gives, runs almost as without speculation. Failed drafts pause it only
-    through the estimate: a rule that also paused after two verifications in a row accepting
-    nothing left SmolLM2 summarizing a document drafting at under a third of its steps (drafts
-    right 40-45% of the time often fail twice in a row, and pay all the same).
+    through the estimate: drafts right only part of the time often fail twice in a row, and
+    pay all the same, so a rule pausing after failed verifications would stop drafting that
+    pays.
 
     ``gives_up``: for a proposer that reads every token the request emits, drafting or not (a
-    draft model), a pause saves nothing of that reading, and resuming reads the paused
-    tokens first (a probe after 16 paused steps cost three plain steps: SmolLM2's Q4_0 copy
-    drafting for its F16 one); so the second pause before drafting has paid again stops
-    drafting for the rest of the request (:attr:`stopped`), as does a step cost that no
-    acceptance could repay (k drafts all accepted, k + 1 tokens, not worth a step drafting k:
-    SmolLM2's Q4_0 copy drafting for its F16 one, 7 ms a draft token against 10 ms a plain
-    step, whose probes cost free writing 4%). Its probes, the request's first drafts
-    included, draft ``limit`` tokens: their cost is mostly that reading, and they teach alpha
-    ``limit`` times as fast.
+    draft model), a pause saves nothing of that reading, and resuming reads the paused tokens
+    first (a probe after a long pause costs several plain steps); so the second pause before
+    drafting has paid again stops drafting for the rest of the request (:attr:`stopped`), as
+    does a step cost that no acceptance could repay (k drafts all accepted, k + 1 tokens, not
+    worth a step drafting k: a draft model almost as slow as its target). Its probes, the
+    request's first drafts included, draft ``limit`` tokens: their cost is mostly that reading,
+    and they teach alpha ``limit`` times as fast.
 
     ``adaptive=False``: always ``limit``.
     """
@@ -166,7 +164,7 @@ class DraftLength:
     DECAY = 0.8
     # Drafting must promise this much more than a plain step's tokens per second: alpha and
     # the costs are estimates, and near the break-even a wrong bet loses more than a right one
-    # gains (free writing on SmolLM2: 0.93x without the margin).
+    # gains.
     MARGIN = 0.1
     FIRST_PAUSE = 4
     MAX_PAUSE = 64
@@ -304,9 +302,9 @@ class NgramProposer:
 
     Each request's n-grams are indexed as its tokens arrive (:class:`NgramIndex`), so a lookup
     costs a few dictionary probes whatever the request's length: rescanning every token each
-    step cost 0.2-0.3 ms, 2-4% of a SmolLM2 decode step, on every step of free writing where
-    nothing repeats. An index holds (max - min + 1) entries per token of its request and goes
-    when the request leaves the engine (:meth:`release`)."""
+    step would cost a share of every step of free writing, where nothing repeats. An index holds
+    (max - min + 1) entries per token of its request and goes when the request leaves the engine
+    (:meth:`release`)."""
 
     reads_every_token = False  # it looks tokens up only when asked for drafts
 

@@ -82,8 +82,8 @@ class AsyncLLM:
         # The engine is built on its thread too, so all its parallel CPU work runs on one
         # thread: OpenMP keeps a team of workers per thread that starts parallel work, and
         # two teams on the same cores make libgomp stop spinning at barriers (it throttles
-        # when it manages more threads than there are cores), which made each step of a
-        # 2-core server 3x slower when the model was loaded on the caller's thread.
+        # when it manages more threads than there are cores), which slows every step when
+        # the model is loaded on the caller's thread.
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(model, llm_kwargs),

@@ -182,9 +182,9 @@ class DecoderLM(nn.Module):
     :meth:`forward` runs the layers as one :class:`fastllm.ops.DecoderLayers` call, bound to
     their weights and the RoPE tables at the first forward and again after ``load_state_dict``, a
     move (``.to()`` and the like) or a longer RoPE table (:meth:`reserve_positions`): op calls
-    from Python cost more than the small ops of a decode step (SmolLM2's 30 layers: 1.7 ms of
-    Python a token, about 35 us a layer). Forward hooks on the layers therefore do not run;
-    after replacing a submodule or parameter by hand, call :meth:`unbind_layers`.
+    from Python cost more than the small ops of a decode step. Forward hooks on the layers
+    therefore do not run; after replacing a submodule or parameter by hand, call
+    :meth:`unbind_layers`.
 
     With ``tensor_parallel``, the model is that rank's shard (Megatron's:
     :mod:`fastllm.models.tensor_parallel`, laid out by :attr:`shard`): its layers hold the
@@ -204,7 +204,7 @@ class DecoderLM(nn.Module):
         self._bound_layers: ops.DecoderLayers | None = None
         self.register_load_state_dict_post_hook(lambda module, _: module.unbind_layers())
         # Initialized here rather than by nn.Embedding: on the meta device (a model built to be
-        # loaded into) normal_ runs a decomposition that imports torch._dynamo, 2 s of a load.
+        # loaded into) normal_ runs a decomposition that imports torch._dynamo, slowing a load.
         self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
                                          _weight=torch.empty(shard.vocab_rows, config.hidden_size))
         if not self.embed_tokens.weight.is_meta:
