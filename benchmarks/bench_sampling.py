@@ -56,7 +56,8 @@ from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare
 from fastllm.bench.workloads import parse_device
 from fastllm.ops import reference
-from fastllm.sampling import SamplingParams, SamplingTensors
+from fastllm.ops.host_to_device import StagingBuffer
+from fastllm.sampling import SamplingParams, SamplingTensors, resolve_seed
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF chain", "sort": "sort-based"}
 # The headline goal: fastllm at least this many times faster than the HF chain here.
@@ -145,7 +146,6 @@ class SamplingInputs:
 
     logits: Tensor  # float32 [batch, vocab]
     tensors: SamplingTensors  # the setting's per-row tensors
-    offsets: Tensor  # int64 [batch]
     prompt_mask: Tensor | None  # bool [batch, vocab], penalties only
     output_counts: Tensor | None  # int32 [batch, vocab], penalties only
     token_ids: Tensor | None  # int64 [batch, prompt_len + output_len], penalties only (HF)
@@ -154,7 +154,12 @@ class SamplingInputs:
 def make_sampling_inputs(setting: Setting, *, batch: int, vocab: int, prompt_len: int,
                          output_len: int, device: torch.device) -> SamplingInputs:
     """Random logits, the setting as per-row tensors and, with penalties, a random history."""
-    tensors = SamplingTensors.from_params([setting.params] * batch, vocab, device)
+    # As an engine builds them: host columns (a request's seed, its first output position)
+    # moved in one copy, read back on the device.
+    params = [setting.params] * batch
+    columns = SamplingTensors.host_columns(params, vocab, [resolve_seed(p) for p in params],
+                                           [0] * batch)
+    tensors = SamplingTensors.from_columns(StagingBuffer(device).send(columns)[0], params, vocab)
     prompt_mask = output_counts = token_ids = None
     if tensors.needs_penalties:
         prompt = torch.randint(vocab, (batch, prompt_len), device=device)
@@ -167,7 +172,6 @@ def make_sampling_inputs(setting: Setting, *, batch: int, vocab: int, prompt_len
     return SamplingInputs(
         logits=torch.randn(batch, vocab, device=device) * 3,
         tensors=tensors,
-        offsets=torch.zeros(batch, dtype=torch.int64, device=device),
         prompt_mask=prompt_mask,
         output_counts=output_counts,
         token_ids=token_ids,
@@ -238,14 +242,14 @@ def sampling_competitors(setting: Setting, inputs: SamplingInputs
 
     if not x.tensors.needs_penalties:
         return {
-            "fastllm": lambda: fastllm.sample_next_tokens(x.logits, x.tensors, x.offsets).tokens,
+            "fastllm": lambda: fastllm.sample_next_tokens(x.logits, x.tensors).tokens,
             "hf": lambda: hf_sample(x.logits, x.token_ids, processors, greedy),
             "sort": lambda: sort_sample(x.logits, setting),
         }
 
     def fastllm_penalized() -> Tensor:
         logits = x.logits.clone()  # penalized in place
-        return fastllm.sample_next_tokens(logits, x.tensors, x.offsets, prompt_mask=x.prompt_mask,
+        return fastllm.sample_next_tokens(logits, x.tensors, prompt_mask=x.prompt_mask,
                                           output_counts=x.output_counts).tokens
 
     def sort_penalized() -> Tensor:

@@ -397,13 +397,15 @@ def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
 def metadata_for(cache, seq_ids, counts, starts=None):
     """The step metadata (a :class:`fastllm.ops.DecoderStep` on the cache's device) of
     ``counts[b]`` new tokens of each sequence placed in ``cache``'s block manager by hand, laid
-    out as the scheduler lays out a step."""
-    from fastllm.engine.model_runner import decoder_step
+    out as the scheduler lays out a step and moved as the model runner moves it (one copy)."""
+    from fastllm.engine.model_runner import decoder_step, step_tensors
     from fastllm.engine.scheduler_output import batch_of_sequences
+    from fastllm.ops.host_to_device import StagingBuffer
 
     batch = batch_of_sequences(cache.block_manager, seq_ids, [[0] * n for n in counts],
                                starts=starts, logits=False)
-    return decoder_step(batch, cache.k_cache.device)
+    staged, = StagingBuffer(cache.k_cache.device).send(step_tensors(batch))
+    return decoder_step(batch, staged)
 
 
 # Float32 logits off the CPU, against a reference computed on the CPU: cuBLAS and the GPU

@@ -18,7 +18,7 @@ import transformers
 from transformers import DynamicCache
 
 from fastllm import LLM, ChunkedPrompt, SamplingParams
-from fastllm.engine.model_runner import run_step
+from fastllm.engine.model_runner import ModelRunner
 from fastllm.kv_cache import ChunkIndex, PagedKVCache
 from fastllm.models import DecoderLM, load_model
 
@@ -45,13 +45,14 @@ def tokens(n: int, seed: int) -> list[int]:
 def greedy(model: DecoderLM, cache: PagedKVCache, seq_id: int, prompt: list[int],
            steps: int) -> tuple[list[int], torch.Tensor]:
     """Prefill then greedy decode; returns the tokens and the prefill's last logits."""
+    runner = ModelRunner(model, cache)
     cached = cache.block_manager.allocate(seq_id, prompt)
-    first = run_step(model, cache, [seq_id], [prompt[cached:]])[0]
+    first = runner.execute_placed_sequences([seq_id], [prompt[cached:]]).logits[0]
     out, logits = [], first
     for _ in range(steps):
         out.append(int(logits.argmax()))
         cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [out[-1]]))
-        logits = run_step(model, cache, [seq_id], [[out[-1]]])[0]
+        logits = runner.execute_placed_sequences([seq_id], [[out[-1]]]).logits[0]
     return out, first
 
 

@@ -13,7 +13,7 @@ import torch
 from fastllm import LLM, SamplingParams
 from fastllm.engine.decode_graphs import DecodeGraphs, padded_batch_sizes
 from fastllm.kv_cache import PagedKVCache
-from fastllm.engine.model_runner import run_step, step_tensors
+from fastllm.engine.model_runner import ModelRunner, step_tensors
 from fastllm.engine.scheduler_output import batch_of_sequences
 from fastllm.models import load_model
 
@@ -47,20 +47,20 @@ def test_decode_steps_equal_plain_steps(stories_path, device):
     caches = [PagedKVCache(model.kv_cache_spec(BLOCK_SIZE), 64, device=device) for _ in range(2)]
     graphs = DecodeGraphs(model, caches[1], max_batch=5, max_model_len=MAX_MODEL_LEN)
     assert graphs.use_cuda_graphs == (device.type == "cuda")
+    runners = [ModelRunner(model, caches[0]), ModelRunner(model, caches[1], graphs)]
     seqs = prompts()
-    for cache in caches:  # prefill runs eagerly on both
+    for cache, runner in zip(caches, runners):  # prefill runs eagerly on both
         for seq_id, prompt in enumerate(seqs):
             cache.block_manager.allocate(seq_id, prompt)
-        last = run_step(model, cache, list(range(len(seqs))), seqs)  # [5, vocab]
+        last = runner.execute_placed_sequences(list(range(len(seqs))), seqs).logits  # [5, vocab]
     # Batches of 5, 3, 1, 2 and 5 again: padded to 5, 4, 1, 2, 5 (a size replayed twice).
     for step, rows in enumerate([[0, 1, 2, 3, 4], [4, 0, 2], [3], [1, 4], [0, 1, 2, 3, 4]]):
         tokens = [int(last[row].argmax()) for row in rows]
         outputs = []
-        for cache, decode_graphs in zip(caches, [None, graphs]):
+        for cache, runner in zip(caches, runners):
             for row, token in zip(rows, tokens):
                 cache.copy_blocks(cache.block_manager.append_tokens(row, [token]))
-            outputs.append(run_step(model, cache, rows, [[t] for t in tokens],
-                                    decode_graphs=decode_graphs))
+            outputs.append(runner.execute_placed_sequences(rows, [[t] for t in tokens]).logits)
         plain, graphed = outputs
         torch.testing.assert_close(graphed, plain, atol=1e-5, rtol=1e-5,
                                    msg=f"step {step}, rows {rows}")
@@ -79,13 +79,13 @@ def test_steps_that_are_not_plain_decode_run_eagerly(stories_path):
     for seq_id, prompt in enumerate(seqs):
         cache.block_manager.allocate(seq_id, prompt)
     # A prefill (several tokens), more sequences than captured, some rows without logits:
-    # all run eagerly and give what run_step gives without graphs.
-    logits = run_step(model, cache, [0, 1, 2], seqs, logits=[True, False, True],
-                      decode_graphs=graphs)
+    # all run eagerly and give what a runner gives without graphs.
+    runner = ModelRunner(model, cache, graphs)
+    logits = runner.execute_placed_sequences([0, 1, 2], seqs, logits=[True, False, True]).logits
     assert logits.shape == (2, model.config.vocab_size)
     for seq_id in range(3):
         cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [5]))
-    assert run_step(model, cache, [0, 1, 2], [[5]] * 3, decode_graphs=graphs).shape[0] == 3
+    assert runner.execute_placed_sequences([0, 1, 2], [[5]] * 3).logits.shape[0] == 3
     batch = batch_of_sequences(cache.block_manager, [0, 1], [[5, 5], [5]], starts=[0, 3])
     with pytest.raises(ValueError, match="one new token per sequence, got 3 tokens for 2"):
         graphs.pack([5, 5, 5], step_tensors(batch))

@@ -203,8 +203,8 @@ def test_a_row_the_gpu_sampler_marks_unusable_fails_alone(llm, monkeypatch):
     alone = token_ids(llm.generate(prompts, params, use_tqdm=False))
     real_draw = worker_module.draw
 
-    def draw(logits, tensors, offsets):
-        out = real_draw(logits, tensors, offsets)
+    def draw(logits, tensors):
+        out = real_draw(logits, tensors)
         out.tokens[tensors.seeds == 999] = -1
         return out
 

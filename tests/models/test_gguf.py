@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from fastllm import _C, ops
-from fastllm.engine.model_runner import run_step
+from fastllm.engine.model_runner import ModelRunner
 from fastllm.kv_cache import PagedKVCache
 from fastllm.gguf_file import GGUFFileReader
 from fastllm.models import DecoderLM, ModelConfig, hf_weight_map, load_model
@@ -358,10 +358,11 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 def greedy(model: DecoderLM, prompt: list[int]) -> list[int]:
     cache = PagedKVCache(model.kv_cache_spec(4), 64, device=model_device(model))
+    runner = ModelRunner(model, cache)
     cache.block_manager.allocate(0, prompt)
     step, out = prompt, []
     for _ in range(NEW_TOKENS):
-        out.append(int(run_step(model, cache, [0], [step])[0].argmax()))
+        out.append(int(runner.execute_placed_sequences([0], [step]).logits[0].argmax()))
         step = out[-1:]
         cache.copy_blocks(cache.block_manager.append_tokens(0, step))
     return out

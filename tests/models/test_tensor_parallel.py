@@ -22,7 +22,7 @@ from tiny_hf import random_hf_model, save_hf_model
 
 from fastllm import ops
 from fastllm.ops import reference
-from fastllm.engine.model_runner import run_step
+from fastllm.engine.model_runner import ModelRunner
 from fastllm.kv_cache import PagedKVCache
 from fastllm.models import TensorParallel, load_model
 from fastllm.models.pool import ModelPool
@@ -126,17 +126,18 @@ def step_logits(tensor_parallel: TensorParallel | None, path: Path,
     ``decode_tokens[step]`` (None: the greedy tokens)."""
     model = load_model(path, tensor_parallel=tensor_parallel)
     cache = PagedKVCache(model.kv_cache_spec(BLOCK_SIZE), 32)
+    runner = ModelRunner(model, cache)
     seqs = prompts(model.config.vocab_size)
     seq_ids = list(range(len(seqs)))
     for seq_id, prompt in enumerate(seqs):
         cache.block_manager.allocate(seq_id, prompt)
-    steps = [run_step(model, cache, seq_ids, seqs)]
+    steps = [runner.execute_placed_sequences(seq_ids, seqs).logits]
     for step in range(DECODE_STEPS):
         tokens = (steps[-1].argmax(-1).tolist() if decode_tokens is None
                   else decode_tokens[step])
         for seq_id, token in zip(seq_ids, tokens):
             cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [token]))
-        steps.append(run_step(model, cache, seq_ids, [[token] for token in tokens]))
+        steps.append(runner.execute_placed_sequences(seq_ids, [[t] for t in tokens]).logits)
     return torch.stack(steps)
 
 
@@ -274,7 +275,7 @@ def decode_ops(tensor_parallel: TensorParallel, path: Path, token_ids: list[int]
     cache = PagedKVCache(model.kv_cache_spec(BLOCK_SIZE), 8)
     for seq_id in range(2):
         cache.block_manager.allocate(seq_id, [1, 2, 3])
-    run_step(model, cache, [0, 1], [[1, 2, 3], [1, 2, 3]])
+    ModelRunner(model, cache).execute_placed_sequences([0, 1], [[1, 2, 3], [1, 2, 3]])
     for seq_id in range(2):
         cache.copy_blocks(cache.block_manager.append_tokens(seq_id, [4]))
     step = metadata_for(cache, [0, 1], [1, 1])

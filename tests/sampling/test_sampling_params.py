@@ -1,4 +1,5 @@
-"""SamplingParams validation, SamplingTensors.from_params and the sample_next_tokens step."""
+"""SamplingParams validation, SamplingTensors (host columns, one copy, read on the device) and
+the sample_next_tokens step."""
 
 import math
 
@@ -7,6 +8,18 @@ import torch
 
 from fastllm import SampleOutput, SamplingParams, SamplingTensors, sample_next_tokens
 from fastllm.ops import reference
+from fastllm.ops.host_to_device import StagingBuffer
+from fastllm.sampling import resolve_seed
+
+def sampling_tensors(params, vocab_size, device="cpu", seeds=None) -> SamplingTensors:
+    """The rows' tensors on ``device`` as an engine builds them: host columns (each request's
+    seed, row r at output position 3 + r), moved in one copy, read back on the device."""
+    seeds = [resolve_seed(p) for p in params] if seeds is None else seeds
+    columns = SamplingTensors.host_columns(params, vocab_size, seeds,
+                                           [3 + row for row in range(len(params))])
+    return SamplingTensors.from_columns(StagingBuffer(device).send(columns)[0], params,
+                                        vocab_size)
+
 
 # id: (keyword arguments, pattern the ValueError must match: the field and the value)
 BAD_PARAMS = {
@@ -85,7 +98,7 @@ def test_a_temperature_below_1e_5_is_greedy(temperature):
     # about 3e-39, and above it the scaled logits are nearly one-hot anyway.
     params = SamplingParams(temperature=temperature)
     assert params.is_greedy and not SamplingParams(temperature=1e-5).is_greedy
-    tensors = SamplingTensors.from_params([params, SamplingParams(temperature=0.5)], 10)
+    tensors = sampling_tensors([params, SamplingParams(temperature=0.5)], 10)
     assert tensors.temperature.tolist() == [0.0, 0.5]
 
 
@@ -103,13 +116,13 @@ def test_logprobs_are_capped_at_the_vocabulary():
                                              rf"got {logprobs}"):
             SamplingParams(logprobs=logprobs).check_vocab(50)
         with pytest.raises(ValueError, match="logprobs"):
-            SamplingTensors.from_params([SamplingParams(logprobs=logprobs)], 50)
+            sampling_tensors([SamplingParams(logprobs=logprobs)], 50)
 
 
 def test_top_k_of_any_size_fits_the_int32_column():
     # top_k >= vocab is off, like <= 0: clamped into [0, vocab].
     params = [SamplingParams(top_k=k) for k in (2**40, -2**40, 3, 10, -1)]
-    assert SamplingTensors.from_params(params, 10).top_k.tolist() == [10, 0, 3, 10, 0]
+    assert sampling_tensors(params, 10).top_k.tolist() == [10, 0, 3, 10, 0]
 
 
 @pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids"])
@@ -124,10 +137,10 @@ def test_unknown_token_ids_are_named(field):
     with pytest.raises(ValueError, match=rf"{field}.*\[50, -1\]"):
         params.check_vocab(50)
     with pytest.raises(ValueError, match=rf"{field}.*\[50, -1\].*\[0, 50\)"):
-        SamplingTensors.from_params([SamplingParams(), params], vocab_size=50)
+        sampling_tensors([SamplingParams(), params], vocab_size=50)
 
 
-def test_from_params(device):
+def test_columns_on_the_device(device):
     vocab = 10
     params = [
         SamplingParams(temperature=0.0, seed=7),
@@ -136,7 +149,7 @@ def test_from_params(device):
         SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.25,
                        logprobs=1),
     ]
-    t = SamplingTensors.from_params(params, vocab, device=device)
+    t = sampling_tensors(params, vocab, device, seeds=[7, 2**63 - 1, 5])
     columns = dict(temperature=(torch.float32, [0.0, 0.8, 1.0]),
                    top_k=(torch.int32, [0, 5, 0]), top_p=(torch.float32, [1.0, 0.9, 1.0]),
                    min_p=(torch.float32, [0.0, 0.05, 0.0]),
@@ -147,25 +160,26 @@ def test_from_params(device):
         column = getattr(t, name)
         assert column.dtype == dtype and column.device.type == device.type, name
         assert torch.equal(column.cpu(), torch.tensor(values, dtype=dtype)), name
-    assert t.seeds.dtype == torch.int64 and t.seeds[:2].tolist() == [7, 2**63 - 1]
-    assert 0 <= t.seeds[2].item() < 2**63
+    for name, values in [("seeds", [7, 2**63 - 1, 5]), ("offsets", [3, 4, 5])]:
+        column = getattr(t, name)
+        assert column.dtype == torch.int64 and column.device.type == device.type, name
+        assert column.tolist() == values, name
     bias = torch.zeros(3, vocab)
     bias[1, 2], bias[1, 9] = 1.5, -4.0
     assert t.logit_bias.dtype == torch.float32 and t.logit_bias.device.type == device.type
     assert torch.equal(t.logit_bias.cpu(), bias)
     assert t.num_logprobs == 3 and t.needs_penalties
 
-    plain = SamplingTensors.from_params([SamplingParams(), SamplingParams(temperature=0.0)],
-                                        vocab, device=device)
+    plain = sampling_tensors([SamplingParams(), SamplingParams(temperature=0.0)], vocab, device)
     assert plain.logit_bias is None and not plain.needs_penalties and plain.num_logprobs == 0
     for one in [dict(repetition_penalty=0.9), dict(frequency_penalty=0.1),
                 dict(presence_penalty=0.1), dict(logit_bias={0: 0.0})]:
-        assert SamplingTensors.from_params([SamplingParams(), SamplingParams(**one)],
-                                           vocab).needs_penalties, one
+        assert sampling_tensors([SamplingParams(), SamplingParams(**one)],
+                                vocab).needs_penalties, one
 
 
 def test_unseeded_requests_get_fresh_seeds():
-    seeds = SamplingTensors.from_params([SamplingParams()] * 64, 10).seeds
+    seeds = torch.tensor([resolve_seed(SamplingParams()) for _ in range(64)])
     assert ((seeds >= 0) & (seeds < 2**63 - 1)).all()
     assert len(seeds.unique()) == 64
 
@@ -174,39 +188,38 @@ def step_inputs(batch, vocab, device):
     logits = torch.randn(batch, vocab, device=device) * 2
     prompt_mask = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
     output_counts = torch.zeros(batch, vocab, dtype=torch.int32, device=device)
-    offsets = torch.arange(batch, dtype=torch.int64, device=device) + 3
-    return logits, prompt_mask, output_counts, offsets
+    return logits, prompt_mask, output_counts
 
 
 def test_sample_next_tokens_without_penalties(device):
     params = [SamplingParams(seed=1), SamplingParams(temperature=0.0),
               SamplingParams(top_k=3, seed=2)]
-    tensors = SamplingTensors.from_params(params, 20, device=device)
-    logits, _, _, offsets = step_inputs(3, 20, device)
+    tensors = sampling_tensors(params, 20, device)
+    logits, _, _ = step_inputs(3, 20, device)
     before = logits.clone()
-    out = sample_next_tokens(logits, tensors, offsets)
+    out = sample_next_tokens(logits, tensors)
     assert isinstance(out, SampleOutput)
     assert out.token_logprobs is None and out.top_ids is None and out.top_logprobs is None
     assert torch.equal(logits, before), "logits changed without penalties"
     expected = reference.sample(logits.cpu().double(), tensors.temperature.cpu(),
                                 tensors.top_k.cpu(), tensors.top_p.cpu(), tensors.min_p.cpu(),
-                                tensors.seeds.cpu(), offsets.cpu())
+                                tensors.seeds.cpu(), tensors.offsets.cpu())
     assert torch.equal(out.tokens.cpu(), expected)
     assert out.tokens[1] == logits[1].argmax()
 
 
 def test_sample_next_tokens_needs_masks_for_penalties(device):
-    tensors = SamplingTensors.from_params([SamplingParams(), SamplingParams(presence_penalty=1.0)],
-                                          20, device=device)
-    logits, prompt_mask, output_counts, offsets = step_inputs(2, 20, device)
+    tensors = sampling_tensors([SamplingParams(), SamplingParams(presence_penalty=1.0)], 20,
+                               device)
+    logits, prompt_mask, output_counts = step_inputs(2, 20, device)
     for kwargs in [{}, dict(prompt_mask=prompt_mask), dict(output_counts=output_counts)]:
         with pytest.raises(ValueError, match="prompt_mask and output_counts"):
-            sample_next_tokens(logits, tensors, offsets, **kwargs)
+            sample_next_tokens(logits, tensors, **kwargs)
 
 
 def test_sample_next_tokens_applies_penalties(device):
     vocab = 16
-    logits, prompt_mask, output_counts, offsets = step_inputs(4, vocab, device)
+    logits, prompt_mask, output_counts = step_inputs(4, vocab, device)
     top = logits.argmax(-1)
     output_counts[2, top[2]] = 1000  # penalized by 2 each time
     output_counts[2, 5] = 3
@@ -215,9 +228,9 @@ def test_sample_next_tokens_applies_penalties(device):
               SamplingParams(temperature=0.0),  # no penalty: untouched
               SamplingParams(temperature=0.0, frequency_penalty=2.0),  # the argmax is penalized
               SamplingParams(temperature=0.0, repetition_penalty=1e4, logprobs=2)]
-    tensors = SamplingTensors.from_params(params, vocab, device=device)
+    tensors = sampling_tensors(params, vocab, device)
     before = logits.clone()
-    out = sample_next_tokens(logits, tensors, offsets, prompt_mask=prompt_mask,
+    out = sample_next_tokens(logits, tensors, prompt_mask=prompt_mask,
                              output_counts=output_counts)
     penalized = reference.apply_penalties(before.cpu(), prompt_mask.cpu(), output_counts.cpu(),
                                           tensors.repetition_penalty.cpu(),
@@ -238,7 +251,7 @@ def test_sample_next_tokens_applies_penalties(device):
     assert out.top_ids[0, 0] == 7 and abs(out.token_logprobs[0].item()) < 1e-5
 
     # The same seeds and offsets draw the same tokens again.
-    again = sample_next_tokens(before.clone(), tensors, offsets, prompt_mask=prompt_mask,
+    again = sample_next_tokens(before.clone(), tensors, prompt_mask=prompt_mask,
                                output_counts=output_counts)
     assert torch.equal(again.tokens, out.tokens)
 
@@ -246,9 +259,9 @@ def test_sample_next_tokens_applies_penalties(device):
 def test_a_forced_token_wins_every_draw(device):
     # logit_bias +100 on one token at temperature 1, over 200 seeds: always that token.
     params = [SamplingParams(logit_bias={5: 100.0}, seed=s) for s in range(200)]
-    tensors = SamplingTensors.from_params(params, 12, device=device)
-    logits, prompt_mask, output_counts, offsets = step_inputs(200, 12, device)
-    out = sample_next_tokens(logits, tensors, offsets, prompt_mask=prompt_mask,
+    tensors = sampling_tensors(params, 12, device)
+    logits, prompt_mask, output_counts = step_inputs(200, 12, device)
+    out = sample_next_tokens(logits, tensors, prompt_mask=prompt_mask,
                              output_counts=output_counts)
     assert (out.tokens == 5).all()
 
@@ -257,9 +270,9 @@ def test_logprobs_zero_reports_the_token_logprob(device):
     # vLLM's meaning (which SamplingParams adopts): logprobs=0 asks for the sampled token's
     # log-probability and no alternatives; only None asks for nothing.
     params = [SamplingParams(seed=1, logprobs=0), SamplingParams(seed=2)]
-    tensors = SamplingTensors.from_params(params, 20, device=device)
-    logits, _, _, offsets = step_inputs(2, 20, device)
-    out = sample_next_tokens(logits, tensors, offsets)
+    tensors = sampling_tensors(params, 20, device)
+    logits, _, _ = step_inputs(2, 20, device)
+    out = sample_next_tokens(logits, tensors)
     assert out.token_logprobs is not None and out.token_logprobs.shape == (2,)
     assert out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
 
@@ -269,13 +282,13 @@ def test_each_row_alone_draws_what_the_batch_draws(device):
     # SamplingTensors.rows) gets the batch's token and log-probabilities.
     params = [SamplingParams(seed=1, logprobs=2), SamplingParams(temperature=0.0),
               SamplingParams(top_k=3, seed=2, logit_bias={4: 2.0}, repetition_penalty=1.3)]
-    tensors = SamplingTensors.from_params(params, 20, device=device)
-    logits, prompt_mask, output_counts, offsets = step_inputs(3, 20, device)
+    tensors = sampling_tensors(params, 20, device)
+    logits, prompt_mask, output_counts = step_inputs(3, 20, device)
     prompt_mask[2, :10] = True
-    batch = sample_next_tokens(logits.clone(), tensors, offsets, prompt_mask=prompt_mask,
+    batch = sample_next_tokens(logits.clone(), tensors, prompt_mask=prompt_mask,
                                output_counts=output_counts)
     rows = [sample_next_tokens(logits[r:r + 1].clone(), tensors.rows(slice(r, r + 1)),
-                               offsets[r:r + 1], prompt_mask=prompt_mask[r:r + 1],
+                               prompt_mask=prompt_mask[r:r + 1],
                                output_counts=output_counts[r:r + 1]) for r in range(3)]
     joined = SampleOutput.cat(rows)
     for name in ("tokens", "token_logprobs", "top_ids", "top_logprobs"):

@@ -4,8 +4,11 @@ It builds the step's one :class:`fastllm.ops.DecoderStep` from a
 :class:`~fastllm.engine.scheduler_output.SchedulerOutput` (its host tensors moved to the device
 in one copy with whatever else the step reads, such as the sampler's parameters, without a
 wait), hands it to the model as it is (or to a CUDA graph of a decode step, whose static inputs
-are one) and computes logits on the rows that need them. It never touches the block manager:
-the scheduler decided everything about KV placement before, and learns what was computed after.
+are one) and computes logits on the rows that need them. :meth:`ModelRunner.execute` never
+touches the block manager: the scheduler decided everything about KV placement before, and
+learns what was computed after. A caller that places sequences in a block manager of its own
+(the speculative draft model, whose cache the scheduler never sees; tests) runs them with
+:meth:`ModelRunner.execute_placed_sequences`, which marks what it computed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from fastllm.kv_cache import PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.ops.host_to_device import StagingBuffer
 
-__all__ = ["ModelRunner", "StepLogits", "decoder_step", "run_step", "step_tensors"]
+__all__ = ["ModelRunner", "StepLogits", "decoder_step", "step_tensors"]
 
 
 @dataclass
@@ -68,16 +71,11 @@ def step_tensors(batch: SchedulerOutput) -> dict[str, Tensor]:
             "slot_mapping": batch.slot_mapping}
 
 
-def _step(batch: SchedulerOutput, tensors: Mapping[str, Tensor]) -> ops.DecoderStep:
-    """The batch's step over :func:`step_tensors`' tensors on the device."""
+def decoder_step(batch: SchedulerOutput, tensors: Mapping[str, Tensor]) -> ops.DecoderStep:
+    """The batch's step over :func:`step_tensors`' tensors once they are on the device."""
     return ops.DecoderStep(
         **tensors, max_seqlen_q=max((len(s.token_ids) for s in batch.sequences), default=0),
         keys_are_new=all(s.start == 0 for s in batch.sequences))
-
-
-def decoder_step(batch: SchedulerOutput, device: torch.device | str) -> ops.DecoderStep:
-    """The batch's step on ``device`` (one copy, without waiting for the device)."""
-    return _step(batch, StagingBuffer(device).send(step_tensors(batch))[0])
 
 
 class ModelRunner:
@@ -145,7 +143,7 @@ class ModelRunner:
             inputs[f"score_ids{i}"] = torch.tensor(token_ids, dtype=torch.long)
         staged_step, staged, staged_extra = self.staging.send(step_tensors(batch), inputs, extra)
         with ops.trusted_inputs():
-            hidden = self.model(staged["input_ids"], _step(batch, staged_step),
+            hidden = self.model(staged["input_ids"], decoder_step(batch, staged_step),
                                 self.kv_cache)  # [T, hidden]
         logits = None
         if sampling_rows:
@@ -169,6 +167,24 @@ class ModelRunner:
         pooled = {index: hidden[rows].float().sum(0) for index, rows in pool_rows.items()}
         return StepLogits(logits, scores, staged_extra, prompt_logprobs, pooled)
 
+    def execute_placed_sequences(self, seq_ids: Sequence[int],
+                                 new_tokens: Sequence[Sequence[int]],
+                                 extra: Mapping[str, Tensor] | None = None, *,
+                                 starts: Sequence[int] | None = None,
+                                 logits: bool | Sequence[bool] = True) -> StepLogits:
+        """One step over sequences the caller placed in this runner's cache's block manager
+        itself (``allocate`` / ``append_tokens`` done, copy-on-write copies applied), laid out
+        as the scheduler lays out a step (:func:`batch_of_sequences`: ``new_tokens[b]`` at
+        ``starts[b]``, by default ``seq_ids[b]``'s last tokens; logits at the last new token of
+        each sequence with ``logits[b]``), run by :meth:`execute` and then marked computed.
+        """
+        manager = self.kv_cache.block_manager
+        batch = batch_of_sequences(manager, seq_ids, new_tokens, starts=starts, logits=logits)
+        output = self.execute(batch, extra)
+        for sequence in batch.sequences:
+            manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
+        return output
+
     def _prompt_logprobs(self, hidden: Tensor, token_ids: Tensor, k: int
                          ) -> tuple[Tensor, Tensor, Tensor]:
         """The logprobs of ``token_ids`` at rows ``hidden`` under the raw logits, and the ``k``
@@ -182,28 +198,3 @@ class ModelRunner:
             parts.append((logprobs.gather(1, token_ids[rows, None]).squeeze(1), top.indices,
                           top.values))
         return tuple(torch.cat(column) for column in zip(*parts))
-
-
-def run_step(model: DecoderLM, kv_cache: PagedKVCache, seq_ids: Sequence[int],
-             new_tokens: Sequence[Sequence[int]], *, starts: Sequence[int] | None = None,
-             logits: bool | Sequence[bool] = True,
-             logit_token_ids: Sequence[int] | None = None,
-             decode_graphs: DecodeGraphs | None = None) -> Tensor | None:
-    """One step over sequences a caller placed in ``kv_cache``'s block manager by hand (see
-    :func:`~fastllm.engine.scheduler_output.batch_of_sequences`): the model run, the computed
-    tokens marked.
-
-    Returns the logits asked for, ``[count, vocab]`` or ``[count, len(logit_token_ids)]``, or
-    None when no sequence asks. With ``decode_graphs``, a decode step replays a CUDA graph.
-    """
-    manager = kv_cache.block_manager
-    batch = batch_of_sequences(manager, seq_ids, new_tokens, starts=starts, logits=logits,
-                               logit_token_ids=logit_token_ids)
-    output = ModelRunner(model, kv_cache, decode_graphs).execute(batch)
-    for sequence in batch.sequences:
-        manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
-    if logit_token_ids is None:
-        return output.logits
-    if not output.scores:
-        return None
-    return torch.stack([output.scores[i] for i in sorted(output.scores)])

@@ -215,14 +215,13 @@ def layout_batch(block_manager: BlockManager,
 def batch_of_sequences(block_manager: BlockManager, seq_ids: Sequence[int],
                        new_tokens: Sequence[Sequence[int]], *,
                        starts: Sequence[int] | None = None,
-                       logits: bool | Sequence[bool] = True,
-                       logit_token_ids: Sequence[int] | None = None) -> SchedulerOutput:
+                       logits: bool | Sequence[bool] = True) -> SchedulerOutput:
     """The step the scheduler would give sequences a caller placed in the block manager by
     hand (``allocate`` / ``append_tokens`` done, copy-on-write copies applied).
 
     ``new_tokens[b]`` sit at positions ``[starts[b], starts[b] + len)`` of ``seq_ids[b]``, by
-    default its last tokens. Sequence ``b`` gives logits at its last new token when
-    ``logits[b]`` (all by default): the whole vocabulary's, or ``logit_token_ids``' only.
+    default its last tokens. Sequence ``b`` gives the whole vocabulary's logits at its last new
+    token when ``logits[b]`` (all by default).
     """
     if len(seq_ids) != len(new_tokens):
         raise ValueError(f"{len(seq_ids)} seq_ids but {len(new_tokens)} token lists")
@@ -233,7 +232,6 @@ def batch_of_sequences(block_manager: BlockManager, seq_ids: Sequence[int],
     if not len(wants) == len(starts) == len(seq_ids):
         raise ValueError(f"{len(seq_ids)} seq_ids but {len(wants)} logits flags and "
                          f"{len(starts)} starts")
-    ids = "all" if logit_token_ids is None else tuple(int(t) for t in logit_token_ids)
     sequences = []
     for seq_id, tokens, start, want in zip(seq_ids, new_tokens, starts, wants):
         held = block_manager.num_tokens(seq_id)
@@ -242,7 +240,7 @@ def batch_of_sequences(block_manager: BlockManager, seq_ids: Sequence[int],
                              f"{len(tokens)} new ones from position {start}")
         if want and not tokens:
             raise ValueError(f"sequence {seq_id} has no new token to give logits")
-        sequences.append(ScheduledSequence(seq_id, start, list(tokens), ids if want else None))
+        sequences.append(ScheduledSequence(seq_id, start, list(tokens), "all" if want else None))
     return layout_batch(block_manager, sequences)
 
 

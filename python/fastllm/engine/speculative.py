@@ -34,7 +34,6 @@ drafting for a while, longer each time, when none pays or its drafts keep failin
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import os
 import statistics
@@ -44,8 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fastllm.engine.model_runner import ModelRunner, StepLogits
-from fastllm.engine.scheduler_output import batch_of_sequences
+from fastllm.engine.model_runner import ModelRunner
 from fastllm.kv_cache import KVCacheFullError, PagedKVCache
 from fastllm.models import DecoderLM
 from fastllm.ops.host_to_device import to_host
@@ -368,7 +366,10 @@ class DraftModelProposer:
     here: the scheduler never sees it; no prefix caching, so dropping drafted tokens' KV never
     touches a cached block). Each step it computes the request's tokens it lacks, then draws
     k tokens one step at a time with the request's sampling parameters and seeded stream at
-    those positions (penalties aside: drafts need not be exact to keep the output exact)."""
+    those positions (penalties aside: drafts need not be exact to keep the output exact). Its
+    steps run through a :class:`ModelRunner` as the target's do
+    (:meth:`ModelRunner.execute_placed_sequences`, its cache placed here), and its draws
+    through the target's sampling path (:class:`SamplingTensors`, :func:`draw`)."""
 
     reads_every_token = True  # its KV must hold every token before it drafts the next
 
@@ -416,7 +417,8 @@ class DraftModelProposer:
             new.append(seq_id)
             prompts.append(tokens[:-1])
         if new:
-            self._step(new, prompts, starts=[0] * len(new), logits=False)
+            self.runner.execute_placed_sequences(new, prompts, starts=[0] * len(new),
+                                                 logits=False)
 
     def propose(self, requests: Sequence[DraftingRequest], lengths: Sequence[int]) -> list[list[int]]:
         """Up to ``lengths[i]`` drafts for each request (none where the draft KV pool is
@@ -441,16 +443,14 @@ class DraftModelProposer:
             picked = [requests[i] for i in active]
             seq_ids = [self._seq_ids[r] for r in picked]
             params = [r.params for r in picked]
-            inputs = SamplingTensors.host_columns(params, self.vocab_size,
-                                                  seeds=[r.seed for r in picked])
             # The seeded stream at the positions the target samples them: a coupled draw.
-            inputs["offsets"] = torch.tensor([len(r.output_token_ids) + step for r in picked],
-                                             dtype=torch.int64)
-            output = self._step(seq_ids, new_tokens, inputs)  # the sampler's inputs ride along
-            tensors = dataclasses.replace(
-                SamplingTensors.from_columns(output.extra, params, self.vocab_size),
-                wants_logprobs=False)
-            tokens, = to_host(draw(output.logits, tensors, output.extra["offsets"]).tokens)
+            inputs = SamplingTensors.host_columns(
+                params, self.vocab_size, [r.seed for r in picked],
+                [len(r.output_token_ids) + step for r in picked])
+            # The sampler's inputs ride along in the step's one copy.
+            output = self.runner.execute_placed_sequences(seq_ids, new_tokens, inputs)
+            tensors = SamplingTensors.from_columns(output.extra, params, self.vocab_size)
+            tokens, = to_host(draw(output.logits, tensors, logprobs=False).tokens)
             tokens = tokens.tolist()
             still, new_tokens = [], []
             for i, request, seq_id, token in zip(active, picked, seq_ids, tokens):
@@ -467,17 +467,6 @@ class DraftModelProposer:
             active = still
             step += 1
         return drafts
-
-    def _step(self, seq_ids: list[int], new_tokens: list[list[int]],
-              extra: dict[str, torch.Tensor] | None = None, **layout: Any) -> StepLogits:
-        """One step of the draft model over its sequences (``layout``: as
-        :func:`~fastllm.engine.scheduler.batch_of_sequences` takes it), marked computed."""
-        manager = self.kv_cache.block_manager
-        batch = batch_of_sequences(manager, seq_ids, new_tokens, **layout)
-        output = self.runner.execute(batch, extra)
-        for sequence in batch.sequences:
-            manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
-        return output
 
     def _place(self, request: DraftingRequest, tokens: list[int]) -> int:
         """Makes the request's draft sequence hold ``tokens``, keeping the KV of the leading

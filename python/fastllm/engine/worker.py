@@ -197,20 +197,18 @@ class Worker:
 
     def _sampling_inputs(self, sampling: list[tuple[RunnerRequest, ScheduledSequence]]
                          ) -> dict[str, torch.Tensor]:
-        """The host tensors that sampling ``sampling``'s rows reads: the rows' parameters
-        (:meth:`SamplingTensors.host_columns`), "offsets" and, in a verification step,
-        "draft_ids" (every sequence's drafts, in order)."""
+        """The host tensors that sampling ``sampling``'s rows reads: the rows' parameters and
+        random-stream keys (:meth:`SamplingTensors.host_columns`, each row at its output
+        position) and, in a verification step, "draft_ids" (every sequence's drafts, in
+        order)."""
         if not sampling:
             return {}
         counts = [1 + sequence.num_draft_tokens for _, sequence in sampling]
         rows = [request for (request, _), n in zip(sampling, counts) for _ in range(n)]
-        inputs = SamplingTensors.host_columns([r.params for r in rows], self.vocab_size,
-                                              seeds=[r.seed for r in rows])
-        # Each request's random stream is keyed by (seed, its output position): the batch
-        # around it, and whether the position is verified or decoded, never change its draws.
-        inputs["offsets"] = torch.tensor(
+        inputs = SamplingTensors.host_columns(
+            [r.params for r in rows], self.vocab_size, [r.seed for r in rows],
             [sequence.num_output_tokens + j
-             for (_, sequence), n in zip(sampling, counts) for j in range(n)], dtype=torch.int64)
+             for (_, sequence), n in zip(sampling, counts) for j in range(n)])
         drafts = [t for _, sequence in sampling for t in sequence.draft_token_ids]
         if drafts:
             inputs["draft_ids"] = torch.tensor(drafts, dtype=torch.int64)
@@ -232,7 +230,6 @@ class Worker:
         counts = [1 + sequence.num_draft_tokens for _, sequence in sampling]
         rows = [request for (request, _), n in zip(sampling, counts) for _ in range(n)]
         tensors = SamplingTensors.from_columns(staged, [r.params for r in rows], self.vocab_size)
-        offsets = staged["offsets"]
         prompt_mask = output_counts = None
         if tensors.needs_penalties:
             zeros_mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
@@ -258,7 +255,7 @@ class Worker:
             if not penalized:
                 penalize(logits, tensors, prompt_mask, output_counts)
                 penalized = True  # every row: the op raises before it writes, or not at all
-            return sampling, draw(logits, tensors, offsets)
+            return sampling, draw(logits, tensors)
         except Exception:
             kept, parts, start = [], [], 0
             for (request, sequence), n in zip(sampling, counts):
@@ -267,7 +264,7 @@ class Worker:
                     if not penalized:
                         penalize(logits[part], tensors.rows(part), prompt_mask[part],
                                  output_counts[part])
-                    parts.append(draw(logits[part], tensors.rows(part), offsets[part]))
+                    parts.append(draw(logits[part], tensors.rows(part)))
                 except Exception as error:
                     errors[request.request_id] = request_error(
                         "this request's logits (after its penalties and logit_bias) cannot be "

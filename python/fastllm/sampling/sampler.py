@@ -1,9 +1,12 @@
 """Sampling parameters (vLLM's names and meanings) and the batched sampling step.
 
 A batch mixes requests with different parameters: :class:`SamplingTensors` turns their
-:class:`SamplingParams` into per-row tensors (a few host tensors moved in one copy, which an
-engine folds into its step's one copy), and :func:`sample_next_tokens` runs the penalties op
-(when any row needs it) and the sampling op on a step's logits.
+:class:`SamplingParams`, seeds and stream positions into per-row tensors (a few host tensors,
+:meth:`SamplingTensors.host_columns`, that an engine folds into its step's one copy and reads
+back on the device with :meth:`SamplingTensors.from_columns`); :func:`penalize` and
+:func:`draw` (or both at once, :func:`sample_next_tokens`) sample a step's logits. The engine's
+target model and its speculative draft model sample through this one path, so a row keyed by
+the same seed and position draws from the same random stream in both.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from torch import Tensor
 
 from fastllm import ops
-from fastllm.ops.host_to_device import StagingBuffer, to_host
+from fastllm.ops.host_to_device import to_host
 
 __all__ = ["SamplingParams", "SamplingTensors", "SampleOutput", "StructuredOutputsParams",
            "draw", "mask_tokens", "penalize", "resolve_seed", "sample_next_tokens"]
@@ -255,7 +258,8 @@ _FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "freque
 
 @dataclass
 class SamplingTensors:
-    """The per-row tensors of a batch of requests."""
+    """The per-row tensors of a batch of requests: each row's parameters and the key of its
+    random stream (its request's seed and the row's position in the request's output)."""
 
     temperature: Tensor  # float32 [batch]
     top_k: Tensor  # int32 [batch]
@@ -266,27 +270,23 @@ class SamplingTensors:
     presence_penalty: Tensor  # float32 [batch]
     logit_bias: Tensor | None  # float32 [batch, vocab], None when no row has a bias
     seeds: Tensor  # int64 [batch]
+    offsets: Tensor  # int64 [batch]
     wants_logprobs: bool  # some row set logprobs (0 = the sampled token's alone)
     num_logprobs: int  # the most alternatives any row asked for
     needs_penalties: bool
 
-    @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int,
-                    device: torch.device | str = "cpu",
-                    seeds: Sequence[int] | None = None) -> SamplingTensors:
-        """Rows in the order of ``params``, on ``device`` in one copy. ``seeds`` are the rows'
-        seeds (an engine draws one per request once, so it survives preemption); by default a
-        request without a seed gets a fresh random one."""
-        columns = cls.host_columns(params, vocab_size, seeds)
-        return cls.from_columns(StagingBuffer(device).send(columns)[0], params, vocab_size)
-
     @staticmethod
-    def host_columns(params: Sequence[SamplingParams], vocab_size: int,
-                     seeds: Sequence[int] | None = None) -> dict[str, Tensor]:
+    def host_columns(params: Sequence[SamplingParams], vocab_size: int, seeds: Sequence[int],
+                     offsets: Sequence[int]) -> dict[str, Tensor]:
         """The host tensors :meth:`from_columns` reads once they are on the device (a caller
         moves them with the rest of its step's inputs): float32 ``[6, batch]`` "floats",
-        int32 "top_k", int64 "seeds", and the logit biases as flat int64 "bias_index" into
-        ``[batch, vocab]`` and float32 "bias_value" when a row has one."""
+        int32 "top_k", int64 "seeds" and "offsets", and the logit biases as flat int64
+        "bias_index" into ``[batch, vocab]`` and float32 "bias_value" when a row has one.
+
+        Row r draws from the random stream keyed by ``seeds[r]`` (its request's seed, drawn
+        once by :func:`resolve_seed`, so it survives preemption) at counter ``offsets[r]`` (the
+        tokens its request had generated before the row): the batch around it, and whether
+        the position is decoded, verified or drafted, never change its draw."""
         for p in params:
             p.check_vocab(vocab_size)
         columns = {
@@ -297,8 +297,8 @@ class SamplingTensors:
             # top_k >= vocab is off, as <= 0 is: clamped, it fits int32 whatever its value.
             "top_k": torch.tensor([min(max(p.top_k, 0), vocab_size) for p in params],
                                   dtype=torch.int32),
-            "seeds": torch.tensor(list(seeds) if seeds is not None else
-                                  [resolve_seed(p) for p in params], dtype=torch.int64),
+            "seeds": torch.tensor(list(seeds), dtype=torch.int64),
+            "offsets": torch.tensor(list(offsets), dtype=torch.int64),
         }
         if any(p.logit_bias for p in params):
             entries = [(row * vocab_size + token, bias) for row, p in enumerate(params)
@@ -319,7 +319,7 @@ class SamplingTensors:
                                      device=index.device)
             logit_bias.view(-1)[index] = columns["bias_value"]
         return cls(**floats, top_k=columns["top_k"], logit_bias=logit_bias,
-                   seeds=columns["seeds"],
+                   seeds=columns["seeds"], offsets=columns["offsets"],
                    wants_logprobs=any(p.logprobs is not None for p in params),
                    num_logprobs=max((p.logprobs or 0 for p in params), default=0),
                    needs_penalties=any(p.needs_penalties() for p in params))
@@ -331,7 +331,8 @@ class SamplingTensors:
         return dataclasses.replace(self, **{
             name: part(getattr(self, name))
             for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                         "frequency_penalty", "presence_penalty", "logit_bias", "seeds")})
+                         "frequency_penalty", "presence_penalty", "logit_bias", "seeds",
+                         "offsets")})
 
 
 @dataclass
@@ -380,25 +381,25 @@ def mask_tokens(logits: Tensor, rows: Tensor, bitmask: Tensor) -> None:
     logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
-def draw(logits: Tensor, tensors: SamplingTensors, offsets: Tensor) -> SampleOutput:
-    """The sampling op on (penalized) ``logits``, with log-probabilities when a row asked."""
+def draw(logits: Tensor, tensors: SamplingTensors, *, logprobs: bool = True) -> SampleOutput:
+    """The sampling op on (penalized) ``logits``, each row from its stream at its offset; with
+    log-probabilities when a row asked and ``logprobs`` (a draft model's caller reads the
+    tokens alone)."""
     args = (logits, tensors.temperature, tensors.top_k, tensors.top_p, tensors.min_p,
-            tensors.seeds, offsets)
-    if not tensors.wants_logprobs:
+            tensors.seeds, tensors.offsets)
+    if not (logprobs and tensors.wants_logprobs):
         return SampleOutput(ops.sample(*args))
     return SampleOutput(*ops.sample_with_logprobs(*args, tensors.num_logprobs))
 
 
-def sample_next_tokens(logits: Tensor, tensors: SamplingTensors, offsets: Tensor, *,
+def sample_next_tokens(logits: Tensor, tensors: SamplingTensors, *,
                        prompt_mask: Tensor | None = None,
                        output_counts: Tensor | None = None) -> SampleOutput:
     """One sampling step: penalties (in place on ``logits``) when a row needs them, then the draw.
 
     Args:
         logits: ``[batch, vocab]``, modified in place when penalties apply.
-        tensors: the batch's parameters.
-        offsets: int64 ``[batch]``, each request's step (tokens it has sampled so far), the
-            counter of its random stream.
+        tensors: the batch's parameters and random-stream keys.
         prompt_mask, output_counts: bool / int32 ``[batch, vocab]``, needed when
             ``tensors.needs_penalties``.
     """
@@ -407,4 +408,4 @@ def sample_next_tokens(logits: Tensor, tensors: SamplingTensors, offsets: Tensor
             raise ValueError("this batch has penalties or logit bias: pass prompt_mask and "
                              "output_counts")
         penalize(logits, tensors, prompt_mask, output_counts)
-    return draw(logits, tensors, offsets)
+    return draw(logits, tensors)
