@@ -363,6 +363,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--tool-call-parser", metavar="NAME",
                        help="the format the model writes tool calls in: hermes, llama3_json or "
                             "mistral (default: picked from the chat template)")
+    group.add_argument("--reasoning-parser", metavar="NAME",
+                       help="the way the model marks its reasoning, returned apart from the "
+                            "answer: qwen3 or deepseek_r1 (default: none)")
     group.add_argument("--pooling", default="last", choices=["last", "mean"],
                        help="how /v1/embeddings pools the final hidden states")
     group.add_argument("--max-waiting-requests", type=int, default=256, metavar="N",
@@ -385,7 +388,7 @@ def _serve(args: argparse.Namespace) -> None:
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         chat_template=(None if args.chat_template is None
                        else Path(args.chat_template).read_text(encoding="utf-8")),
         pooling=args.pooling)

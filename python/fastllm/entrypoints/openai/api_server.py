@@ -40,6 +40,7 @@ from fastllm.entrypoints.openai.serving import (APIError, OpenAIServing, Serving
                                                 as_api_error)
 from fastllm.entrypoints.openai.serving_messages import MessagesServing
 from fastllm.entrypoints.openai.serving_responses import ResponsesServing
+from fastllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from fastllm.entrypoints.openai.tool_parsers import PARSERS
 
 __all__ = ["ServerConfig", "build_app", "build_server"]
@@ -62,6 +63,8 @@ class ServerConfig:
         pooling: how ``/v1/embeddings`` pools the final hidden states: "last" or "mean".
         tool_call_parser: how tool calls are read from replies (``hermes``, ``llama3_json``,
             ``mistral``); None picks it from the chat template.
+        reasoning_parser: how a reply's reasoning is told from its answer (``qwen3``,
+            ``deepseek_r1``); None: replies are all answer.
     """
 
     host: str = "127.0.0.1"
@@ -72,6 +75,7 @@ class ServerConfig:
     chat_template: str | None = None
     pooling: str = "last"
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
@@ -85,6 +89,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
 
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
@@ -230,7 +237,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     serving = OpenAIServing(llm, model_name, metrics,
                             ServingLimits(max_waiting_requests=config.max_waiting_requests),
                             chat_template=config.chat_template,
-                            tool_call_parser=config.tool_call_parser)
+                            tool_call_parser=config.tool_call_parser,
+                            reasoning_parser=config.reasoning_parser)
     reranking = RerankServing(llm, model_name, serving)
     embedding = EmbeddingServing(llm, model_name, serving, config.pooling)
     responding, messaging = ResponsesServing(serving), MessagesServing(serving)

@@ -252,6 +252,7 @@ class ToolCall(_Response):
 class ChatMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's: the reasoning, with --reasoning-parser
     tool_calls: list[ToolCall] | None = None
 
 
@@ -288,6 +289,7 @@ class ToolCallDelta(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

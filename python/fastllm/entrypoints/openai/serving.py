@@ -22,13 +22,15 @@ from fastllm.engine.outputs import Logprob, RequestOutput
 from fastllm.entrypoints.async_llm import AsyncLLM, StreamDelta
 from fastllm.entrypoints.openai import protocol as api
 from fastllm.entrypoints.openai.metrics import ServerMetrics
+from fastllm.entrypoints.openai.reasoning_parsers import (
+    REASONING_PARSERS, ReasoningParser, ReasoningStream, ReplyStart)
 from fastllm.entrypoints.openai.tool_parsers import (
-    PARSERS, ToolCallStream, ToolParser, detect_parser)
+    PARSERS, ToolCall, ToolCallDelta, ToolCallStream, ToolParser, detect_parser, json_lark)
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
 from fastllm.tokenizer import IncrementalDetokenizer
 
-__all__ = ["APIError", "OpenAIServing", "as_api_error", "count_usage", "merge_streams",
-           "named_event"]
+__all__ = ["APIError", "OpenAIServing", "ReplyFormat", "ReplyReader", "as_api_error",
+           "count_usage", "merge_streams", "named_event"]
 
 T = TypeVar("T")
 logger = logging.getLogger("fastllm")
@@ -70,10 +72,14 @@ class OpenAIServing:
 
     def __init__(self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics,
                  limits: ServingLimits, chat_template: str | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         """``tool_call_parser``: how replies to requests with tools are read (a name in
         :data:`~fastllm.entrypoints.openai.tool_parsers.PARSERS`); None picks it from the chat
-        template's text, or leaves tool calling off when the template shows no known format."""
+        template's text, or leaves tool calling off when the template shows no known format.
+        ``reasoning_parser``: how a reply's reasoning is told from its answer (a name in
+        :data:`~fastllm.entrypoints.openai.reasoning_parsers.REASONING_PARSERS`); None reads
+        every reply as all answer."""
         self.llm, self.model_name, self.metrics, self.limits = llm, model_name, metrics, limits
         self.tokenizer = llm.client.tokenizer
         self.max_model_len = llm.client.max_model_len
@@ -86,6 +92,9 @@ class OpenAIServing:
             tool_call_parser = detect_parser(template)
         self.tool_parser: ToolParser | None = (
             None if tool_call_parser is None else PARSERS[tool_call_parser](self.tokenizer))
+        self.reasoning_parser: ReasoningParser | None = (
+            None if reasoning_parser is None
+            else REASONING_PARSERS[reasoning_parser](self.tokenizer))
 
     # ---- shared checks -----------------------------------------------------------------------
 
@@ -120,7 +129,7 @@ class OpenAIServing:
     def _sampling_params(self, req: api.ChatCompletionRequest | api.CompletionRequest,
                          max_tokens: int, logprobs: int | None,
                          prompt_logprobs: int | None = None,
-                         tool_use: _ToolUse | None = None) -> SamplingParams:
+                         reply: ReplyFormat | None = None) -> SamplingParams:
         logit_bias = {}
         for key, value in (req.logit_bias or {}).items():
             try:
@@ -140,9 +149,9 @@ class OpenAIServing:
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 structured_outputs=_structured_outputs(req.response_format)
-                if tool_use is None or tool_use.constraint is None else tool_use.constraint,
+                if reply is None else reply.constraint,
                 skip_special_tokens=req.skip_special_tokens and (
-                    tool_use is None or tool_use.parser.skip_special_tokens))
+                    reply is None or reply.skip_special_tokens))
             params.check_vocab(self.vocab_size)
         except (TypeError, ValueError) as error:
             raise APIError(400, str(error), param=_field_named(str(error))) from None
@@ -313,24 +322,45 @@ class OpenAIServing:
                                 f"{error}", param="messages") from None
 
     def chat_jobs(self, req: api.ChatCompletionRequest
-                  ) -> tuple[list[tuple[list[int], SamplingParams]], _ToolUse | None]:
-        """A chat request's engine requests (one per choice), and how its tools are used: its
-        model, prompt and sampling parameters checked, and room for them in the queue. The
-        Responses and Messages APIs build a chat request and come through here too."""
+                  ) -> tuple[list[tuple[list[int], SamplingParams]], ReplyFormat]:
+        """A chat request's engine requests (one per choice), and how their replies are read:
+        its model, prompt and sampling parameters checked, and room for them in the queue.
+        The Responses and Messages APIs build a chat request and come through here too."""
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tool_use = self._tool_use(req)
         ids = self.chat_prompt(req, None if tool_use is None else tool_use.tools)
+        reply = self._reply_format(req, ids, tool_use)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), "messages")
         top = req.top_logprobs or 0
         params = self._sampling_params(req, max_tokens, top if req.logprobs else None,
-                                       tool_use=tool_use)
+                                       reply=reply)
         jobs = [(ids, p) for p in self._choices(params, req.n)]
         self.check_capacity(len(jobs))
-        return jobs, tool_use
+        return jobs, reply
+
+    def _reply_format(self, req: api.ChatCompletionRequest, prompt: list[int],
+                      tool_use: _ToolUse | None) -> ReplyFormat:
+        """How the replies to a chat request whose prompt is ``prompt`` are read, and what
+        holds them: a forced call's grammar, else ``response_format``; with a reasoning
+        parser, that constraint starts once the reasoning ends."""
+        forced = tool_use is not None and tool_use.constraint is not None
+        constraint = tool_use.constraint if forced else _structured_outputs(req.response_format)
+        parser, start = self.reasoning_parser, "answer"
+        if parser is not None:
+            # The generation prompt's last tokens say whether it opened or closed a reasoning
+            # block: a few tokens hold both markers and the blank lines around them.
+            start = parser.start_of(self.tokenizer.decode(prompt[-16:],
+                                                          skip_special_tokens=False))
+            if constraint is not None and start != "answer":
+                constraint = StructuredOutputsParams(grammar=parser.grammar(
+                    _answer_lark(constraint, "tools" if forced else "response_format"),
+                    start))
+        return ReplyFormat(tool_use, parser, start, constraint,
+                           "tools" if forced else "response_format")
 
     async def run_chat(self, req: api.ChatCompletionRequest,
                        until_disconnected: Callable[[Awaitable[T]], Awaitable[T]],
@@ -339,35 +369,33 @@ class OpenAIServing:
         streams (read them with :func:`merge_streams`); errors name that API's fields
         (``params`` maps the chat request's names to them)."""
         try:
-            jobs, _ = self.chat_jobs(req)
+            jobs, reply = self.chat_jobs(req)
             if req.stream:
-                return await until_disconnected(self.open_streams(jobs))
-            return await until_disconnected(self.generate(jobs))
+                return await until_disconnected(self.open_streams(jobs,
+                                                                  reply.constraint_field))
+            return await until_disconnected(self.generate(jobs, reply.constraint_field))
         except APIError as error:
             raise error.renamed(params) from None
 
     async def chat(self, req: api.ChatCompletionRequest,
                    until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
                    ) -> api.ChatCompletionResponse | AsyncIterator[str]:
-        jobs, tool_use = self.chat_jobs(req)
+        jobs, reply = self.chat_jobs(req)
         top = req.top_logprobs or 0
         request_id = api.random_id("chatcmpl")
-        # A constraint that does not compile is the tools' fault when they made it.
-        constraint_field = "response_format" if tool_use is None or \
-            tool_use.constraint is None else "tools"
         if req.stream:
-            streams = await until_disconnected(self.open_streams(jobs, constraint_field))
-            return self._chat_events(request_id, req, streams, tool_use)
-        outputs = await until_disconnected(self.generate(jobs, constraint_field))
+            streams = await until_disconnected(self.open_streams(jobs, reply.constraint_field))
+            return self._chat_events(request_id, req, streams, reply)
+        outputs = await until_disconnected(self.generate(jobs, reply.constraint_field))
         choices = []
         for i, out in enumerate(outputs):
-            text, calls = out.outputs[0].text, []
-            if tool_use is not None:
-                content, calls = tool_use.parser.parse(text)
-                text = (content or None) if calls else text
+            reasoning, text, calls = reply.parse(out.outputs[0].text)
+            if calls:
+                text = text or None
             choices.append(api.ChatChoice(
-                index=i, message=api.ChatMessage(content=text, tool_calls=[
-                    api.ToolCall(id=call.id, function=api.FunctionCall(
+                index=i, message=api.ChatMessage(
+                    content=text, reasoning_content=reasoning,
+                    tool_calls=[api.ToolCall(id=call.id, function=api.FunctionCall(
                         name=call.name, arguments=call.arguments)) for call in calls] or None),
                 finish_reason=_chat_finish_reason(out, bool(calls)),
                 logprobs=self._chat_logprobs(out.outputs[0].logprobs, top)
@@ -430,7 +458,7 @@ class OpenAIServing:
 
     async def _chat_events(self, request_id: str, req: api.ChatCompletionRequest,
                            streams: list[_OpenStream],
-                           tool_use: _ToolUse | None) -> AsyncIterator[str]:
+                           reply: ReplyFormat) -> AsyncIterator[str]:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         usage_field = {"usage": None} if include_usage else {}
@@ -441,30 +469,28 @@ class OpenAIServing:
                     index=index, delta=api.DeltaMessage(role="assistant", content=""))]),
                 **usage_field)
         last: list[RequestOutput | None] = [None] * len(streams)
-        readers: list[ToolCallStream | None] = [
-            None if tool_use is None else tool_use.parser.stream() for _ in streams]
+        readers = [reply.reader() for _ in streams]
         async for index, delta in merge_streams(streams):
             last[index] = delta.output
             logprobs = (self._chat_logprobs(delta.logprobs, top)
                         if req.logprobs and delta.logprobs else None)
             finished = delta.finish_reason is not None
             reader = readers[index]
-            content, pieces = (delta.text, []) if reader is None else \
-                reader.feed(delta.text, final=finished)
+            reasoning, content, pieces = reader.feed(delta.text, final=finished)
             tool_calls = [api.ToolCallDelta(
                 index=piece.index, id=piece.id, type=None if piece.id is None else "function",
                 function=api.FunctionCallDelta(
                     name=piece.name,
                     arguments=piece.arguments if piece.arguments or piece.id else None))
                 for piece in pieces]
-            if content or tool_calls or logprobs is not None or finished:
+            if reasoning or content or tool_calls or logprobs is not None or finished:
                 yield _event(api.ChatCompletionChunk(
                     id=request_id, model=self.model_name, choices=[api.ChatChunkChoice(
                         index=index, logprobs=logprobs,
                         delta=api.DeltaMessage(content=content or None,
+                                               reasoning_content=reasoning or None,
                                                tool_calls=tool_calls or None),
-                        finish_reason=_chat_finish_reason(
-                            delta.output, reader is not None and bool(reader.calls))
+                        finish_reason=_chat_finish_reason(delta.output, bool(reader.calls))
                         if finished else None)]),
                     **({"usage": count_usage(last, req.n).model_dump()} if continuous
                        else usage_field))
@@ -662,6 +688,81 @@ class _ToolUse:
     tools: list[dict[str, Any]]
     parser: ToolParser
     constraint: StructuredOutputsParams | None = None
+
+
+@dataclass
+class ReplyFormat:
+    """How a chat request's replies are read and held: reasoning first (with a reasoning
+    parser; ``reasoning_start`` says where a reply starts), then content and, when tools are
+    in use, calls; ``constraint`` is what the engine holds each reply to, and
+    ``constraint_field`` the request field it came from (named by a constraint that does not
+    compile)."""
+
+    tool_use: _ToolUse | None
+    reasoning: ReasoningParser | None
+    reasoning_start: ReplyStart
+    constraint: StructuredOutputsParams | None
+    constraint_field: str
+
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether replies may leave special tokens out (not when a marker is one)."""
+        return all(parser is None or parser.skip_special_tokens for parser in (
+            self.reasoning, None if self.tool_use is None else self.tool_use.parser))
+
+    def reader(self) -> ReplyReader:
+        """A reader for one streamed reply."""
+        return ReplyReader(
+            None if self.reasoning is None else self.reasoning.stream(self.reasoning_start),
+            None if self.tool_use is None else self.tool_use.parser.stream())
+
+    def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
+        """A whole reply's reasoning (None when there is none), content and calls."""
+        reader = self.reader()
+        reasoning, content, _ = reader.feed(text, final=True)
+        return reasoning or None, content, reader.calls
+
+
+class ReplyReader:
+    """Reads one reply as it comes: its reasoning, then its answer's content and call pieces
+    (the answer goes through the tool-call reader when there is one)."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None) -> None:
+        self._reasoning, self._tools = reasoning, tools
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls announced so far, their arguments as far as read."""
+        if self._tools is None:
+            return []
+        return [ToolCall(name, arguments, call_id)
+                for call_id, name, arguments in self._tools.calls]
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str, list[ToolCallDelta]]:
+        """Takes ``delta`` (``final``: the reply ends with it); returns the reasoning, content
+        and call pieces it releases."""
+        reasoning, answer = ("", delta) if self._reasoning is None else \
+            self._reasoning.feed(delta, final)
+        if self._tools is None:
+            return reasoning, answer, []
+        content, pieces = self._tools.feed(answer, final)
+        return reasoning, content, pieces
+
+
+def _answer_lark(constraint: StructuredOutputsParams, field: str) -> str:
+    """``constraint`` (a grammar, or JSON as ``response_format`` asks for it) as a Lark
+    grammar whose top rule is ``start``, to follow a reply's reasoning; errors name
+    ``field``."""
+    if constraint.grammar is not None:
+        return constraint.grammar
+    schema = {"type": "object"} if constraint.json_object else constraint.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise APIError(400, f"the JSON schema is not valid JSON: {error}",
+                           param=field) from None
+    return f"start: {json_lark(schema)}\n"
 
 
 def count_usage(outputs: Sequence[RequestOutput | None], n: int) -> api.Usage:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from fastllm.tokenizer import Tokenizer
 
 __all__ = ["PARSERS", "ToolCall", "ToolCallDelta", "ToolCallStream", "ToolParser",
-           "detect_parser", "new_call_id"]
+           "detect_parser", "json_lark", "new_call_id", "partial_suffix"]
 
 
 def new_call_id() -> str:
@@ -223,7 +223,7 @@ class ToolParser:
         index = text.find(self.start, pos)
         if index >= 0:
             return index, index, index + len(self.start)
-        return len(text) - (0 if final else _partial_suffix(text, pos, self.start)), None, 0
+        return len(text) - (0 if final else partial_suffix(text, pos, self.start)), None, 0
 
     def _run_end(self, text: str, i: int, final: bool) -> tuple[str, int] | None:
         """After a call at ``i``: ("next", index of the next call's brace), ("end", index after
@@ -247,36 +247,41 @@ class ToolParser:
         """The Lark grammar of this format's calls of ``tools`` (OpenAI tool dicts): one call
         or, when ``parallel``, one or more."""
         key = self.arguments_keys[0]
-        schema = {
-            # The spacing json.dumps (and the templates) write; no free whitespace, which a
-            # small model may spend its tokens on.
-            "x-guidance": {"whitespace_flexible": False, "key_separator": ": ",
-                           "item_separator": ", "},
-            "anyOf": [{"type": "object",
-                       "properties": {"name": {"const": tool["function"]["name"]},
-                                      key: tool["function"].get("parameters")
-                                      or {"type": "object"}},
-                       "required": ["name", key], "additionalProperties": False}
-                      for tool in tools]}
+        schema = {"anyOf": [{"type": "object",
+                             "properties": {"name": {"const": tool["function"]["name"]},
+                                            key: tool["function"].get("parameters")
+                                            or {"type": "object"}},
+                             "required": ["name", key], "additionalProperties": False}
+                            for tool in tools]}
         marker = self._marker_lark()
         if self.grammar_between_runs is not None:  # a run per call
             call = f"{marker} {_lark(self.grammar_open)} obj {_lark(self.grammar_close)}"
             more = f'({_lark(self.grammar_between_runs)} call)*' if parallel else ""
-            return f"start: call {more}\ncall: {call}\nobj: %json {json.dumps(schema)}\n"
+            return f"start: call {more}\ncall: {call}\nobj: {json_lark(schema)}\n"
         more = f'({_lark(self.grammar_separator)} obj)*' if parallel else ""
         return (f"start: {marker} {_lark(self.grammar_open)} obj {more} "
-                f"{_lark(self.grammar_close)}\nobj: %json {json.dumps(schema)}\n")
+                f"{_lark(self.grammar_close)}\nobj: {json_lark(schema)}\n")
 
     def _marker_lark(self) -> str:
         """The start marker in Lark: a special token by its id, other text as text."""
         return _lark(self.start) if self.special_marker is None else f"<[{self.special_marker}]>"
 
 
+# The spacing json.dumps (and the templates) write; no free whitespace, which a small model may
+# spend its tokens on.
+_JSON_SPACING = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def json_lark(schema: dict[str, Any]) -> str:
+    """``schema`` as an inline Lark ``%json`` rule body, in json.dumps' spacing."""
+    return f"%json {json.dumps({'x-guidance': _JSON_SPACING, **schema})}"
+
+
 def _lark(text: str) -> str:
     return json.dumps(text) if text else ""
 
 
-def _partial_suffix(text: str, pos: int, marker: str) -> int:
+def partial_suffix(text: str, pos: int, marker: str) -> int:
     """The length of the longest end of ``text[pos:]`` that begins ``marker``."""
     for length in range(min(len(marker) - 1, len(text) - pos), 0, -1):
         if marker.startswith(text[len(text) - length:]):
