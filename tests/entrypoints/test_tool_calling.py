@@ -244,21 +244,31 @@ def test_bad_tools_are_400s_naming_the_field(server, body, param, says):
     assert error["param"] == param and says in error["message"], error
 
 
-def test_a_template_without_tools_is_a_400(llm):
+def test_a_template_without_tools_gets_the_generic_format(llm):
+    """A template that renders no tools, whatever the parser: the tools are described in the
+    system message (GenericToolFormat) and a forced call comes back valid."""
     with contextlib.ExitStack() as stack:
         unknown = stack.enter_context(running_server(llm, MODEL,
                                                      chat_template=NO_TOOLS_TEMPLATE))
         hermes = stack.enter_context(running_server(
             llm, MODEL, chat_template=NO_TOOLS_TEMPLATE, tool_call_parser="hermes"))
-        for server, says in ((unknown, "--tool-call-parser"), (hermes, "does not render")):
-            response = post(server, {"messages": QUESTION, "tools": [WEATHER]})
-            assert response.status_code == 400
-            error = response.json()["error"]
-            assert error["param"] == "tools" and says in error["message"]
-            # Without tools, or with "none", it is a plain chat server.
-            assert post(server, {"messages": QUESTION, "max_tokens": 2}).status_code == 200
-            assert post(server, {"messages": QUESTION, "max_tokens": 2, "tools": [WEATHER],
-                                 "tool_choice": "none"}).status_code == 200
+        for server in (unknown, hermes):
+            response = post(server, {"messages": QUESTION, "tools": [WEATHER],
+                                     "tool_choice": "required", "parallel_tool_calls": False,
+                                     "max_tokens": 100, "seed": 0})
+            assert response.status_code == 200, response.text
+            message = response.json()["choices"][0]["message"]
+            [call] = message["tool_calls"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_PARAMETERS)
+            # The prompt: the template's rendering of a system message describing the tool.
+            plain = post(server, {"messages": QUESTION, "max_tokens": 1}).json()
+            described = post(server, {"messages": QUESTION, "max_tokens": 1, "tools": [WEATHER],
+                                      "seed": 0}).json()
+            assert described["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 50
+            # "none" shows no tools.
+            assert post(server, {"messages": QUESTION, "max_tokens": 1, "tools": [WEATHER],
+                                 "tool_choice": "none"}).json()["usage"]["prompt_tokens"] == \
+                plain["usage"]["prompt_tokens"]
 
 
 def test_serve_refuses_an_unknown_parser(folder, capsys):

@@ -134,6 +134,7 @@ class _MistralLike:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.all_special_ids = tokenizer.all_special_ids
+        self.unk_token_id = tokenizer.unk_token_id
         self.marker = tokenizer.convert_tokens_to_ids("<|im_start|>")
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
@@ -184,3 +185,52 @@ def test_grammar_is_the_parsers_format(tokenizer, name):
         "<|im_start|>", "[TOOL_CALLS]")
     _, calls = parser.parse(text)
     assert [c.name for c in calls] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_optional_grammar_is_text_or_calls(tokenizer, name):
+    """tool_choice "auto" held by a grammar: text alone, or (text and) valid calls; one call
+    at most when not ``parallel``."""
+    compiler = GrammarCompiler(tokenizer, 151936)
+    parser = PARSERS[name](_MistralLike(tokenizer) if name == "mistral" else tokenizer)
+    key = parser.arguments_keys[0]
+    one = json.dumps({"name": "get_weather", key: {"city": "Paris", "days": 3}})
+    bad = json.dumps({"name": "get_weather", key: {"city": "Rome", "days": 3}})
+    two = json.dumps({"name": "get_time", key: {}})
+    marker = [parser.tokenizer.marker] if name == "mistral" else []
+
+    def ids(text: str, calls: str | None) -> list[int]:
+        head = tokenizer.encode(text, add_special_tokens=False) if text else []
+        if calls is None:
+            return head
+        body = {"hermes": "<tool_call>\n" + calls.replace(
+                    "\n\n", "\n</tool_call>\n<tool_call>\n") + "\n</tool_call>",
+                "llama3_json": calls.replace("\n\n", "; "),
+                "mistral": "[" + calls.replace("\n\n", ", ") + "]"}[name]
+        return head + marker + tokenizer.encode(body, add_special_tokens=False)
+
+    single = parser.grammar([WEATHER, TIME], parallel=False, optional=True)
+    parallel = parser.grammar([WEATHER, TIME], parallel=True, optional=True)
+    for grammar in (single, parallel):
+        assert accepts(compiler, grammar, ids("It is sunny, {maybe}.", None))
+        assert accepts(compiler, grammar, ids("", one))
+        assert not accepts(compiler, grammar, ids("", bad))
+        if name != "llama3_json":  # its calls are the whole reply
+            assert accepts(compiler, grammar, ids("Let me check.\n\n", one))
+            # Text holding the marker is the start of calls, not text.
+            held = (ids("a ", None) + marker + ids(" b", None) if name == "mistral"
+                    else ids("a " + parser.start + " b", None))
+            assert not accepts(compiler, grammar, held)
+    assert not accepts(compiler, single, ids("", f"{one}\n\n{two}"))
+    assert accepts(compiler, parallel, ids("", f"{one}\n\n{two}"))
+
+
+def test_a_marker_missing_from_the_vocabulary_is_text(model_path):
+    """Llama 2's vocabulary has no <tool_call> nor <think>: looking them up gives the unknown
+    token, which is special, but the markers are text, not that token."""
+    from fastllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    llama2 = Tokenizer.from_pretrained(model_path("llama2_tokenizer"))
+    assert llama2.convert_tokens_to_ids("<tool_call>") in llama2.all_special_ids
+    assert PARSERS["hermes"](llama2).special_marker is None
+    assert REASONING_PARSERS["qwen3"](llama2).skip_special_tokens

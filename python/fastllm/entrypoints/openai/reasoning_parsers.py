@@ -29,7 +29,8 @@ import json
 import re
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from fastllm.entrypoints.openai.tool_parsers import partial_suffix
+from fastllm.entrypoints.openai.tool_parsers import (
+    lark_regex_literal, partial_suffix, special_token_id)
 
 if TYPE_CHECKING:
     from fastllm.tokenizer import Tokenizer
@@ -56,14 +57,11 @@ class ReasoningParser:
     needs_start: ClassVar[bool]
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        special = set(tokenizer.all_special_ids)
         # A marker that is a special token is dropped by the detokenizer unless told otherwise,
         # and matched by llguidance only by its id.
-        self.start_token_id = tokenizer.convert_tokens_to_ids(self.start)
-        self.end_token_id = tokenizer.convert_tokens_to_ids(self.end)
-        self._start_is_special = self.start_token_id in special
-        self._end_is_special = self.end_token_id in special
-        self.special_markers = self._start_is_special or self._end_is_special
+        self.special_start = special_token_id(tokenizer, self.start)
+        self.special_end = special_token_id(tokenizer, self.end)
+        self.special_markers = self.special_start is not None or self.special_end is not None
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -95,19 +93,18 @@ class ReasoningParser:
         if start == "answer":
             return answer
         renamed = re.sub(r"^start:", "answer:", answer, flags=re.MULTILINE)
-        if self._end_is_special:
-            reasoning = f"reasoning: REASONING_TEXT <[{self.end_token_id}]>\n" \
+        if self.special_end is not None:
+            reasoning = f"reasoning: REASONING_TEXT <[{self.special_end}]>\n" \
                         "REASONING_TEXT: /(?s:.*)/\n"
         else:
-            # Lazy: the reasoning ends at the first end marker ("/" escaped: it ends the regex).
-            end = re.escape(self.end).replace("/", "\\/")
-            reasoning = f"reasoning[lazy]: /(?s:.*){end}/\n"
+            # Lazy: the reasoning ends at the first end marker.
+            reasoning = f"reasoning[lazy]: /(?s:.*){lark_regex_literal(self.end)}/\n"
         top = f"reasoning {json.dumps(chr(10) * 2)} answer"
         if start == "model":
             # The reply opens with the start marker or is the answer: llguidance cannot weigh
             # free reasoning against the answer's first token, a marker it can.
-            marker = f"<[{self.start_token_id}]>" if self._start_is_special \
-                else json.dumps(self.start)
+            marker = json.dumps(self.start) if self.special_start is None \
+                else f"<[{self.special_start}]>"
             top = f"{marker} {top} | answer"
         return f"start: {top}\n{reasoning}{renamed}"
 

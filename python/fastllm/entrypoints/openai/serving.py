@@ -25,7 +25,8 @@ from fastllm.entrypoints.openai.metrics import ServerMetrics
 from fastllm.entrypoints.openai.reasoning_parsers import (
     REASONING_PARSERS, ReasoningParser, ReasoningStream, ReplyStart)
 from fastllm.entrypoints.openai.tool_parsers import (
-    PARSERS, ToolCall, ToolCallDelta, ToolCallStream, ToolParser, detect_parser, json_lark)
+    PARSERS, GenericToolFormat, ToolCall, ToolCallDelta, ToolCallStream, ToolParser,
+    detect_parser, json_lark)
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
 from fastllm.tokenizer import IncrementalDetokenizer
 
@@ -76,7 +77,8 @@ class OpenAIServing:
                  reasoning_parser: str | None = None) -> None:
         """``tool_call_parser``: how replies to requests with tools are read (a name in
         :data:`~fastllm.entrypoints.openai.tool_parsers.PARSERS`); None picks it from the chat
-        template's text, or leaves tool calling off when the template shows no known format.
+        template's text; when the template shows no known format or renders no tools, tools
+        are served in :class:`~fastllm.entrypoints.openai.tool_parsers.GenericToolFormat`.
         ``reasoning_parser``: how a reply's reasoning is told from its answer (a name in
         :data:`~fastllm.entrypoints.openai.reasoning_parsers.REASONING_PARSERS`); None reads
         every reply as all answer."""
@@ -92,6 +94,7 @@ class OpenAIServing:
             tool_call_parser = detect_parser(template)
         self.tool_parser: ToolParser | None = (
             None if tool_call_parser is None else PARSERS[tool_call_parser](self.tokenizer))
+        self.generic_tools = GenericToolFormat(self.tokenizer)
         self.reasoning_parser: ReasoningParser | None = (
             None if reasoning_parser is None
             else REASONING_PARSERS[reasoning_parser](self.tokenizer))
@@ -290,8 +293,10 @@ class OpenAIServing:
     # ---- chat --------------------------------------------------------------------------------
 
     def chat_prompt(self, req: api.ChatCompletionRequest,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The prompt's token ids: the messages (and ``tools``) through the chat template."""
+                    tool_use: _ToolUse | None = None) -> list[int]:
+        """The prompt's token ids: the messages (and the tools in use) through the chat
+        template; on a template without tools, calls and results in the messages and the
+        tools' description are written in the generic format."""
         messages = []
         for i, message in enumerate(req.messages):
             fields = message.model_dump(exclude_none=True)
@@ -308,12 +313,21 @@ class OpenAIServing:
                     raise APIError(400, f"a tool call's arguments are not JSON: {error}",
                                    param=f"messages.{i}.tool_calls.{j}.function.arguments"
                                    ) from None
-            messages.append(fields)
+            messages.append(self.generic_tools.history(fields) if self._generic else fields)
         kwargs = dict(req.chat_template_kwargs or {})
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
-        if tools is not None:
-            kwargs["tools"] = tools
+        if tool_use is not None and self._generic:
+            described = self.generic_tools.system_prompt(tool_use.tools,
+                                                         req.parallel_tool_calls)
+            if messages[0]["role"] in ("system", "developer"):
+                text = messages[0]["content"]
+                messages[0] = {**messages[0], "content": f"{text}\n\n{described}" if text
+                               else described}
+            else:
+                messages.insert(0, {"role": "system", "content": described})
+        elif tool_use is not None:
+            kwargs["tools"] = tool_use.tools
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       tokenize=True, **kwargs)
@@ -330,7 +344,7 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tool_use = self._tool_use(req)
-        ids = self.chat_prompt(req, None if tool_use is None else tool_use.tools)
+        ids = self.chat_prompt(req, tool_use)
         reply = self._reply_format(req, ids, tool_use)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
@@ -418,29 +432,35 @@ class OpenAIServing:
         names = [tool.function.name for tool in req.tools]
         if len(set(names)) < len(names):
             raise APIError(400, f"tools must have distinct names, got {names}", param="tools")
-        if self.tool_parser is None:
-            raise APIError(400, "this server does not know how the model writes tool calls "
-                                "(its chat template shows no known format): start it with "
-                                f"--tool-call-parser, one of {sorted(PARSERS)}", param="tools")
-        if not self._template_renders_tools:
-            raise APIError(400, "this model's chat template does not render tools: start the "
-                                "server with a --chat-template that does", param="tools")
+        parser = self.generic_tools.parser if self._generic else self.tool_parser
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools]
         if named:
             if choice.function.name not in names:
                 raise APIError(400, f"tool_choice names the function "
                                     f"`{choice.function.name}`, which is not in tools "
                                     f"{names}", param="tool_choice")
-            chosen, parallel = [tools[names.index(choice.function.name)]], False
+            chosen, parallel, optional = [tools[names.index(choice.function.name)]], False, False
         elif choice == "required":
-            chosen, parallel = tools, req.parallel_tool_calls
+            chosen, parallel, optional = tools, req.parallel_tool_calls, False
+        elif req.parallel_tool_calls and not self._generic:
+            return _ToolUse(tools, parser)  # a free reply, read by the model's own parser
         else:
-            return _ToolUse(tools, self.tool_parser)
+            # "auto" held to text or calls: the generic format's calls are the server's own,
+            # so only a grammar keeps them well formed; one call at most is a grammar's work too.
+            chosen, parallel, optional = tools, req.parallel_tool_calls, True
         if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, "response_format cannot be combined with a tool_choice that "
-                                "forces a call", param="response_format")
-        return _ToolUse(tools, self.tool_parser, StructuredOutputsParams(
-            grammar=self.tool_parser.grammar(chosen, parallel)))
+            raise APIError(400, "response_format cannot be combined with tools whose calls a "
+                                "grammar holds (tool_choice required or a named function, "
+                                "parallel_tool_calls false, or a chat template without tools)",
+                           param="response_format")
+        return _ToolUse(tools, parser, StructuredOutputsParams(
+            grammar=parser.grammar(chosen, parallel, optional)))
+
+    @functools.cached_property
+    def _generic(self) -> bool:
+        """Whether tools are served in the generic format: the template renders none, or
+        shows no format a parser here knows."""
+        return self.tool_parser is None or not self._template_renders_tools
 
     @functools.cached_property
     def _template_renders_tools(self) -> bool:

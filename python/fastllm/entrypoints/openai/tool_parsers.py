@@ -31,7 +31,17 @@ if TYPE_CHECKING:
     from fastllm.tokenizer import Tokenizer
 
 __all__ = ["PARSERS", "ToolCall", "ToolCallDelta", "ToolCallStream", "ToolParser",
-           "detect_parser", "json_lark", "new_call_id", "partial_suffix"]
+           "GenericToolFormat", "detect_parser", "special_token_id", "json_lark", "lark_regex_literal", "new_call_id",
+           "partial_suffix"]
+
+
+def special_token_id(tokenizer: Tokenizer, text: str) -> int | None:
+    """The id of the special token ``text``; None when ``text`` is no token of the vocabulary
+    (whose lookup gives the unknown token's id, itself often special) or not a special one."""
+    token_id = tokenizer.convert_tokens_to_ids(text)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        return None
+    return token_id if token_id in set(tokenizer.all_special_ids) else None
 
 
 def new_call_id() -> str:
@@ -197,8 +207,7 @@ class ToolParser:
         self.tokenizer = tokenizer
         # A marker that is a special token (Mistral's [TOOL_CALLS]) is dropped by the
         # detokenizer unless told otherwise, and matched by llguidance only by its id.
-        token_id = tokenizer.convert_tokens_to_ids(self.start)
-        self.special_marker = token_id if token_id in set(tokenizer.all_special_ids) else None
+        self.special_marker = special_token_id(tokenizer, self.start)
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -243,9 +252,11 @@ class ToolParser:
                 return None
         return "end", i
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool,
+                optional: bool = False) -> str:
         """The Lark grammar of this format's calls of ``tools`` (OpenAI tool dicts): one call
-        or, when ``parallel``, one or more."""
+        or, when ``parallel``, one or more; when ``optional`` (``tool_choice`` "auto"), the
+        reply may instead be text, or text and then the calls."""
         key = self.arguments_keys[0]
         schema = {"anyOf": [{"type": "object",
                              "properties": {"name": {"const": tool["function"]["name"]},
@@ -253,14 +264,33 @@ class ToolParser:
                                             or {"type": "object"}},
                              "required": ["name", key], "additionalProperties": False}
                             for tool in tools]}
-        marker = self._marker_lark()
+        rules = f"obj: {json_lark(schema)}\n"
         if self.grammar_between_runs is not None:  # a run per call
-            call = f"{marker} {_lark(self.grammar_open)} obj {_lark(self.grammar_close)}"
-            more = f'({_lark(self.grammar_between_runs)} call)*' if parallel else ""
-            return f"start: call {more}\ncall: {call}\nobj: {json_lark(schema)}\n"
-        more = f'({_lark(self.grammar_separator)} obj)*' if parallel else ""
-        return (f"start: {marker} {_lark(self.grammar_open)} obj {more} "
-                f"{_lark(self.grammar_close)}\nobj: {json_lark(schema)}\n")
+            rules += f"call: {self._marker_lark()} {_lark(self.grammar_open)} obj " \
+                     f"{_lark(self.grammar_close)}\n"
+            calls = f"{_lark(self.grammar_open)} obj {_lark(self.grammar_close)}"
+            if parallel:
+                calls += f" ({_lark(self.grammar_between_runs)} call)*"
+        else:
+            more = f" ({_lark(self.grammar_separator)} obj)*" if parallel else ""
+            calls = f"{_lark(self.grammar_open)} obj{more} {_lark(self.grammar_close)}"
+        top, text_rules = self._reply_lark(calls, optional)
+        return f"start: {top}\n{rules}{text_rules}"
+
+    def _reply_lark(self, calls: str, optional: bool) -> tuple[str, str]:
+        """The top rule of a reply whose calls, after the start marker, are ``calls``, and the
+        rules it needs: when ``optional``, text before the marker holds no marker and ends at
+        the first one, and a reply may be text alone."""
+        marker = self._marker_lark()
+        if not optional:
+            return f"{marker} {calls}", ""
+        if self.special_marker is not None:  # no text holds a special token
+            return (f"FREE_TEXT | FREE_TEXT {marker} {calls} | {marker} {calls}",
+                    "FREE_TEXT: /(?s:.*)/\n")
+        escaped = lark_regex_literal(self.start)
+        return (f"FREE_TEXT | head {calls}",
+                f"FREE_TEXT: /(?s:.*)/ & ~/(?s:.*){escaped}(?s:.*)/\n"
+                f"head[lazy]: /(?s:.*){escaped}/\n")
 
     def _marker_lark(self) -> str:
         """The start marker in Lark: a special token by its id, other text as text."""
@@ -275,6 +305,11 @@ _JSON_SPACING = {"whitespace_flexible": False, "key_separator": ": ", "item_sepa
 def json_lark(schema: dict[str, Any]) -> str:
     """``schema`` as an inline Lark ``%json`` rule body, in json.dumps' spacing."""
     return f"%json {json.dumps({'x-guidance': _JSON_SPACING, **schema})}"
+
+
+def lark_regex_literal(text: str) -> str:
+    """``text`` matched literally inside a Lark ``/.../`` regex (where "/" ends the regex)."""
+    return re.escape(text).replace("/", "\\/")
 
 
 def _lark(text: str) -> str:
@@ -321,8 +356,12 @@ class Llama3JsonToolParser(ToolParser):
             return 0, None, 0
         return len(text), None, 0
 
-    def _marker_lark(self) -> str:
-        return ""  # the model may begin with the tag; the grammar starts at the JSON
+    def _reply_lark(self, calls: str, optional: bool) -> tuple[str, str]:
+        # The model may begin with the tag; the grammar starts at the JSON. Calls are the whole
+        # reply: text is a reply that does not start with a brace.
+        if not optional:
+            return calls, ""
+        return f"FREE_TEXT | {calls}", "FREE_TEXT: /(?s:.*)/ & ~/[ \\t\\r\\n]*[{](?s:.*)/\n"
 
 
 class MistralToolParser(ToolParser):
@@ -344,6 +383,50 @@ def detect_parser(template: str) -> str | None:
         if any(marker in template for marker in PARSERS[name].template_markers):
             return name
     return None
+
+
+class GenericToolFormat:
+    """Tool calling for a model whose chat template renders no tools, or writes calls in no
+    format a parser here knows (llama.cpp's generic mode, in Hermes' markup, which many small
+    chat models have met): the tools are described in the system message
+    (:meth:`system_prompt`), the reply is held by the Hermes grammar (calls or text under
+    "auto") and read by the Hermes parser, and earlier calls and results in the conversation
+    are written in that same markup (:meth:`history`), since the template has no place for
+    them."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.parser = HermesToolParser(tokenizer)
+
+    @staticmethod
+    def system_prompt(tools: list[dict[str, Any]], parallel: bool) -> str:
+        """The description of ``tools`` (OpenAI tool dicts) and of how to call them."""
+        listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        how_many = ("You may call several functions, one block each." if parallel
+                    else "Call at most one function.")
+        return ("# Tools\n\nYou may call functions to answer the user. The functions, as "
+                f"JSON schemas:\n<tools>\n{listed}\n</tools>\n\nTo call a function, write a "
+                "JSON object with its name and arguments in a <tool_call></tool_call> block:\n"
+                '<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n'
+                f"</tool_call>\n{how_many} Otherwise answer in plain text. A function's result "
+                "comes back in a <tool_response></tool_response> block.")
+
+    @staticmethod
+    def history(message: dict[str, Any]) -> dict[str, Any]:
+        """A chat message (OpenAI's fields, a call's arguments as an object) as the template
+        can show it: an assistant's calls as Hermes blocks after its text, a tool's result as a
+        user message in a <tool_response> block."""
+        if message["role"] == "tool":
+            return {"role": "user",
+                    "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        if message["role"] != "assistant" or not message.get("tool_calls"):
+            return message
+        blocks = [json.dumps({"name": call["function"]["name"],
+                              "arguments": call["function"]["arguments"]}, ensure_ascii=False)
+                  for call in message["tool_calls"]]
+        calls = "\n".join(f"<tool_call>\n{block}\n</tool_call>" for block in blocks)
+        text = message.get("content") or ""
+        rest = {k: v for k, v in message.items() if k not in ("content", "tool_calls")}
+        return {**rest, "content": f"{text}\n\n{calls}" if text else calls}
 
 
 # ---- reading a reply delta by delta ------------------------------------------------------------
