@@ -85,3 +85,28 @@ def tiny_qwen3_folder(folder: Path, tokenizer_dir: Path, seed: int, **config) ->
     for file in tokenizer_dir.iterdir():
         shutil.copy(file, folder)
     return folder
+
+
+def chain_qwen3_folder(folder: Path, tokenizer_dir: Path, chain: list[int]) -> Path:
+    """:func:`tiny_qwen3_folder` made into a bigram model whose greedy continuation of
+    ``chain[i]`` is ``chain[i + 1]``: the layers add nothing to the residual stream (their
+    output projections are zero), so the logits are the tied embeddings against the last
+    token's normalized embedding; ``chain[k]``'s embedding is ``3**k (e_k + e_(k+1))`` along the
+    axes, so the next one (three times longer, half aligned) outscores itself, the one before
+    and the random rest. A reply that starts after ``chain[0]`` writes the chain as long as
+    nothing (a grammar) stops it: a known reply out of a random model."""
+    tiny_qwen3_folder(folder, tokenizer_dir, seed=0)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert len(chain) + 1 <= hf.config.hidden_size
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+        embeddings = hf.model.embed_tokens.weight
+        for k, token in enumerate(chain):
+            row = torch.zeros(hf.config.hidden_size)
+            row[k] = row[k + 1] = 3.0 ** k
+            embeddings[token] = row
+    hf.save_pretrained(folder)
+    return folder

@@ -343,7 +343,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        tool_use = self._tool_use(req)
+        tool_use = self.tool_use(req)
         ids = self.chat_prompt(req, tool_use)
         reply = self._reply_format(req, ids, tool_use)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -378,16 +378,17 @@ class OpenAIServing:
 
     async def run_chat(self, req: api.ChatCompletionRequest,
                        until_disconnected: Callable[[Awaitable[T]], Awaitable[T]],
-                       params: Mapping[str, str]) -> list[RequestOutput] | list[_OpenStream]:
+                       params: Mapping[str, str]
+                       ) -> tuple[list[RequestOutput] | list[_OpenStream], ReplyFormat]:
         """Runs a chat request another API built: its outputs, or with ``req.stream`` its open
-        streams (read them with :func:`merge_streams`); errors name that API's fields
-        (``params`` maps the chat request's names to them)."""
+        streams (read them with :func:`merge_streams`), and how to read the replies; errors
+        name that API's fields (``params`` maps the chat request's names to them)."""
         try:
             jobs, reply = self.chat_jobs(req)
             if req.stream:
-                return await until_disconnected(self.open_streams(jobs,
-                                                                  reply.constraint_field))
-            return await until_disconnected(self.generate(jobs, reply.constraint_field))
+                return await until_disconnected(self.open_streams(
+                    jobs, reply.constraint_field)), reply
+            return await until_disconnected(self.generate(jobs, reply.constraint_field)), reply
         except APIError as error:
             raise error.renamed(params) from None
 
@@ -417,7 +418,7 @@ class OpenAIServing:
         return api.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                           usage=count_usage(outputs, req.n))
 
-    def _tool_use(self, req: api.ChatCompletionRequest) -> _ToolUse | None:
+    def tool_use(self, req: api.ChatCompletionRequest) -> _ToolUse | None:
         """How the request's tools are used; None when the reply is plain text (no tools, or
         ``tool_choice`` "none": then, as vLLM's ``--exclude-tools-when-tool-choice-none``,
         the template does not show them)."""

@@ -46,7 +46,7 @@ class ResponsesServing:
             temperature=req.temperature, top_p=req.top_p, user=req.user,
             response_format=_response_format(req.text), stream=req.stream)
         started = _response(req, self.serving.model_name)
-        result = await self.serving.run_chat(chat, until_disconnected, _PARAMS)
+        result, _ = await self.serving.run_chat(chat, until_disconnected, _PARAMS)
         if req.stream:
             return self._events(started, result)
         output, = result
