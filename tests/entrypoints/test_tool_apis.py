@@ -6,14 +6,22 @@ served with the real Qwen3 template (Hermes calls) and ``--reasoning-parser qwen
 Anthropic's Messages API: a thinking block, then a tool_use block held valid by the grammar,
 ``stop_reason: "tool_use"``, streamed as thinking_delta and input_json_delta events; a tool_use
 / tool_result round trip rendered as HF renders it; ``count_tokens`` with tools; bad tools named
-in Anthropic's error shape; the real SmolLM2 (a template without tools) calling a tool."""
+in Anthropic's error shape; the real SmolLM2 (a template without tools) calling a tool.
+
+OpenAI's Responses API: a reasoning item, then a function_call item, streamed as
+reasoning_text and function_call_arguments events; a function_call_output round trip rendered
+as HF renders it; bad tools named; openai-agents' Responses model running a function tool."""
 
 from __future__ import annotations
 
 import json
 
+from typing import Literal
+
 import anthropic
+import httpx
 import jsonschema
+import openai
 import pytest
 import transformers
 from openai_server import running_server
@@ -204,3 +212,133 @@ def test_a_template_without_tools_calls_through_the_generic_format(smollm2_serve
         final = stream.get_final_message()
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
         (call.name, call.input)]
+
+
+# ---- OpenAI's Responses API --------------------------------------------------------------------
+
+FUNCTIONS = [{"type": "function", "name": tool["name"], "description": tool["description"],
+              "parameters": tool["input_schema"], "strict": True} for tool in (TIME, WEATHER)]
+
+
+@pytest.fixture(scope="module")
+def gpt(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0)
+
+
+def test_a_response_reasons_then_calls(gpt):
+    kwargs = dict(model=MODEL, input="What time is it in UTC?", tools=FUNCTIONS,
+                  tool_choice="required", parallel_tool_calls=False, max_output_tokens=100,
+                  **GREEDY)
+    got = gpt.responses.create(**kwargs)
+    assert got.status == "completed"
+    assert [item.type for item in got.output] == ["reasoning", "function_call"]
+    reasoning, call = got.output
+    assert [part.text for part in reasoning.content] == [REASONING]
+    assert reasoning.id.startswith("rs_") and call.id.startswith("fc_")
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments),
+                        {"get_time": TIME_SCHEMA, "get_weather": WEATHER_SCHEMA}[call.name])
+    assert got.tool_choice == "required" and got.parallel_tool_calls is False
+    assert [tool.name for tool in got.tools] == ["get_time", "get_weather"]
+
+    events = list(gpt.responses.create(stream=True, **kwargs))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    names = [event.type for event in events]
+    reasoning_deltas = names.count("response.reasoning_text.delta")
+    argument_deltas = names.count("response.function_call_arguments.delta")
+    assert reasoning_deltas and argument_deltas
+    assert names == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        *["response.reasoning_text.delta"] * reasoning_deltas, "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", *["response.function_call_arguments.delta"] *
+        argument_deltas, "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    arguments = "".join(e.delta for e in events
+                        if e.type == "response.function_call_arguments.delta")
+    assert (text, arguments) == (REASONING, call.arguments)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(item.type, item.output_index if hasattr(item, "output_index") else None)
+            for item in added] == [("reasoning", None), ("function_call", None)]
+    assert [e.output_index for e in events if e.type.startswith("response.output_item")] == \
+        [0, 0, 1, 1]
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert (final.output[1].name, final.output[1].arguments) == (call.name, call.arguments)
+
+
+def test_a_function_call_output_round_trip(gpt, hf_tokenizer, template):
+    """The call and its output fed back as input items (with the reasoning item, which is
+    left out of the prompt): the prompt is HF's rendering of the same conversation."""
+    first = gpt.responses.create(model=MODEL, input="What time is it in UTC?", tools=FUNCTIONS,
+                                 tool_choice={"type": "function", "name": "get_time"},
+                                 max_output_tokens=100, **GREEDY)
+    reasoning, call = first.output
+    assert call.name == "get_time"
+    items = [{"role": "user", "content": "What time is it in UTC?"},
+             reasoning.model_dump(exclude_none=True), call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}]
+    got = gpt.responses.create(model=MODEL, input=items, tools=FUNCTIONS, tool_choice="none",
+                               max_output_tokens=3, **GREEDY)
+    assert [item.type for item in got.output] == ["reasoning", "message"]
+    hf_messages = [{"role": "user", "content": "What time is it in UTC?"},
+                   {"role": "assistant", "content": "", "tool_calls": [{
+                       "id": call.call_id, "type": "function",
+                       "function": {"name": "get_time",
+                                    "arguments": json.loads(call.arguments)}}]},
+                   {"role": "tool", "tool_call_id": call.call_id, "content": "12:00"}]
+    # tool_choice "none": the tools are not shown.
+    prompt = hf_tokenizer.apply_chat_template(hf_messages, chat_template=template,
+                                              add_generation_prompt=True, tokenize=False)
+    assert "<tool_response>\n12:00\n</tool_response>" in prompt
+    assert got.usage.input_tokens == len(hf_tokenizer(prompt)["input_ids"])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "name": "has space"}]}, "tools.0.name"),
+    ({"tools": FUNCTIONS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]},
+     "input.0.arguments"),
+    ({"input": [{"type": "function_call_output", "output": "o"}]}, "input.0.call_id"),
+])
+def test_bad_tools_are_400s_naming_the_field(server, body, param):
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 2, **body}
+    response = httpx.post(server.v1 + "/responses", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert httpx.post(server.v1 + "/responses", json={
+        "model": MODEL, "input": "x", "max_output_tokens": 2}).status_code == 200
+
+
+def test_openai_agents_responses_model_runs_a_function_tool(server):
+    """openai-agents' default model, the Responses API: the agent calls the tool, gets its
+    result and stops on it."""
+    from agents import (Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
+
+    set_tracing_disabled(True)  # no trace export to OpenAI
+    ran = []
+
+    @function_tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone.
+
+        Args:
+            zone: the zone.
+        """
+        ran.append(zone)
+        return f"12:00 in {zone}"
+
+    model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+        base_url=server.v1, api_key="none", max_retries=0))
+    agent = Agent(name="clock", instructions="Tell the time.", tools=[get_time], model=model,
+                  tool_use_behavior="stop_on_first_tool",
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=100,
+                                               parallel_tool_calls=False, temperature=0))
+    result = Runner.run_sync(agent, "What time is it in UTC?")
+    assert len(ran) == 1 and result.final_output == f"12:00 in {ran[0]}"

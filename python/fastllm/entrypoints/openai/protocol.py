@@ -17,14 +17,14 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator,
-    model_validator)
+    BaseModel, ConfigDict, Discriminator, Field, ValidationError, ValidatorFunctionWrapHandler,
+    field_validator, model_validator)
 
 __all__ = [
     "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage",
     "CompletionChunk", "CompletionRequest", "CompletionResponse", "EmbeddingRequest",
     "EmbeddingResponse", "ErrorResponse", "ModelCard",
-    "ModelList", "RerankRequest", "RerankResponse", "Usage", "random_id",
+    "ModelList", "RerankRequest", "RerankResponse", "Usage", "random_id", "type_discriminator",
 ]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -56,6 +56,19 @@ class _Request(BaseModel):
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def type_discriminator(members: dict[str, str], default: str) -> Discriminator:
+    """A union's discriminator by an item's ``type``: ``members`` maps types to the members'
+    tags, and any other type (or none) picks ``default``, whose own validation then names the
+    type. Tag the members with their class names, which error paths leave out, so that an
+    error names the item's field, not the member."""
+
+    def tag(item: Any) -> str:
+        kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+        return members.get(kind, default)
+
+    return Discriminator(tag)
 
 
 # ---- shared request parts ----------------------------------------------------------------------

@@ -14,9 +14,10 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Field, Tag
 
-from fastllm.entrypoints.openai.protocol import Probability, _Request, _Response
+from fastllm.entrypoints.openai.protocol import (
+    Probability, _Request, _Response, type_discriminator)
 
 __all__ = ["CountTokensRequest", "CountTokensResponse", "MessageResponse", "MessagesRequest",
            "MessagesUsage", "TextBlock", "TextContent", "ThinkingContent", "ToolUseContent",
@@ -84,23 +85,16 @@ class ThinkingBlock(_Request):
     data: str | None = None
 
 
-# Content blocks by type; the tags are the members' names, which error paths leave out.
-_BLOCKS = {"tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
-           "thinking": "ThinkingBlock", "redacted_thinking": "ThinkingBlock"}
-
-
-def _block_tag(block: Any) -> str:
-    """A content block's member: an unknown type (an image, a document) is a text block's
-    error, which names the type."""
-    kind = block.get("type") if isinstance(block, dict) else getattr(block, "type", None)
-    return _BLOCKS.get(kind, "TextBlock")
-
-
 ContentBlock = Annotated[Union[Annotated[TextBlock, Tag("TextBlock")],
                                Annotated[ToolUseBlock, Tag("ToolUseBlock")],
                                Annotated[ToolResultBlock, Tag("ToolResultBlock")],
                                Annotated[ThinkingBlock, Tag("ThinkingBlock")]],
-                         Discriminator(_block_tag)]
+                         # An unknown type (an image, a document): a text block's error.
+                         type_discriminator({"tool_use": "ToolUseBlock",
+                                             "tool_result": "ToolResultBlock",
+                                             "thinking": "ThinkingBlock",
+                                             "redacted_thinking": "ThinkingBlock"},
+                                            default="TextBlock")]
 
 
 class MessageParam(_Request):

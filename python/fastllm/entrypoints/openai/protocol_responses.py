@@ -1,9 +1,13 @@
 """The OpenAI Responses API's shapes (``POST /v1/responses``), as pydantic models, for a
 stateless server: the conversation comes whole in ``input``, nothing is stored.
 
+Function tools work as in chat completions (``tool_choice`` auto / required / none / a named
+function, ``parallel_tool_calls``): calls come back as ``function_call`` output items, their
+results go in as ``function_call_output`` input items, and a reasoning parser's reading comes
+back as a ``reasoning`` output item (sent back in ``input``, it is left out of the prompt).
 Fields the server cannot honour are refused with a 400 naming them: ``store: true``,
-``previous_response_id`` and ``conversation`` (they need server-side state), ``tools`` and
-input items other than messages (no tool calling here yet), ``background: true``.
+``previous_response_id`` and ``conversation`` (they need server-side state), tools other than
+functions, ``background: true``.
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, Tag
 
-from fastllm.entrypoints.openai.protocol import Probability, _Request, _Response
+from fastllm.entrypoints.openai.protocol import (
+    Probability, _Request, _Response, type_discriminator)
 
-__all__ = ["OutputMessage", "OutputText", "ResponseObject", "ResponsesRequest", "ResponseUsage",
-           "response_id"]
+__all__ = ["FunctionCallItem", "OutputMessage", "OutputText", "ReasoningItem", "ResponseObject",
+           "ResponsesRequest", "ResponseUsage", "response_id"]
 
 
 def response_id(prefix: str) -> str:
@@ -47,6 +52,63 @@ class InputMessage(_Request):
     phase: str | None = None
 
 
+class FunctionCallInput(_Request):
+    """A call the model made in an earlier response, fed back."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputInput(_Request):
+    """A call's result."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ReasoningInput(_Request):
+    """An earlier response's reasoning item, fed back: not shown to the model again."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
+                            Annotated[FunctionCallInput, Tag("FunctionCallInput")],
+                            Annotated[FunctionCallOutputInput, Tag("FunctionCallOutputInput")],
+                            Annotated[ReasoningInput, Tag("ReasoningInput")]],
+                      # A message may leave its type out (the SDK's EasyInputMessage); an
+                      # unknown type is a message's error.
+                      type_discriminator({"function_call": "FunctionCallInput",
+                                          "function_call_output": "FunctionCallOutputInput",
+                                          "reasoning": "ReasoningInput"},
+                                         default="InputMessage")]
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class FunctionChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
 class TextFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, max_length=64)
@@ -65,7 +127,7 @@ class TextConfig(_Request):
 
 class ResponsesRequest(_Request):
     model: str | None = None
-    input: Union[str, Annotated[list[InputMessage], Field(min_length=1)]]
+    input: Union[str, Annotated[list[InputItem], Field(min_length=1)]]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -79,9 +141,9 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
     truncation: Literal["disabled"] | None = None
 
 
@@ -100,6 +162,31 @@ class OutputMessage(_Response):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[OutputText]
+
+
+class FunctionCallItem(_Response):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ReasoningText(_Response):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Response):
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Union[ReasoningItem, OutputMessage, FunctionCallItem]
 
 
 class InputTokensDetails(_Response):
@@ -134,14 +221,14 @@ class ResponseObject(_Response):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = False
+    output: list[OutputItem] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
     previous_response_id: None = None
     store: bool = False
     temperature: float | None = None
     top_p: float | None = None
     text: dict[str, Any]
-    tool_choice: Literal["none", "auto"] = "none"
+    tool_choice: Any = "auto"
     tools: list[Any] = Field(default_factory=list)
     truncation: Literal["disabled"] = "disabled"
     metadata: dict[str, str] = Field(default_factory=dict)

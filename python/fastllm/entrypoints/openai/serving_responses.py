@@ -1,25 +1,32 @@
 """``POST /v1/responses``: OpenAI's Responses API, stateless, as a chat request of the same
 engine and chat template (:meth:`OpenAIServing.run_chat`): ``instructions`` become the system
-message, ``input`` the conversation, ``text.format`` structured output.
+message, ``input`` the conversation (``function_call`` items an assistant's calls,
+``function_call_output`` items tool messages), ``text.format`` structured output, ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` the chat request's. The output is a ``reasoning``
+item (with a reasoning parser), a ``message`` item and a ``function_call`` item per call.
 
 A streamed response sends the API's events, numbered: ``response.created``,
-``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
-``response.output_text.delta``..., ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done``, then ``response.completed`` (or
-``response.incomplete`` when ``max_output_tokens`` ended it, as OpenAI does).
+``response.in_progress``, then per output item ``response.output_item.added``, its content's
+events (``response.content_part.added``, ``response.reasoning_text.delta`` or
+``response.output_text.delta``..., their ``.done``, ``response.content_part.done``; for a call
+``response.function_call_arguments.delta``... and ``.done``) and
+``response.output_item.done``, then ``response.completed`` (or ``response.incomplete`` when
+``max_output_tokens`` ended it, as OpenAI does).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastllm.engine.outputs import RequestOutput
 from fastllm.entrypoints.openai import protocol as api
 from fastllm.entrypoints.openai import protocol_responses as rs
-from fastllm.entrypoints.openai.serving import (APIError, OpenAIServing, as_api_error,
-                                                count_usage, merge_streams, named_event)
+from fastllm.entrypoints.openai.serving import (APIError, OpenAIServing, ReplyFormat,
+                                                as_api_error, count_usage, merge_streams,
+                                                named_event)
 
 __all__ = ["ResponsesServing"]
 
@@ -40,73 +47,205 @@ class ResponsesServing:
                      until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
                      ) -> rs.ResponseObject | AsyncIterator[str]:
         """The response to ``req``, or with ``stream`` its events."""
-        _refuse_what_needs_state_or_tools(req)
+        _refuse_what_needs_state(req)
         chat = api.ChatCompletionRequest(
             model=req.model, messages=_messages(req), max_completion_tokens=req.max_output_tokens,
             temperature=req.temperature, top_p=req.top_p, user=req.user,
-            response_format=_response_format(req.text), stream=req.stream)
+            response_format=_response_format(req.text), stream=req.stream,
+            tools=[api.ChatTool(type="function", function=api.FunctionDefinition(
+                name=tool.name, description=tool.description, parameters=tool.parameters,
+                strict=tool.strict)) for tool in req.tools] if req.tools else None,
+            tool_choice=api.NamedToolChoice(type="function", function=api.NamedFunction(
+                name=req.tool_choice.name)) if isinstance(req.tool_choice, rs.FunctionChoice)
+            else req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
         started = _response(req, self.serving.model_name)
-        result, _ = await self.serving.run_chat(chat, until_disconnected, _PARAMS)
+        result, reply = await self.serving.run_chat(chat, until_disconnected, _PARAMS)
         if req.stream:
-            return self._events(started, result)
+            return self._events(started, result, reply)
         output, = result
-        return _finished(started, rs.OutputMessage(
-            id=rs.response_id("msg"), status=_status(output),
-            content=[rs.OutputText(text=output.outputs[0].text)]), output)
+        reasoning, text, calls = reply.parse(output.outputs[0].text)
+        status = _status(output)
+        items: list[rs.OutputItem] = []
+        if reasoning:
+            items.append(rs.ReasoningItem(id=rs.response_id("rs"), status=status,
+                                          content=[rs.ReasoningText(text=reasoning)]))
+        if text or not calls:
+            items.append(rs.OutputMessage(id=rs.response_id("msg"), status=status,
+                                          content=[rs.OutputText(text=text)]))
+        items += [rs.FunctionCallItem(id=rs.response_id("fc"), call_id=call.id, name=call.name,
+                                      arguments=call.arguments, status="completed")
+                  for call in calls]
+        return _finished(started, items, output)
 
-    async def _events(self, started: rs.ResponseObject, streams: list) -> AsyncIterator[str]:
+    async def _events(self, started: rs.ResponseObject, streams: list,
+                      reply: ReplyFormat) -> AsyncIterator[str]:
         numbers = itertools.count()
 
         def event(name: str, **body: Any) -> str:
             return named_event(name, {**body, "sequence_number": next(numbers)})
 
-        item = rs.OutputMessage(id=rs.response_id("msg"), status="in_progress", content=[])
-        at = {"item_id": item.id, "output_index": 0, "content_index": 0}
+        items = _StreamedItems(event)
+        reader = reply.reader()
         try:
             yield event("response.created", response=started.model_dump())
             yield event("response.in_progress", response=started.model_dump())
-            yield event("response.output_item.added", output_index=0, item=item.model_dump())
-            yield event("response.content_part.added", **at,
-                        part=rs.OutputText(text="").model_dump())
-            text, last = "", None
+            last = None
             async for _, delta in merge_streams(streams):
                 last = delta.output
-                if delta.text:
-                    text += delta.text
-                    yield event("response.output_text.delta", **at, delta=delta.text,
-                                logprobs=[])
-            part = rs.OutputText(text=text)
-            yield event("response.output_text.done", **at, text=text, logprobs=[])
-            yield event("response.content_part.done", **at, part=part.model_dump())
-            item = rs.OutputMessage(id=item.id, status=_status(last), content=[part])
-            yield event("response.output_item.done", output_index=0, item=item.model_dump())
-            done = _finished(started, item, last)
+                reasoning, text, pieces = reader.feed(delta.text,
+                                                      final=delta.finish_reason is not None)
+                events: list[str] = []
+                if reasoning:
+                    events += items.text("reasoning", reasoning)
+                if text:
+                    events += items.text("message", text)
+                for piece in pieces:
+                    if piece.id is not None:
+                        events += items.call(piece.id, piece.name)
+                    if piece.arguments:
+                        events += items.arguments(piece.arguments)
+                for line in events:
+                    yield line
+            for line in items.close(_status(last), empty_message=True):
+                yield line
+            done = _finished(started, items.done, last)
             yield event(f"response.{done.status}", response=done.model_dump())
         except Exception as error:  # the status line is sent: say it in the stream
             failed = as_api_error(error).renamed(_PARAMS)
             yield event("error", code=failed.code, message=failed.message, param=failed.param)
 
 
-def _refuse_what_needs_state_or_tools(req: rs.ResponsesRequest) -> None:
+class _StreamedItems:
+    """The output items of a streamed response, one open at a time and numbered in order:
+    each method returns the events to send (``event`` writes one)."""
+
+    def __init__(self, event: Callable[..., str]) -> None:
+        self.event = event
+        self.done: list[rs.OutputItem] = []  # closed items, as the final response lists them
+        self.kind: str | None = None  # the open item's: "reasoning", "message" or "call"
+        self.id, self.body = "", ""  # the open item's id and text (or arguments) so far
+        self._call: tuple[str, str] = ("", "")  # the open call's call id and name
+
+    def text(self, kind: str, delta: str) -> list[str]:
+        """``delta`` of a reasoning or message item, opening one unless that kind is open."""
+        events = [] if self.kind == kind else self._open(kind)
+        self.body += delta
+        name = "reasoning_text" if kind == "reasoning" else "output_text"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + [self.event(f"response.{name}.delta", **self._at(), delta=delta,
+                                    **extra)]
+
+    def call(self, call_id: str, name: str) -> list[str]:
+        """Opens a function_call item."""
+        self._call = (call_id, name)
+        return self._open("call")
+
+    def arguments(self, delta: str) -> list[str]:
+        """``delta`` of the open call's arguments."""
+        self.body += delta
+        return [self.event("response.function_call_arguments.delta", item_id=self.id,
+                           output_index=len(self.done), delta=delta)]
+
+    def close(self, status: str, empty_message: bool = False) -> list[str]:
+        """Closes the open item (its status ``status`` unless a call's); with
+        ``empty_message``, a response without items gets an empty message first."""
+        events = self._open("message") if empty_message and not self.done and \
+            self.kind is None else []
+        if self.kind is None:
+            return events
+        if self.kind == "call":
+            call_id, name = self._call
+            item: rs.OutputItem = rs.FunctionCallItem(id=self.id, call_id=call_id, name=name,
+                                                      arguments=self.body, status="completed")
+            events.append(self.event("response.function_call_arguments.done", item_id=self.id,
+                                     output_index=len(self.done), arguments=self.body))
+        else:
+            if self.kind == "reasoning":
+                part: rs.ReasoningText | rs.OutputText = rs.ReasoningText(text=self.body)
+                item = rs.ReasoningItem(id=self.id, status=status, content=[part])
+                events.append(self.event("response.reasoning_text.done", **self._at(),
+                                         text=self.body))
+            else:
+                part = rs.OutputText(text=self.body)
+                item = rs.OutputMessage(id=self.id, status=status, content=[part])
+                events.append(self.event("response.output_text.done", **self._at(),
+                                         text=self.body, logprobs=[]))
+            events.append(self.event("response.content_part.done", **self._at(),
+                                     part=part.model_dump()))
+        events.append(self.event("response.output_item.done", output_index=len(self.done),
+                                 item=item.model_dump()))
+        self.done.append(item)
+        self.kind, self.body = None, ""
+        return events
+
+    def _open(self, kind: str) -> list[str]:
+        events = self.close("completed")
+        self.kind, self.body = kind, ""
+        if kind == "call":
+            self.id = rs.response_id("fc")
+            call_id, name = self._call
+            item: rs.OutputItem = rs.FunctionCallItem(id=self.id, call_id=call_id, name=name,
+                                                      arguments="", status="in_progress")
+            return events + [self.event("response.output_item.added",
+                                        output_index=len(self.done), item=item.model_dump())]
+        if kind == "reasoning":
+            self.id = rs.response_id("rs")
+            item, part = (rs.ReasoningItem(id=self.id, status="in_progress", content=[]),
+                          rs.ReasoningText(text=""))
+        else:
+            self.id = rs.response_id("msg")
+            item, part = (rs.OutputMessage(id=self.id, status="in_progress", content=[]),
+                          rs.OutputText(text=""))
+        return events + [
+            self.event("response.output_item.added", output_index=len(self.done),
+                       item=item.model_dump()),
+            self.event("response.content_part.added", **self._at(), part=part.model_dump())]
+
+    def _at(self) -> dict[str, Any]:
+        return {"item_id": self.id, "output_index": len(self.done), "content_index": 0}
+
+
+def _refuse_what_needs_state(req: rs.ResponsesRequest) -> None:
     stateful = {"store": req.store, "previous_response_id": req.previous_response_id,
                 "conversation": req.conversation, "background": req.background}
     for field, value in stateful.items():
         if value not in (None, False):
             raise APIError(400, f"{field} is not supported: this server keeps no state, send "
                                 f"the whole conversation in input", param=field)
-    if req.tools:
-        raise APIError(400, "tools are not supported by /v1/responses yet", param="tools")
 
 
-def _messages(req: rs.ResponsesRequest) -> list[dict[str, str]]:
-    """The chat messages: the instructions as the system message, then the input's."""
-    messages = [] if req.instructions is None else [
+def _messages(req: rs.ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages: the instructions as the system message, then the input's items (a
+    run of function_call items one assistant message's calls, joined to the assistant text
+    before them; reasoning items left out, as OpenAI leaves them out of the context)."""
+    messages: list[dict[str, Any]] = [] if req.instructions is None else [
         {"role": "system", "content": req.instructions}]
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
-    return messages + [{"role": item.role, "content": item.content if isinstance(
-        item.content, str) else "".join(part.text for part in item.content)}
-        for item in req.input]
+    for i, item in enumerate(req.input):
+        if isinstance(item, rs.FunctionCallInput):
+            try:
+                json.loads(item.arguments)
+            except json.JSONDecodeError as error:
+                raise APIError(400, f"a function call's arguments are not JSON: {error}",
+                               param=f"input.{i}.arguments") from None
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, rs.FunctionCallOutputInput):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _text(item.output)})
+        elif isinstance(item, rs.InputMessage):
+            messages.append({"role": item.role, "content": _text(item.content)})
+    return messages
+
+
+def _text(content: str | list[rs.InputText]) -> str:
+    """The text of a string or of text parts."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 def _response_format(text: rs.TextConfig | None) -> api.ResponseFormat | None:
@@ -131,20 +270,23 @@ def _response(req: rs.ResponsesRequest, model: str) -> rs.ResponseObject:
         id=rs.response_id("resp"), status="in_progress", instructions=req.instructions,
         max_output_tokens=req.max_output_tokens, model=model,
         temperature=req.temperature, top_p=req.top_p, text=text, metadata=req.metadata or {},
-        user=req.user)
+        user=req.user, tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []],
+        tool_choice=req.tool_choice.model_dump() if isinstance(req.tool_choice,
+                                                               rs.FunctionChoice)
+        else req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls)
 
 
 def _status(output: RequestOutput) -> str:
     return "incomplete" if output.outputs[0].finish_reason == "length" else "completed"
 
 
-def _finished(started: rs.ResponseObject, item: rs.OutputMessage,
+def _finished(started: rs.ResponseObject, items: list[rs.OutputItem],
               output: RequestOutput) -> rs.ResponseObject:
-    """``started`` with its output item, final status and usage."""
+    """``started`` with its output items, final status and usage."""
     usage = count_usage([output], 1)
     status = _status(output)
     return started.model_copy(update={
-        "status": status, "output": [item],
+        "status": status, "output": items,
         "incomplete_details": rs.IncompleteDetails(reason="max_output_tokens")
         if status == "incomplete" else None,
         "usage": rs.ResponseUsage(
