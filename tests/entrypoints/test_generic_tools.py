@@ -11,17 +11,10 @@ import json
 import jsonschema
 import openai
 import pytest
+from example_tools import WEATHER, WEATHER_PARAMETERS
 
 from fastllm.entrypoints.openai.tool_parsers import GenericToolFormat
 
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The forecast for a city",
-    "parameters": WEATHER_PARAMETERS}}
 TIME_PARAMETERS = {"type": "object", "properties": {
     "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}

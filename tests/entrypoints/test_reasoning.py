@@ -15,7 +15,6 @@ import openai
 import pytest
 import transformers
 from openai_server import running_server
-from tiny_hf import tiny_qwen3_folder
 
 from fastllm import AsyncLLM
 
@@ -35,21 +34,15 @@ BIAS = {str(END_THINK): 11}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, model_path):
-    return tiny_qwen3_folder(tmp_path_factory.mktemp("qwen3"), model_path("qwen3_tokenizer"),
-                             seed=0)
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    llm = AsyncLLM(folder, max_model_len=2048)
+def llm(tiny_qwen3):
+    llm = AsyncLLM(tiny_qwen3, max_model_len=2048)
     yield llm
     llm.shutdown()
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(folder):
-    return transformers.AutoTokenizer.from_pretrained(folder)
+def hf_tokenizer(tiny_qwen3):
+    return transformers.AutoTokenizer.from_pretrained(tiny_qwen3)
 
 
 @pytest.fixture(scope="module")

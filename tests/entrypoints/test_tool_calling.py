@@ -20,22 +20,14 @@ import jsonschema
 import openai
 import pytest
 import transformers
+from example_tools import WEATHER, WEATHER_PARAMETERS
 from openai_server import running_server
 from pydantic import BaseModel, ConfigDict, Field
-from tiny_hf import tiny_qwen3_folder
 
 from fastllm import LLM, AsyncLLM, SamplingParams, StructuredOutputsParams
 from fastllm.entrypoints.cli import main
 
 MODEL = "tiny-qwen3"
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The forecast for a city",
-    "parameters": WEATHER_PARAMETERS}}
 # Bounded arguments (no free strings, no extra keys), so that noise ends soon.
 TIME_PARAMETERS = {"type": "object", "properties": {
     "zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"],
@@ -49,14 +41,8 @@ NO_TOOLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, model_path):
-    return tiny_qwen3_folder(tmp_path_factory.mktemp("qwen3"), model_path("qwen3_tokenizer"),
-                             seed=0)
-
-
-@pytest.fixture(scope="module")
-def llm(folder):
-    llm = AsyncLLM(folder, max_model_len=2048)
+def llm(tiny_qwen3):
+    llm = AsyncLLM(tiny_qwen3, max_model_len=2048)
     yield llm
     llm.shutdown()
 
@@ -73,8 +59,8 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(folder):
-    return transformers.AutoTokenizer.from_pretrained(folder)
+def hf_tokenizer(tiny_qwen3):
+    return transformers.AutoTokenizer.from_pretrained(tiny_qwen3)
 
 
 def assert_valid_call(call, names=("get_weather", "get_time")) -> dict:
@@ -271,17 +257,17 @@ def test_a_template_without_tools_gets_the_generic_format(llm):
                 plain["usage"]["prompt_tokens"]
 
 
-def test_serve_refuses_an_unknown_parser(folder, capsys):
+def test_serve_refuses_an_unknown_parser(tiny_qwen3, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", str(folder), "--tool-call-parser", "xml"])
+        main(["serve", str(tiny_qwen3), "--tool-call-parser", "xml"])
     assert exit_info.value.code == 2
     assert "tool_call_parser must be one of ['hermes', 'llama3_json', 'mistral']" in \
         capsys.readouterr().err
 
 
-def test_special_tokens_stay_in_the_text_when_asked(folder):
+def test_special_tokens_stay_in_the_text_when_asked(tiny_qwen3):
     """What a parser with a special marker (Mistral's [TOOL_CALLS]) relies on."""
-    llm = LLM(folder, max_model_len=64)
+    llm = LLM(tiny_qwen3, max_model_len=64)
     marker = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")
     forced = StructuredOutputsParams(grammar=f'start: <[{marker}]> "hi"')
     texts = [llm.generate("x", SamplingParams(max_tokens=4, structured_outputs=forced,
