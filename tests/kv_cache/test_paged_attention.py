@@ -9,11 +9,20 @@ gathered contiguous K/V in q's dtype (the paged kernel is that attention with a 
 layout, and reads a narrower cache back exactly);
 queries that see no key are exactly 0; and float64-reference agreement, tight in float32,
 flash-attention's 2x rule in bfloat16/float16.
+
+The grids are covering arrays (tests/covering.py) over the backend and the case's parameters:
+every pair of values meets in some case, so each backend runs every block size, GQA group, head
+dim, batch, shape, mask, scale, soft-cap and dtype at least once. Always in: every causal/window
+combination on the mixed chunked batch for the CPU kernel and CUDA's (the simulator, and a GPU
+where there is one), since masks are where the kernels differ most. The simulator runs the
+tests marked ``cuda_sim`` on its rows of those arrays (each value of each parameter at least
+once, the mask edges above) plus the unparametrized checks whole.
 """
 
 import dataclasses
 import math
 
+import covering
 import pytest
 import torch
 
@@ -65,9 +74,7 @@ def check(backend, case, *, exact=True, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("group", [1, 2, 4, 7])
+@covering.grid(softcap=SOFTCAPS, block_size=[1, 16, 32], group=[1, 2, 4, 7])
 def test_block_sizes_and_gqa(backend, block_size, group, softcap):
     device = backend.device
     # Per sequence: decode against 9 keys, a 17-token prefill, 0 queries against 3 cached keys,
@@ -76,18 +83,14 @@ def test_block_sizes_and_gqa(backend, block_size, group, softcap):
                           device=device), softcap=softcap)
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("head_dim", [64, 128, 67])
-@pytest.mark.parametrize("block_size", [1, 16])
+@covering.grid(softcap=SOFTCAPS, head_dim=[64, 128, 67], block_size=[1, 16])
 def test_head_dims(backend, head_dim, block_size, softcap):
     device = backend.device
     check(backend, make_case([1, 5, 0], [33, 21, 0], 8, 2, head_dim, block_size, device=device),
           softcap=softcap)
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@covering.grid(softcap=SOFTCAPS, block_size=[1, 16, 32], batch=[1, 3, 8])
 def test_decode(backend, block_size, batch, softcap):
     device = backend.device
     # One query per sequence; lengths from 1 (the query's own key only) to a few hundred, with
@@ -110,10 +113,12 @@ CHUNKED = {  # (lens_q, seq_lens)
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("shape", CHUNKED)
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("window_left", [-1, 0, 5, 64])
+@covering.grid(softcap=SOFTCAPS, shape=list(CHUNKED), causal=[True, False],
+               window_left=[-1, 0, 5, 64],
+               edges=[dict(backend=backend, shape="mixed_batch", causal=causal,
+                           window_left=window_left)
+                      for backend in ("cpu", "cuda_sim", "cuda") for causal in (True, False)
+                      for window_left in (-1, 0, 5, 64)])
 def test_chunked_prefill_and_masks(backend, shape, causal, window_left, softcap):
     device = backend.device
     lens_q, seq_lens = CHUNKED[shape]
@@ -134,23 +139,26 @@ def test_window_zero_copies_the_diagonal_value_of_the_kv_head(backend):
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("softcap", [*SOFTCAPS, 0.5])
-@pytest.mark.parametrize("scale", [0.0, 0.5, -0.3])
+@covering.grid(softcap=[*SOFTCAPS, 0.5], scale=[0.0, 0.5, -0.3])
 def test_custom_scale(backend, scale, softcap):
     device = backend.device
     check(backend, make_case([5, 1], [20, 30], 4, 2, 64, 16, device=device), scale=scale,
           softcap=softcap)
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("lens_q, seq_lens, head_dim", [
-    ([1, 1, 1], [300, 1, 77], 128),
-    ([7, 0, 20], [57, 9, 20], 67),
-], ids=["decode", "chunked_prefill"])
-@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
-def test_low_precision(backend, dtype, lens_q, seq_lens, head_dim, causal, window_left, softcap):
+LOW_PRECISION_SHAPES = {  # (lens_q, seq_lens, head_dim)
+    "decode": ([1, 1, 1], [300, 1, 77], 128),
+    "chunked_prefill": ([7, 0, 20], [57, 9, 20], 67),
+}
+MASKS = {"causal": (True, -1), "full": (False, -1), "window5": (True, 5)}  # (causal, window_left)
+
+
+@covering.grid(softcap=SOFTCAPS, dtype=[torch.bfloat16, torch.float16],
+               shape=list(LOW_PRECISION_SHAPES), mask=list(MASKS))
+def test_low_precision(backend, dtype, shape, mask, softcap):
     device = backend.device
+    lens_q, seq_lens, head_dim = LOW_PRECISION_SHAPES[shape]
+    causal, window_left = MASKS[mask]
     check(backend, make_case(lens_q, seq_lens, 4, 2, head_dim, 16, dtype=dtype, device=device),
           causal=causal, window_left=window_left, softcap=softcap)
 
@@ -274,9 +282,8 @@ NARROWER_CACHE = {  # (lens_q, seq_lens, head_dim): decode tiles read rows in pl
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", NARROWER_CACHE)
+@covering.grid(softcap=SOFTCAPS, cache_dtype=[torch.float16, torch.bfloat16],
+               shape=list(NARROWER_CACHE))
 def test_narrower_cache(backend, cache_dtype, shape, softcap):
     device = backend.device
     # float32 q over bfloat16 / float16 caches (kv_cache_dtype): the result is float32 attention

@@ -4,11 +4,21 @@ Every case goes through ``check``: the op writes into a NaN-poisoned ``out`` (ev
 be written), the functional op must equal its ``out=`` op bit for bit, queries that see no key
 must be exactly 0, and the result is judged against a float64 run of the reference: tight in
 float32, flash-attention's 2x rule in bfloat16/float16.
+
+The grids are covering arrays (tests/covering.py) over the backend and the case's parameters:
+every pair of values meets in some case, so each backend runs every head dim, GQA group, mask
+shape, mask, soft-cap, dtype, layout, length and thread count at least once. Always in: every
+causal/window combination on the chunked-prefill shape for each backend (masks are where the
+kernels differ most), and the CPU kernel's key splits (few tiles, thousands of keys) on one and
+on the default threads for each shape. The simulator runs the tests marked ``cuda_sim``: its rows
+of test_empty's array (every empty case, both masks) and the exact checks (window 0, a tiny
+soft-cap, strided outputs) whole.
 """
 
 import itertools
 import math
 
+import covering
 import pytest
 import torch
 
@@ -68,9 +78,7 @@ def check(backend, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
     return out
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("head_dim", [64, 80, 128, 256, 67])
-@pytest.mark.parametrize("group", [1, 2, 4, 7])
+@covering.grid(softcap=SOFTCAPS, head_dim=[64, 80, 128, 256, 67], group=[1, 2, 4, 7])
 def test_head_dims_and_gqa(backend, head_dim, group, softcap):
     # Per sequence: 1 query against 9 keys (decode), 17 and 40 (prefill), 0 queries, 3 keys.
     check(backend, *make_inputs([1, 17, 0, 40], [9, 17, 3, 40], group * 2, 2, head_dim,
@@ -86,10 +94,12 @@ MASK_SHAPES = {  # (lens_q, lens_k)
 }
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("shape", MASK_SHAPES)
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("window_left", [-1, 0, 5, 64])
+@covering.grid(softcap=SOFTCAPS, shape=list(MASK_SHAPES), causal=[True, False],
+               window_left=[-1, 0, 5, 64],
+               edges=[dict(backend=backend, shape="chunked_prefill", causal=causal,
+                           window_left=window_left)
+                      for backend in ("cpu", "composite", "cuda") for causal in (True, False)
+                      for window_left in (-1, 0, 5, 64)])
 def test_causal_and_window_masks(backend, shape, causal, window_left, softcap):
     lens_q, lens_k = MASK_SHAPES[shape]
     check(backend, *make_inputs(lens_q, lens_k, 4, 2, 40, device=backend.device), causal=causal,
@@ -117,16 +127,18 @@ def test_queries_above_the_diagonal_are_zero(backend):
     assert torch.equal(out[2], v[0].expand(2, 8))
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 64)])
-def test_mixed_lengths_up_to_513(backend, causal, window_left, softcap):
+MASKS_64 = {"causal": (True, -1), "full": (False, -1), "window64": (True, 64)}
+
+
+@covering.grid(softcap=SOFTCAPS, mask=list(MASKS_64))
+def test_mixed_lengths_up_to_513(backend, mask, softcap):
+    causal, window_left = MASKS_64[mask]
     check(backend, *make_inputs([513, 0, 17, 1], [513, 1, 17, 513], 4, 2, 128,
                                 device=backend.device), causal=causal, window_left=window_left,
           softcap=softcap)
 
 
-@pytest.mark.parametrize("softcap", [*SOFTCAPS, 0.5])
-@pytest.mark.parametrize("scale", [0.0, 0.05, 0.5, -0.3])
+@covering.grid(softcap=[*SOFTCAPS, 0.5], scale=[0.0, 0.05, 0.5, -0.3])
 def test_custom_scale(backend, scale, softcap):
     check(backend, *make_inputs([17, 30], [20, 30], 4, 2, 64, device=backend.device), scale=scale,
           softcap=softcap)
@@ -158,9 +170,8 @@ def test_tiny_softcap_averages_the_visible_values(backend, causal, window_left):
     torch.testing.assert_close(out.cpu().double(), expected, atol=F32_TOL, rtol=F32_TOL)
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["fused_qkv", "strided_head_dim", "heads_major"])
+@covering.grid(softcap=SOFTCAPS, dtype=[torch.float32, torch.bfloat16],
+               layout=["fused_qkv", "strided_head_dim", "heads_major"])
 def test_strided_inputs(backend, dtype, layout, softcap):
     lens = [17, 1, 0, 40]
     n_heads, n_kv_heads, head_dim, tokens = 8, 2, 64, sum(lens)
@@ -221,9 +232,7 @@ EMPTY = {  # (lens_q, lens_k)
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("case", EMPTY)
-@pytest.mark.parametrize("causal", [True, False])
+@covering.grid(softcap=SOFTCAPS, case=list(EMPTY), causal=[True, False])
 def test_empty(backend, case, causal, softcap):
     lens_q, lens_k = EMPTY[case]
     out = check(backend, *make_inputs(lens_q, lens_k, 4, 2, 32, device=backend.device),
@@ -231,37 +240,49 @@ def test_empty(backend, case, causal, softcap):
     assert out.shape == (sum(lens_q), 4, 32)
 
 
-@pytest.mark.parametrize("threads", [1, None], ids=["1_thread", "default_threads"])
-@pytest.mark.parametrize("lens_q, lens_k", [([1], [3000]), ([1, 1, 1], [3000, 0, 2500]),
-                                            ([40], [3000])],
-                         ids=["decode_batch1", "decode_batch3", "chunk40"])
-@pytest.mark.parametrize("window_left", [-1, 1500])
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-def test_long_keys_few_tiles(backend, threads, lens_q, lens_k, window_left, softcap):
+LONG_KEYS = {"decode_batch1": ([1], [3000]), "decode_batch3": ([1, 1, 1], [3000, 0, 2500]),
+             "chunk40": ([40], [3000])}  # (lens_q, lens_k)
+
+
+@covering.grid(threads=[1, None], shape=list(LONG_KEYS), window_left=[-1, 1500],
+               softcap=SOFTCAPS,
+               ids={"threads": lambda threads: "default_threads" if threads is None
+                    else f"{threads}_thread"},
+               edges=[dict(backend="cpu", threads=threads, shape=shape)
+                      for threads in (1, None) for shape in LONG_KEYS])
+def test_long_keys_few_tiles(backend, threads, shape, window_left, softcap):
     # Few (sequence, kv head) tiles with thousands of keys: the CPU kernel splits the keys across
     # threads and merges partial softmaxes, in a way that depends on the thread count.
+    lens_q, lens_k = LONG_KEYS[shape]
     with num_threads(threads):
         check(backend, *make_inputs(lens_q, lens_k, 4, 1, 64, device=backend.device),
               window_left=window_left, softcap=softcap)
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 100)])
-def test_prefill_spanning_several_tiles(backend, causal, window_left, softcap):
+MASKS_100 = {"causal": (True, -1), "full": (False, -1), "window100": (True, 100)}
+
+
+@covering.grid(softcap=SOFTCAPS, mask=list(MASKS_100))
+def test_prefill_spanning_several_tiles(backend, mask, softcap):
+    causal, window_left = MASKS_100[mask]
     # 600 positions x 2 heads: several query tiles, each against several key tiles.
     check(backend, *make_inputs([600], [600], 2, 1, 64, device=backend.device), causal=causal,
           window_left=window_left, softcap=softcap)
 
 
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("lens_q, lens_k, head_dim", [
-    ([0, 1, 17, 100], [0, 1, 17, 100], 64),
-    ([5, 20, 3], [40, 3, 0], 67),
-    ([1, 1], [3000, 700], 128),
-], ids=["prefill", "chunked_and_above_diagonal", "decode"])
-@pytest.mark.parametrize("causal, window_left", [(True, -1), (False, -1), (True, 5)])
-def test_low_precision(backend, dtype, lens_q, lens_k, head_dim, causal, window_left, softcap):
+LOW_PRECISION_SHAPES = {  # (lens_q, lens_k, head_dim)
+    "prefill": ([0, 1, 17, 100], [0, 1, 17, 100], 64),
+    "chunked_and_above_diagonal": ([5, 20, 3], [40, 3, 0], 67),
+    "decode": ([1, 1], [3000, 700], 128),
+}
+MASKS_5 = {"causal": (True, -1), "full": (False, -1), "window5": (True, 5)}
+
+
+@covering.grid(softcap=SOFTCAPS, dtype=[torch.bfloat16, torch.float16],
+               shape=list(LOW_PRECISION_SHAPES), mask=list(MASKS_5))
+def test_low_precision(backend, dtype, shape, mask, softcap):
+    lens_q, lens_k, head_dim = LOW_PRECISION_SHAPES[shape]
+    causal, window_left = MASKS_5[mask]
     check(backend, *make_inputs(lens_q, lens_k, 4, 2, head_dim, dtype=dtype,
                                 device=backend.device), causal=causal, window_left=window_left,
           softcap=softcap)
