@@ -8,10 +8,18 @@ GEMMs, on CUDA the pairs are grouped by expert); experts E=8 top 2 (Mixtral's), 
 E=4 top 4 (every expert for every token), renormalized or not. float32 is held tight to the
 float64 result; bfloat16 / float16 to flash-attention's 2x rule against the plain composition
 (the eager block in that dtype, whose roundings the op follows).
+
+The grids are covering arrays (tests/covering.py) over the backend and the case's parameters:
+every pair of values meets in some case, so each backend runs every token count, dtype, expert
+layout, format pair and size at least once. Always in: on the CPU each dtype at 3 tokens (the
+most that stream every expert's weights) and at 16 (past the few-row kernels). The simulator
+runs the tests marked ``cuda_sim`` on its rows of those arrays: each of its GEMV and grouped
+cases, each dtype and each format pair at least once.
 """
 
 from __future__ import annotations
 
+import covering
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,11 +92,11 @@ def check_float_experts(backend, tokens, dtype, num_experts, top_k, renormalize,
           dtype)
 
 
-@pytest.mark.parametrize("num_experts, top_k, renormalize", EXPERTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", TOKENS)
-def test_matches_float64(backend, tokens, dtype, num_experts, top_k, renormalize):
-    check_float_experts(backend, tokens, dtype, num_experts, top_k, renormalize)
+@covering.grid(tokens=TOKENS, dtype=DTYPES, experts=EXPERTS,
+               edges=[dict(backend="cpu", tokens=tokens, dtype=dtype)
+                      for tokens in (3, 16) for dtype in DTYPES])
+def test_matches_float64(backend, tokens, dtype, experts):
+    check_float_experts(backend, tokens, dtype, *experts)
 
 
 # The simulator's subset: the GEMV path (up to 8 tokens) and the grouped one.
@@ -97,17 +105,17 @@ SIM_CASES = [(1, 8, 2, True), (3, 16, 4, False), (8, 4, 4, True), (9, 8, 2, Fals
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens, num_experts, top_k, renormalize", SIM_CASES)
-def test_matches_float64_on_every_path(backend, tokens, dtype, num_experts, top_k, renormalize):
+@covering.grid(dtype=DTYPES, case=SIM_CASES)
+def test_matches_float64_on_every_path(backend, dtype, case):
+    tokens, num_experts, top_k, renormalize = case
     check_float_experts(backend, tokens, dtype, num_experts, top_k, renormalize)
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("tokens", [2, 40])
-@pytest.mark.parametrize("hidden, intermediate", [(40, 24), (17, 5), (130, 70)])
-def test_odd_sizes(backend, tokens, hidden, intermediate):
+@covering.grid(tokens=[2, 40], sizes=[(40, 24), (17, 5), (130, 70)])
+def test_odd_sizes(backend, tokens, sizes):
     """Rows shorter than a SIMD vector, with tails, and longer than a warp's stride."""
+    hidden, intermediate = sizes
     for dtype in (torch.float32, torch.bfloat16):
         check_float_experts(backend, tokens, dtype, 8, 2, True, hidden, intermediate)
 
@@ -202,21 +210,20 @@ def check_quantized_experts(backend, gate_up_name, down_name, tokens, dtype, num
 
 @pytest.mark.cpu_isas
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("tokens, num_experts, top_k", [(1, 8, 2), (3, 4, 4), (40, 4, 4)])
-@pytest.mark.parametrize("gate_up_name, down_name", FORMAT_PAIRS)
-def test_quantized_experts(backend, gate_up_name, down_name, tokens, num_experts, top_k):
+@covering.grid(formats=FORMAT_PAIRS, case=[(1, 8, 2), (3, 4, 4), (40, 4, 4)])
+def test_quantized_experts(backend, formats, case):
     """Quantized experts (gate_up and down in different formats, or one of them float), on
     each path: 40 tokens over 4 experts give each expert 40 rows, past the CPU's few-row limit
     of 32 and CUDA's GEMV's 8."""
+    (gate_up_name, down_name), (tokens, num_experts, top_k) = formats, case
     check_quantized_experts(backend, gate_up_name, down_name, tokens, torch.float32,
                             num_experts, top_k)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("tokens", [2, 40])
-@pytest.mark.parametrize("gate_up_name, down_name", [("Q4_K", "Q8_0"), ("Q6_K", "Q4_1")])
-def test_quantized_experts_low_precision(backend, gate_up_name, down_name, tokens, dtype):
-    check_quantized_experts(backend, gate_up_name, down_name, tokens, dtype, 4, 4)
+@covering.grid(dtype=[torch.bfloat16, torch.float16], tokens=[2, 40],
+               formats=[("Q4_K", "Q8_0"), ("Q6_K", "Q4_1")])
+def test_quantized_experts_low_precision(backend, formats, tokens, dtype):
+    check_quantized_experts(backend, *formats, tokens, dtype, 4, 4)
 
 
 def hf_block(family: str, num_experts: int, top_k: int, renormalize: bool):
@@ -242,13 +249,13 @@ def hf_block(family: str, num_experts: int, top_k: int, renormalize: bool):
     return block
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 61, 300])
-@pytest.mark.parametrize("family, num_experts, top_k, renormalize", [
-    ("qwen3_moe", 8, 2, True), ("qwen3_moe", 16, 4, False), ("mixtral", 8, 2, True),
-    ("mixtral", 4, 2, True)])
-def test_equals_hf_block(backend, family, num_experts, top_k, renormalize, tokens):
+@covering.grid(tokens=[1, 3, 61, 300],
+               block=[("qwen3_moe", 8, 2, True), ("qwen3_moe", 16, 4, False),
+                      ("mixtral", 8, 2, True), ("mixtral", 4, 2, True)])
+def test_equals_hf_block(backend, block, tokens):
     """HF's eager block in float32 on the same weights: the same experts, weights and
     roundings, so the outputs differ only by the float32 sums' order."""
+    family, num_experts, top_k, renormalize = block
     block = hf_block(family, num_experts, top_k, renormalize)
     hidden = torch.randn(1, tokens, 64)
     with torch.no_grad():

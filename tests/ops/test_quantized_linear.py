@@ -1,6 +1,16 @@
 """fastllm.ops.quantized_linear and fastllm.ops.dequantize on every backend (the CPU kernels once
 per instruction set) against a float64 dequantize + matmul, with weights encoded by the gguf
-package (an independent encoder of ggml's block formats) where it can, and dequantized by it."""
+package (an independent encoder of ggml's block formats) where it can, and dequantized by it.
+
+The product grids are covering arrays (tests/covering.py) over the backend (each CPU instruction
+set one), the block format, the row/weight case and the dtype: every pair of values meets in
+some case, so each instruction set and backend runs every format, every row case and every dtype
+at least once, and each format every row case. Always in: each instruction set with each format
+at 3 decode rows (a full 2-row AVX2 tile plus a tail) and at 33 rows (the first past the CPU's
+streamed rows: the GEMM path). The simulator runs the tests marked ``cuda_sim`` on its rows of
+those arrays (each format and decode case at least once; every format in
+test_dequantize_equals_gguf and test_a_row_does_not_depend_on_the_others).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +20,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import covering
 import gguf
 import numpy as np
 import pytest
@@ -144,25 +155,31 @@ MORE_CASES = [(5, (7, 3)), (17, (7, 3)), (32, (7, 3)), (33, (7, 3)), (33, (1, 1)
               (40, (130, 1)), (512, (7, 1)), (59, (161, 9)), (38, (300, 2))]
 
 
+CASE_IDS = {"case": lambda case: case_ids([case])[0]}
+
+
 @pytest.mark.cpu_isas
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("rows, shape", DECODE_CASES, ids=case_ids(DECODE_CASES))
-def test_quantized_linear_float32(type_name, rows, shape, backend):
+@covering.grid(type_name=list(TYPES), case=DECODE_CASES, ids=CASE_IDS,
+               edges=[dict(backend="cpu", type_name=type_name, case=(3, (7, 3)))
+                      for type_name in TYPES])
+def test_quantized_linear_float32(type_name, case, backend):
+    rows, shape = case
     check_quantized_linear(backend, type_name, rows, shape)
 
 
 @pytest.mark.cpu_isas
-@pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("rows, shape", MORE_CASES, ids=case_ids(MORE_CASES))
-def test_quantized_linear_float32_more_rows(type_name, rows, shape, backend):
+@covering.grid(type_name=list(TYPES), case=MORE_CASES, ids=CASE_IDS,
+               edges=[dict(backend="cpu", type_name=type_name, case=(33, (7, 3)))
+                      for type_name in TYPES])
+def test_quantized_linear_float32_more_rows(type_name, case, backend):
+    rows, shape = case
     check_quantized_linear(backend, type_name, rows, shape)
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q5_1", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 5, 40])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@covering.grid(type_name=["Q4_0", "Q5_1", "Q4_K", "Q6_K"], rows=[1, 5, 40],
+               dtype=[torch.bfloat16, torch.float16])
 def test_quantized_linear_low_precision(type_name, rows, dtype, backend):
     weight_type = TYPES[type_name]
     weight = quantized_weight(48, 256 // ops.BLOCK_FORMATS[weight_type][1], weight_type, seed=rows)
@@ -374,10 +391,8 @@ INTERLEAVED = {"Q4_0": (ops.INTERLEAVED_Q4_0, 18), "Q4_1": (ops.INTERLEAVED_Q4_1
                "Q4_K": (ops.INTERLEAVED_Q4_K, 2), "Q6_K": (ops.INTERLEAVED_Q6_K, 2)}
 
 
-@pytest.mark.parametrize("isa", _C.cpu_isas())
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 32, 33, 70])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("type_name", INTERLEAVED)
+@covering.grid(isa=_C.cpu_isas(), rows=[1, 3, 4, 5, 9, 32, 33, 70],
+               dtype=[torch.float32, torch.bfloat16], type_name=list(INTERLEAVED))
 def test_interleaved_weight_is_the_same_weight(type_name, rows, dtype, isa):
     """A weight in the AVX-512 decode kernels' layout gives the plain weight's products within
     the kernel's error bound on every path (its own kernel for decode rows where the ISA has it,
