@@ -8,6 +8,7 @@ exact in every dtype, and float32 rows written into a bfloat16 / float16 cache a
 
 import math
 
+import covering
 import pytest
 import torch
 
@@ -70,11 +71,13 @@ def check(backend, key, value, k_cache, v_cache, slot_mapping):
         torch.testing.assert_close(v_cache, expected_v, **EXACT)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("tokens, n_padding", [(1, 0), (37, 5), (300, 20)])
-def test_matches_reference(backend, dtype, block_size, tokens, n_padding):
+@covering.grid(dtype=[torch.float32, torch.bfloat16, torch.float16], block_size=[1, 16],
+               rows=[(1, 0), (37, 5), (300, 20)])
+def test_matches_reference(backend, dtype, block_size, rows):
+    """Every pair of backend, dtype, block size and (tokens, padding) meets in some case
+    (tests/covering.py)."""
     device = backend.device
+    tokens, n_padding = rows
     n_kv_heads, head_dim, num_slots = 2, 32, 320  # 300 tokens: several parallel chunks
     key = torch.randn(tokens, n_kv_heads, head_dim, dtype=dtype, device=device)
     value = torch.randn_like(key)

@@ -7,8 +7,14 @@ channel pairings, partial rotary, every kernel path (direct decode tiles, packed
 odd head_dim) and block sizes, and the float64 reference twin. Pools come from
 ``paged_util.make_case``: NaN in every slot no sequence owns, so a key read from the wrong
 place, or rotated with a row of the table past the sequence, shows up.
+
+test_pre_rope_equals_post_rope runs a covering array (tests/covering.py) of the backend, shape,
+head/rotary dims, channel pairing and block size: every pair of values meets in some case, so
+each backend runs every shape, every rotary layout, both pairings and both block sizes at least
+once, and each shape every rotary layout.
 """
 
+import covering
 import pytest
 import torch
 
@@ -40,13 +46,16 @@ SHAPES = {  # (lens_q, seq_lens)
 }
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 64), (67, 32), (32, 18)],
-                         ids=["full", "partial", "odd_head_dim", "odd_half"])
-@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_pre_rope_equals_post_rope(backend, shape, head_dim, rotary_dim, is_neox, block_size):
+ROTARY_DIMS = {"full": (64, 64), "partial": (128, 64), "odd_head_dim": (67, 32),
+               "odd_half": (32, 18)}  # (head_dim, rotary_dim)
+
+
+@covering.grid(shape=list(SHAPES), dims=list(ROTARY_DIMS), is_neox=[True, False],
+               block_size=[1, 16],
+               ids={"is_neox": lambda is_neox: "neox" if is_neox else "interleaved"})
+def test_pre_rope_equals_post_rope(backend, shape, dims, is_neox, block_size):
     device = backend.device
+    head_dim, rotary_dim = ROTARY_DIMS[dims]
     lens_q, seq_lens = SHAPES[shape]
     case = make_case(lens_q, seq_lens, 8, 2, head_dim, block_size, device=device)
     cos_sin = ops.rope_cos_sin_cache(400, rotary_dim, device=device)

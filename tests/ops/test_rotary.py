@@ -3,8 +3,13 @@
 The op rotates q and k in place; ``check`` compares them with a float64 run of the reference on
 copies of the inputs (same cos/sin table), tight in float32 and by flash-attention's 2x rule in
 bfloat16/float16, and requires the channels past rotary_dim to be left bit-identical.
+
+test_matches_reference runs a covering array (tests/covering.py) of the backend, dtype, rope
+style and rotary/head dims: every pair of values meets in some case, so each backend (the
+simulator included) runs every dtype, style and shape at least once.
 """
 
+import covering
 import pytest
 import torch
 
@@ -51,11 +56,12 @@ def random_positions(tokens, max_position, device):
     return positions
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "interleaved"])
-@pytest.mark.parametrize("rot, head_dim", [(64, 64), (128, 128), (32, 64), (16, 80), (2, 67)])
-def test_matches_reference(backend, dtype, is_neox, rot, head_dim):
+@covering.grid(dtype=DTYPES, is_neox=[True, False],
+               dims=[(64, 64), (128, 128), (32, 64), (16, 80), (2, 67)],
+               ids={"is_neox": lambda is_neox: "neox" if is_neox else "interleaved"})
+def test_matches_reference(backend, dtype, is_neox, dims):
     device = backend.device
+    rot, head_dim = dims
     tokens, max_position = 37, 4096
     cache = ops.rope_cos_sin_cache(max_position, rot, 10000.0, device=device)
     q = torch.randn(tokens, 4, head_dim, dtype=dtype, device=device)

@@ -1,8 +1,15 @@
 """rotary_and_cache of every backend (conftest.py): the same bits as the three ops it fuses
 (rms_norm of q and k, rotary_embedding, reshape_and_cache) run one after the other on the same
 backend, and close to its float64 twin. Caches start as NaN, so a slot written that should not
-be (padding) or not written that should be shows."""
+be (padding) or not written that should be shows.
 
+test_equals_the_three_ops runs a covering array (tests/covering.py) of the backend, dtype, norms,
+rope style and head/rotary dims: every pair of values meets in some case, so each backend (the
+simulator included: the whole module is marked for it) runs every dtype, rope style, head shape
+and norm choice at least once, and each rope style every head shape, norms and dtype.
+"""
+
+import covering
 import pytest
 import torch
 
@@ -49,11 +56,12 @@ def three_ops(o, positions, q, k, v, k_cache, v_cache, slots, table, q_norm, k_n
     o.reshape_and_cache(k, v, k_cache, v_cache, slots)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("norms", [True, False], ids=["qk_norm", "no_norm"])
-@pytest.mark.parametrize("rope", ["neox", "interleaved", "keys_pre_rope", "nope"])
-@pytest.mark.parametrize("head_dim, rot", [(64, 64), (128, 128), (80, 32)])
-def test_equals_the_three_ops(backend, dtype, norms, rope, head_dim, rot):
+@covering.grid(dtype=DTYPES, norms=[True, False],
+               rope=["neox", "interleaved", "keys_pre_rope", "nope"],
+               dims=[(64, 64), (128, 128), (80, 32)],
+               ids={"norms": lambda norms: "qk_norm" if norms else "no_norm"})
+def test_equals_the_three_ops(backend, dtype, norms, rope, dims):
+    head_dim, rot = dims
     inputs = (backend.device, dtype, head_dim, 0 if rope == "nope" else rot, norms)
     args, fused, unfused = (make_inputs(*inputs) for _ in range(3))
     options = dict(is_neox=rope != "interleaved", rotate_keys=rope != "keys_pre_rope")

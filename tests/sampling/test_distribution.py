@@ -5,11 +5,16 @@ Each case gives the op one row of logits N times over (same parameters and seed,
 The draws are judged against ``reference.filtered_probs`` computed in float64: a token the
 filters remove must never appear, and the counts must pass a chi-square goodness-of-fit test
 (p > 1e-3). Seeds are fixed, so every case is deterministic: a pass stays a pass.
+
+The filter and dtype grids are covering arrays (tests/covering.py): every pair of backend,
+filter case and vocabulary (or dtype) meets in some case, so each backend runs every filter and
+every vocabulary, and each filter runs on every vocabulary.
 """
 
 import math
 import zlib
 
+import covering
 import pytest
 import torch
 
@@ -77,8 +82,7 @@ def draw_and_check(backend, logits_row, row, n):
     return probs
 
 
-@pytest.mark.parametrize("vocab", VOCABS)
-@pytest.mark.parametrize("case", FILTERS)
+@covering.grid(case=list(FILTERS), vocab=VOCABS)
 def test_draws_follow_the_filtered_distribution(backend, vocab, case):
     row = make_row(case, vocab)
     logits = conditioned_logits(lambda: random_logits(vocab), row)
@@ -87,8 +91,8 @@ def test_draws_follow_the_filtered_distribution(backend, vocab, case):
         assert probs.argmax().item() == logits.argmax().item()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["t1", "t0.7_k5_p0.9_m0.05", "t0.5_p0.3_m0.2", "top_k1"])
+@covering.grid(dtype=[torch.bfloat16, torch.float16],
+               case=["t1", "t0.7_k5_p0.9_m0.05", "t0.5_p0.3_m0.2", "top_k1"])
 def test_low_precision_logits(backend, dtype, case):
     # The distribution is that of the low-precision values themselves (exact in float64).
     row = make_row(case, 48, seed=77)
