@@ -1,8 +1,14 @@
 """rms_norm, add_rms_norm and the gated activations (silu_and_mul, gelu_tanh_and_mul) of every
 backend (conftest.py) against float64 references, and against the eager compositions the model
 used before (HF's arithmetic): equal bits in float32 up to the sum's order, the eager form's
-roundings in bfloat16/float16."""
+roundings in bfloat16/float16.
 
+test_rms_norm and test_gated_activation run covering arrays (tests/covering.py) of the backend,
+op, dtype and shape: every pair of values meets in some case, so each backend (the simulator
+included) runs every op, dtype and shape at least once, and each shape every dtype.
+"""
+
+import covering
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,8 +41,7 @@ def assert_close_to(got, ref64, dtype):
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (3, 4, 128), (5, 17), (1, 1), (0, 32)])
+@covering.grid(dtype=DTYPES, shape=[(1, 576), (7, 64), (3, 4, 128), (5, 17), (1, 1), (0, 32)])
 def test_rms_norm(backend, dtype, shape):
     x = torch.randn(shape, dtype=dtype, device=backend.device) * 3
     weight = torch.randn(shape[-1], dtype=dtype, device=backend.device)
@@ -80,10 +85,9 @@ def test_add_rms_norm(backend, dtype, rows, hidden):
 
 
 @pytest.mark.cuda_sim
-@pytest.mark.parametrize("op", GATED)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows, d", [(1, 1536), (6, 40), (3, 1), (0, 8)])
-def test_gated_activation(backend, op, dtype, rows, d):
+@covering.grid(op=list(GATED), dtype=DTYPES, shape=[(1, 1536), (6, 40), (3, 1), (0, 8)])
+def test_gated_activation(backend, op, dtype, shape):
+    rows, d = shape
     x = torch.randn(rows, 2 * d, dtype=dtype, device=backend.device) * 4
     got = getattr(backend.ops, op)(x)
     assert got.shape == (rows, d) and got.dtype == dtype
