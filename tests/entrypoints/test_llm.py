@@ -160,16 +160,20 @@ def test_many_prompts_keep_their_order_and_parameters(stories):
 
 # ---- stop rules --------------------------------------------------------------------------------
 
-def greedy_text(llm: LLM, max_tokens: int = 80) -> str:
-    out, = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens),
-                        use_tqdm=False)
+@pytest.fixture(scope="module")
+def greedy_text(stories) -> str:
+    """The text of PROMPT's 80 greedy tokens on the module's stories LLM, generated once for
+    the stop-rule tests (greedy tokens are the same whatever the prefix cache holds:
+    test_a_repeated_prompt_reuses_its_prefix_kv)."""
+    llm, _ = stories
+    out, = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)
     return out.outputs[0].text
 
 
 @pytest.mark.parametrize("stop", ["park", "ed to", "Lily. She"])
-def test_stop_string_ends_the_text_before_it(stories, stop):
+def test_stop_string_ends_the_text_before_it(stories, greedy_text, stop):
     llm, _ = stories
-    full = greedy_text(llm)
+    full = greedy_text
     assert stop in full
     params = SamplingParams(temperature=0, max_tokens=80, stop=["never appears", stop])
     out, = llm.generate(PROMPT, params, use_tqdm=False)
@@ -182,11 +186,11 @@ def test_stop_string_ends_the_text_before_it(stories, stop):
     assert not any(stop in d for d in deltas)
 
 
-def test_a_held_back_stop_prefix_is_released_when_no_stop_follows(stories):
+def test_a_held_back_stop_prefix_is_released_when_no_stop_follows(stories, greedy_text):
     """"Lily" begins the stop string "Lily!" but is followed by something else: the stream
     holds it back, then must release it."""
     llm, _ = stories
-    full = greedy_text(llm)
+    full = greedy_text
     assert "Lily" in full and "Lily!" not in full
     params = SamplingParams(temperature=0, max_tokens=80, stop=["Lily!"])
     assert "".join(llm.stream(PROMPT, params)) == full
