@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import openai
 import pytest
-from example_tools import WEATHER, WEATHER_PARAMETERS
+from example_tools import WEATHER, WEATHER_PARAMETERS, assert_valid_call
 
 from fastllm.entrypoints.openai.tool_parsers import GenericToolFormat
 
@@ -27,14 +26,6 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris for the ne
 @pytest.fixture(scope="module")
 def client(smollm2_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
-
-
-def valid_call(call, names=("get_weather", "get_time")) -> dict:
-    assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name in names
-    arguments = json.loads(call.function.arguments)
-    jsonschema.validate(arguments, SCHEMAS[call.function.name])
-    return arguments
 
 
 def streamed(stream) -> tuple[str | None, list[tuple[str, str]], str]:
@@ -62,7 +53,7 @@ def test_forced_call_without_a_parser(client, tool_choice):
     reply = client.chat.completions.create(**kwargs).choices[0]
     assert reply.finish_reason == "tool_calls" and reply.message.content is None
     [call] = reply.message.tool_calls
-    valid_call(call, names)
+    assert_valid_call(call, SCHEMAS, names)
     content, calls, finish = streamed(client.chat.completions.create(stream=True, **kwargs))
     assert (content, calls, finish) == (
         None, [(call.function.name, call.function.arguments)], "tool_calls")
@@ -100,7 +91,7 @@ def test_a_round_trip_under_auto(client, smollm2_llm):
         parallel_tool_calls=False, max_tokens=60, seed=0).choices[0].message
     [call] = first.tool_calls
     assert first.content is None
-    arguments = valid_call(call)
+    arguments = assert_valid_call(call, SCHEMAS)
     messages = [*QUESTION, first.model_dump(exclude_none=True),
                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
     kwargs = dict(model="smollm2", messages=messages, tools=[WEATHER], max_tokens=40, seed=0)
@@ -116,7 +107,7 @@ def test_a_round_trip_under_auto(client, smollm2_llm):
     assert reply.usage.prompt_tokens == len(expected)
     choice = reply.choices[0]
     for tool_call in choice.message.tool_calls or []:
-        valid_call(tool_call, ("get_weather",))
+        assert_valid_call(tool_call, SCHEMAS, ("get_weather",))
     if not choice.message.tool_calls:
         assert choice.message.content and "<tool_call>" not in choice.message.content
     content, calls, finish = streamed(client.chat.completions.create(stream=True, **kwargs))
@@ -136,7 +127,7 @@ def test_parallel_tool_calls_false_allows_one_call(client):
                 parallel_tool_calls=False, max_tokens=120, seed=seed).choices[0]
             assert len(reply.message.tool_calls or []) <= 1
             for call in reply.message.tool_calls or []:
-                valid_call(call)
+                assert_valid_call(call, SCHEMAS)
     several = [len(client.chat.completions.create(
         model="smollm2", messages=ask, tools=[WEATHER, TIME], tool_choice="required",
         max_tokens=200, seed=seed).choices[0].message.tool_calls) for seed in range(3)]

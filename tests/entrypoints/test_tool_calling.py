@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 import transformers
-from example_tools import WEATHER, WEATHER_PARAMETERS
+from example_tools import WEATHER, WEATHER_PARAMETERS, assert_valid_call
 from openai_server import running_server
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -63,14 +63,6 @@ def hf_tokenizer(tiny_qwen3):
     return transformers.AutoTokenizer.from_pretrained(tiny_qwen3)
 
 
-def assert_valid_call(call, names=("get_weather", "get_time")) -> dict:
-    assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name in names
-    arguments = json.loads(call.function.arguments)
-    jsonschema.validate(arguments, SCHEMAS[call.function.name])
-    return arguments
-
-
 def stream_message(stream) -> tuple[str | None, list[dict], str]:
     """A streamed reply put back together as the SDKs do: content, calls, finish reason."""
     content, calls, finish = None, [], None
@@ -103,7 +95,7 @@ def test_forced_call_is_valid(client, tool_choice):
         choice0 = reply.choices[0]
         assert choice0.finish_reason == "tool_calls"
         assert choice0.message.content is None and len(choice0.message.tool_calls) == 1
-        assert_valid_call(choice0.message.tool_calls[0], names)
+        assert_valid_call(choice0.message.tool_calls[0], SCHEMAS, names)
         # Streamed, with the same seed: the same call, in OpenAI's deltas.
         content, calls, finish = stream_message(client.chat.completions.create(
             model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], tool_choice=choice,
@@ -120,7 +112,7 @@ def test_parallel_required_calls_are_valid(client):
     calls = reply.choices[0].message.tool_calls
     assert calls and len({call.id for call in calls}) == len(calls)
     for call in calls:
-        assert_valid_call(call)
+        assert_valid_call(call, SCHEMAS)
 
 
 def test_tools_and_results_render_as_hf(client, hf_tokenizer):
@@ -193,7 +185,7 @@ def test_auto_reads_a_call_the_reply_makes(llm):
     assert reply.finish_reason == finish == "tool_calls"
     assert reply.message.content is None and content is None
     [call] = reply.message.tool_calls
-    arguments = assert_valid_call(call, ("get_weather",))
+    arguments = assert_valid_call(call, SCHEMAS, ("get_weather",))
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather",
                                                                          arguments)]
 
