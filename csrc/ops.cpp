@@ -49,6 +49,11 @@ constexpr const char* kSchemas[] = {
     // x [rows, in] times weight [out, in] transposed, plus bias: F.linear for 2-D inputs. On
     // the CPU a few rows (decode) stream the weights once at memory bandwidth.
     "linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    // Batched LoRA in place (Punica's BGMV): y[t] += lora_b[s] @ (lora_a[s] @ x[t]) for each
+    // token t of slot s = token_slots[t] (int32; -1: none), adapters lora_a [S, R, in] and
+    // lora_b [S, out, R] with 1 <= R <= 1024; the shrink rounded to x's dtype, the expand added
+    // to y with one rounding.
+    "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor token_slots) -> ()",
     // Rotary position embedding applied in place to q and, if given, k.
     "rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!)? k, Tensor cos_sin_cache, *, "
     "bool is_neox=True, int? rotary_dim=None) -> ()",

@@ -17,7 +17,7 @@ PACKAGE = Path(fastllm.__file__).resolve().parent
 LAYERS = [{"fastllm", "fastllm._C", "fastllm.ops", "fastllm.gguf_file",
            "fastllm.gc_pause", "fastllm.hub"},
           {"fastllm.kv_cache", "fastllm.sampling", "fastllm.tokenizer"},
-          {"fastllm.models"}, {"fastllm.engine"}, {"fastllm.entrypoints"},
+          {"fastllm.models", "fastllm.lora"}, {"fastllm.engine"}, {"fastllm.entrypoints"},
           {"fastllm.bench", "fastllm.__main__"}]
 
 

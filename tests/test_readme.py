@@ -22,7 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 from hub_server import LocalHub
+from lora.peft_models import save_adapter
 from tiny_hf import tiny_qwen3_folder
+from transformers import AutoModelForCausalLM
 
 from fastllm.bench.gguf_files import rewrite_gguf
 
@@ -123,6 +125,12 @@ def hub_env(tmp_path_factory, model_path, smollm2_path):
             model = tiny_qwen3_folder(folder / repo.replace("/", "--"), tokenizer, seed,
                                       max_position_embeddings=40960)  # Qwen3's context
             hub.add(repo, {p.name: p for p in model.iterdir()})
+        # The LoRA adapter README names, a random one of the Qwen3-0.6B stand-in's shape.
+        adapter = save_adapter(AutoModelForCausalLM.from_pretrained(folder / "Qwen--Qwen3-0.6B"),
+                               folder / "adapter", seed=0, r=16, lora_alpha=32,
+                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        hub.add("Nishef/Qwen3-0.6B-Full_KTO_20251225_102050",
+                {p.name: p for p in adapter.iterdir() if p.is_file()})
         q8 = folder / "SmolLM2-135M-Instruct-Q8_0.gguf"
         rewrite_gguf(smollm2_path, q8, "Q8_0")
         hub.add("bartowski/SmolLM2-135M-Instruct-GGUF", {q8.name: q8, "README.md": b"# SmolLM2"})
@@ -134,9 +142,9 @@ def hub_env(tmp_path_factory, model_path, smollm2_path):
 
 
 def run_block(block: Block, env: dict[str, str], folder: Path, *, stdin: str | None = None,
-              port: int | None = None) -> subprocess.CompletedProcess:
-    """Runs ``block`` as a file, its port replaced by ``port`` (a free one)."""
-    code = block.code if port is None else block.code.replace(str(_port(block.code)), str(port))
+              ports: tuple[int, int] | None = None) -> subprocess.CompletedProcess:
+    """Runs ``block`` as a file; ``ports``: (the README's port, a free one to use instead)."""
+    code = block.code if ports is None else block.code.replace(*map(str, ports))
     suffix = ".py" if block.language == "python" else ".sh"
     script = folder / f"readme_line_{block.line}{suffix}"
     script.write_text(code)
@@ -193,7 +201,7 @@ def test_server_blocks_run(block, hub_env, tmp_path):
         clients = server_clients(block)
         assert clients, "a server block is followed by blocks that use it"
         for client in clients:
-            check(client, run_block(client, hub_env, tmp_path, port=port))
+            check(client, run_block(client, hub_env, tmp_path, ports=(_port(block.code), port)))
     finally:
         with contextlib.suppress(ProcessLookupError):  # it may have exited on its own
             os.killpg(server.pid, signal.SIGTERM)

@@ -30,6 +30,7 @@ std::string python_type() {
   else if constexpr (std::is_same_v<T, at::Tensor>) return "a Tensor";
   else if constexpr (std::is_same_v<T, Projection>) return "a list of ProjectionPart";
   else if constexpr (std::is_same_v<T, Experts>) return "an Experts";
+  else if constexpr (std::is_same_v<T, ProjectionLoRA>) return "a ProjectionLoRA";
   else if constexpr (std::is_same_v<T, bool>) return "a bool";
   else if constexpr (std::is_same_v<T, int64_t>) return "an int";
   else if constexpr (std::is_same_v<T, double>) return "a float";
@@ -205,6 +206,11 @@ void bind_decoder(py::module_& m) {
       m, "ProjectionPart",
       "A run of a projection's output rows: a float ``weight`` run by fastllm.ops.linear, or "
       "ggml blocks run by fastllm.ops.quantized_linear.");
+  bind_record<ProjectionLoRA>(
+      m, "ProjectionLoRA",
+      "The LoRA adapters a projection may add, one per slot: a token of slot s (DecoderStep's "
+      "``lora_slots``) gets ``lora_b[s] @ (lora_a[s] @ x)`` added to the projection's output, by "
+      "fastllm.ops.add_lora.");
   bind_record<Experts>(
       m, "Experts",
       "A mixture-of-experts MLP, run by fastllm.ops.moe: the ``router`` projection's logits pick "

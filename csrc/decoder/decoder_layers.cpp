@@ -34,6 +34,14 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, int64
   return handle.call(x, weight, weight_type, bias);
 }
 
+void add_lora(at::Tensor& y, const at::Tensor& x, const ProjectionLoRA& lora,
+              const at::Tensor& token_slots) {
+  static const auto handle =
+      op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&)>("fastllm::add_lora");
+  handle.call(y, x, lora.lora_a, lora.lora_b, token_slots);
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   static const auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("fastllm::rms_norm");
@@ -116,6 +124,15 @@ at::Tensor all_reduce(const at::Tensor& x, const std::string& group_name) {
 
 }  // namespace ops
 
+// The projection's output plus, on a step with adapters, each token's LoRA (of its slot).
+at::Tensor project(const Projection& projection, const at::Tensor& x,
+                   const std::optional<ProjectionLoRA>& lora, const DecoderStep& step) {
+  at::Tensor y = project(projection, x);
+  if (lora.has_value() && step.lora_slots.has_value())
+    ops::add_lora(y, x, *lora, *step.lora_slots);
+  return y;
+}
+
 // Fused QKV projection, optional q/k RMSNorm, RoPE (with `table`, none in a NoPE layer), paged
 // cache write and attention, then the output projection: [T, hidden] -> [T, hidden].
 at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_cache,
@@ -123,7 +140,7 @@ at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_c
                   bool pre_rope) {
   const int64_t tokens = x.size(0);
   // Strided views of one matmul: q [T, n_heads, head_dim], k and v [T, n_kv_heads, head_dim].
-  const auto qkv = project(layer.qkv, x).view({tokens, -1, layer.head_dim}).split_with_sizes(
+  const auto qkv = project(layer.qkv, x, layer.qkv_lora, step).view({tokens, -1, layer.head_dim}).split_with_sizes(
       {layer.n_heads, layer.n_kv_heads, layer.n_kv_heads}, 1);
   at::Tensor q = qkv[0], k = qkv[1];
   const at::Tensor& v = qkv[2];
@@ -150,17 +167,19 @@ at::Tensor attend(const DecoderLayer& layer, const at::Tensor& x, at::Tensor k_c
     out = ops::attention(q, k, v, step.cu_seqlens_q, step.max_seqlen_q, layer);
   else
     out = ops::paged_attention(q, k_cache, v_cache, step, layer, key_rotation);
-  return project(layer.o, out.view({tokens, -1}));
+  return project(layer.o, out.view({tokens, -1}), layer.o_lora, step);
 }
 
 // The dense gated MLP (gate|up, the activation, down) or the experts: [T, hidden] -> [T, hidden].
-at::Tensor feed_forward(const DecoderLayer& layer, const at::Tensor& x) {
+at::Tensor feed_forward(const DecoderLayer& layer, const at::Tensor& x, const DecoderStep& step) {
   if (layer.experts.has_value())
     return ops::moe(x, project(layer.experts->router, x), *layer.experts);
-  const at::Tensor gate_up = project(*layer.gate_up, x);  // [T, 2 * intermediate]
-  return project(*layer.down, layer.activation == Activation::kGeluTanh
-                                  ? ops::gelu_tanh_and_mul(gate_up)
-                                  : ops::silu_and_mul(gate_up));
+  // [T, 2 * intermediate]
+  const at::Tensor gate_up = project(*layer.gate_up, x, layer.gate_up_lora, step);
+  return project(*layer.down,
+                 layer.activation == Activation::kGeluTanh ? ops::gelu_tanh_and_mul(gate_up)
+                                                           : ops::silu_and_mul(gate_up),
+                 layer.down_lora, step);
 }
 
 // Adds the pending branch output x into the residual stream res (none yet: x is the stream)
@@ -210,6 +229,15 @@ at::Tensor project(const Projection& projection, const at::Tensor& x) {
 void check_record(const ProjectionPart& part) {
   TORCH_CHECK_VALUE(part.weight.defined(), "a ProjectionPart needs a weight");
   check_weight_type(part.weight_type, "weight_type");
+}
+
+void check_record(const ProjectionLoRA& lora) {
+  check_rank(lora.lora_a, 3, "lora_a", "[slots, rank, in]");
+  check_rank(lora.lora_b, 3, "lora_b", "[slots, out, rank]");
+  TORCH_CHECK_VALUE(lora.lora_a.size(0) == lora.lora_b.size(0) &&
+                        lora.lora_a.size(1) == lora.lora_b.size(2),
+                    "lora_a [slots, rank, in] and lora_b [slots, out, rank] must agree on slots "
+                    "and rank, got ", lora.lora_a.sizes(), " and ", lora.lora_b.sizes());
 }
 
 void check_record(const Experts& experts) {
@@ -267,6 +295,12 @@ void check_record(const DecoderStep& step) {
                     step.cu_seqlens_q.sizes(), " and ", step.block_tables.sizes());
   TORCH_CHECK_VALUE(step.max_seqlen_q >= 0, "max_seqlen_q must be >= 0, got ",
                     step.max_seqlen_q);
+  if (step.lora_slots.has_value()) {
+    check_tensor(*step.lora_slots, "lora_slots", 1, "[tokens]", at::kInt, step.positions);
+    TORCH_CHECK_VALUE(step.lora_slots->size(0) == step.positions.size(0), "a step of ",
+                      step.positions.size(0), " tokens needs lora_slots [",
+                      step.positions.size(0), "], got ", step.lora_slots->sizes());
+  }
 }
 
 DecoderLayers::DecoderLayers(std::vector<DecoderLayer> layers,
@@ -308,7 +342,7 @@ std::pair<at::Tensor, at::Tensor> DecoderLayers::forward(at::Tensor x,
     if (group_name_.has_value()) x = ops::all_reduce(x, *group_name_);  // o's partial sums
     if (layer.post_attention_norm.has_value())
       x = ops::rms_norm(x, *layer.post_attention_norm, layer.eps);
-    x = feed_forward(layer, branch_input(x, res, layer.pre_feedforward_norm, layer.eps));
+    x = feed_forward(layer, branch_input(x, res, layer.pre_feedforward_norm, layer.eps), step);
     if (group_name_.has_value()) x = ops::all_reduce(x, *group_name_);  // down's partial sums
     if (layer.post_feedforward_norm.has_value())
       x = ops::rms_norm(x, *layer.post_feedforward_norm, layer.eps);

@@ -76,6 +76,20 @@ at::Tensor project(const Projection& projection, const at::Tensor& x);
         "gate_up's weight type; None for floats.")                                               \
   FIELD(std::optional<int64_t>, down_type, std::nullopt, "down's weight type; None for floats.")
 
+#define FASTLLM_PROJECTION_LORA_FIELDS(REQUIRED, FIELD)                                          \
+  REQUIRED(at::Tensor, lora_a,                                                                   \
+           "[slots, rank, in]: each adapter slot's A (rows past its rank zero).")                \
+  REQUIRED(at::Tensor, lora_b,                                                                   \
+           "[slots, out, rank]: each adapter slot's B, its scaling folded in (columns past its " \
+           "rank zero).")
+
+// The LoRA adapters a projection may add (fastllm::add_lora), each token with the adapter of its
+// slot (DecoderStep::lora_slots): the adapters live in these slots on the device, so a step with
+// many adapters adds two small matmuls a projection.
+struct ProjectionLoRA {
+  FASTLLM_RECORD(ProjectionLoRA, FASTLLM_PROJECTION_LORA_FIELDS)
+};
+
 // A mixture-of-experts MLP: the router's logits, then fastllm::moe over the experts.
 struct Experts {
   FASTLLM_RECORD(Experts, FASTLLM_EXPERTS_FIELDS)
@@ -121,7 +135,14 @@ inline constexpr std::array<const char*, 2> kActivationNames = {"silu", "gelu_ta
         "RMSNorm of q before RoPE: per head [head_dim], or over all heads [n_heads * head_dim] " \
         "with qk_norm_per_head False; given with k_norm.")                                       \
   FIELD(OptionalTensor, k_norm, std::nullopt, "RMSNorm of k before RoPE, as q_norm.")            \
-  FIELD(bool, qk_norm_per_head, true, "Whether q_norm and k_norm are per head.")
+  FIELD(bool, qk_norm_per_head, true, "Whether q_norm and k_norm are per head.")              \
+  FIELD(std::optional<ProjectionLoRA>, qkv_lora, std::nullopt,                                   \
+        "LoRA adapter slots of qkv (q, k and v stacked along the rank), or None.")               \
+  FIELD(std::optional<ProjectionLoRA>, o_lora, std::nullopt, "LoRA adapter slots of o, or None.") \
+  FIELD(std::optional<ProjectionLoRA>, gate_up_lora, std::nullopt,                               \
+        "LoRA adapter slots of gate_up (gate and up stacked along the rank), or None.")          \
+  FIELD(std::optional<ProjectionLoRA>, down_lora, std::nullopt,                                  \
+        "LoRA adapter slots of down, or None.")
 
 // One decoder layer: attention, then the MLP, each a residual branch. Each branch's input is
 // normalized when its input norm is set (input_norm, pre_feedforward_norm: Llama's pre-norm),
@@ -143,7 +164,10 @@ struct DecoderLayer {
            "int64 [T]: each new token's cache slot (block * block_size + offset; -1: none).")    \
   FIELD(bool, keys_are_new, false,                                                               \
         "Every sequence's keys are exactly its new tokens (a prefill with nothing cached): "     \
-        "attention may run on the step's own K/V, packed.")
+        "attention may run on the step's own K/V, packed.")                                     \
+  FIELD(OptionalTensor, lora_slots, std::nullopt,                                                \
+        "int32 [T]: each new token's LoRA adapter slot in the layers' *_lora (-1: none); None: " \
+        "no adapter this step.")
 
 // Where one step's tokens sit in the packed batch and in the paged cache: built once a step by
 // the engine's model runner (or captured once by a CUDA graph) and read as it is by the layers.
@@ -153,6 +177,7 @@ struct DecoderStep {
 
 // Throw a ValueError (TypeError for a value of the wrong kind) naming the field that is wrong.
 void check_record(const ProjectionPart& part);
+void check_record(const ProjectionLoRA& lora);
 void check_record(const Experts& experts);
 void check_record(const DecoderLayer& layer);
 void check_record(const DecoderStep& step);

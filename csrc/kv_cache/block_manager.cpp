@@ -148,9 +148,11 @@ void BlockManager::cache_full_block(Sequence& seq, BlockId id, const int64_t* to
 }
 
 int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token_ids,
-                               bool reuse_cached) {
+                               bool reuse_cached, int64_t cache_salt) {
   TORCH_CHECK_VALUE(sequences_.count(seq_id) == 0, "BlockManager.allocate: sequence ", seq_id,
                     " already exists");
+  TORCH_CHECK_VALUE(cache_salt >= 0 && cache_salt < INT64_MAX, "BlockManager.allocate(seq_id=",
+                    seq_id, "): cache_salt must be in [0, 2**63 - 1), got ", cache_salt);
   check_token_ids(token_ids, "allocate", seq_id);
   const int64_t n = int64_t(token_ids.size());
   const int64_t num_full = n / block_size_;
@@ -160,7 +162,10 @@ int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token
   const int64_t num_reusable =
       enable_prefix_caching_ && reuse_cached && n > 0 ? (n - 1) / block_size_ : 0;
   std::vector<BlockId> blocks;
-  uint64_t prefix_id = kEmptyPrefix;
+  // A salted chain starts from a root of its own, above every counted prefix id (those count
+  // up from 1 and never reach 2**63) and below kUncachablePrefix.
+  uint64_t prefix_id =
+      cache_salt == 0 ? kEmptyPrefix : (uint64_t(1) << 63) | uint64_t(cache_salt);
   int64_t num_hits_evictable = 0;  // hits that stop being available for new KV
   for (int64_t i = 0; i < num_reusable; ++i) {
     const BlockId hit = find_cached(prefix_id, token_ids.data() + i * block_size_);

@@ -51,8 +51,10 @@ class BlockManager {
 
   // Registers a sequence holding a prompt; returns how many of its tokens already have cached KV
   // (a multiple of block_size, at most len - 1 so that one token is left to compute).
+  // Blocks are shared only between sequences of the same cache_salt (>= 0): KV computed under
+  // one LoRA adapter, the engine's salt, never serves another.
   int64_t allocate(int64_t seq_id, const std::vector<int64_t>& token_ids,
-                   bool reuse_cached = true);
+                   bool reuse_cached = true, int64_t cache_salt = 0);
   // Extends a sequence; returns the copies copy-on-write needs before the new KV is written.
   // `cacheable` false: the new tokens' KV is not what a plain causal prefill of the sequence
   // computes (independent chunks), so neither their blocks nor any later ones of the sequence

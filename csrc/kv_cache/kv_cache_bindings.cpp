@@ -46,14 +46,16 @@ Unknown or duplicate sequence ids and negative token ids raise ValueError. Not t
       .def(py::init<int64_t, int64_t, bool>(), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("enable_prefix_caching") = true)
       .def("allocate", &BlockManager::allocate, py::arg("seq_id"), py::arg("token_ids"),
-           py::arg("reuse_cached") = true, R"doc(
+           py::arg("reuse_cached") = true, py::arg("cache_salt") = 0, R"doc(
 Registers sequence ``seq_id`` holding the prompt ``token_ids`` in ceil(len / block_size) blocks.
 
 Returns how many leading prompt tokens already have their KV in the pools (reused cached
 blocks): a multiple of block_size, capped at the largest one <= len - 1 so that at least the
 last token is computed and yields logits. The caller computes the tokens from there on.
 ``reuse_cached=False`` reuses none (a caller that needs every prompt token's logits); the
-sequence's blocks still enter the prefix cache as they are computed.)doc")
+sequence's blocks still enter the prefix cache as they are computed. Blocks are shared only
+between sequences of the same ``cache_salt`` (an int >= 0; the engine passes the LoRA adapter's
+id, so that KV computed under one adapter never serves another).)doc")
       .def("append_tokens", &BlockManager::append_tokens, py::arg("seq_id"), py::arg("token_ids"),
            py::arg("cacheable") = true, R"doc(
 Extends sequence ``seq_id`` by ``token_ids`` (decoded tokens or a prefill chunk), taking new

@@ -6,7 +6,8 @@ The package is laid out by layer; each imports only those below it:
   plain-PyTorch twins (``fastllm.ops.reference``); ``fastllm.MaskCache``, the causal-mask cache.
 - ``fastllm.kv_cache``: KV pools and the block manager; ``fastllm.sampling``: ``SamplingParams``
   and the sampling step; ``fastllm.tokenizer``: tokenizers, chat templates, detokenization.
-- ``fastllm.models``: the decoder family, its loaders (safetensors, GGUF) and the model pool.
+- ``fastllm.models``: the decoder family, its loaders (safetensors, GGUF) and the model pool;
+  ``fastllm.lora``: peft LoRA adapters (``LoRARequest``) and the slots a worker holds them in.
 - ``fastllm.engine``: requests, the scheduler, the model runner, continuous batching.
 - ``fastllm.entrypoints``: ``LLM``, ``AsyncLLM``, ``Reranker`` and the ``fastllm`` command.
 
@@ -32,14 +33,15 @@ MaskCache = _C.MaskCache
 # Public name -> the module that defines it (a module itself when the name is a subpackage).
 _EXPORTS = {
     "ops": "fastllm.ops", "kv_cache": "fastllm.kv_cache", "sampling": "fastllm.sampling",
-    "tokenizer": "fastllm.tokenizer", "models": "fastllm.models", "engine": "fastllm.engine",
+    "tokenizer": "fastllm.tokenizer", "models": "fastllm.models", "lora": "fastllm.lora",
+    "engine": "fastllm.engine",
     "entrypoints": "fastllm.entrypoints",
     "BlockManager": "fastllm.kv_cache", "KVCacheFullError": "fastllm.kv_cache",
     "SampleOutput": "fastllm.sampling", "SamplingParams": "fastllm.sampling",
     "SamplingTensors": "fastllm.sampling", "sample_next_tokens": "fastllm.sampling",
     "StructuredOutputsParams": "fastllm.sampling",
     "IncrementalDetokenizer": "fastllm.tokenizer", "Tokenizer": "fastllm.tokenizer",
-    "load": "fastllm.models.pool",
+    "load": "fastllm.models.pool", "LoRARequest": "fastllm.lora",
     "CompletionOutput": "fastllm.engine.outputs", "Logprob": "fastllm.engine.outputs",
     "RequestMetrics": "fastllm.engine.outputs", "RequestOutput": "fastllm.engine.outputs",
     "ChunkedPrompt": "fastllm.engine.chunked_prompt",

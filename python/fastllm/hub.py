@@ -22,8 +22,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-__all__ = ["ModelNotFoundError", "HubModel", "parse_model_name", "resolve_model",
-           "resolve_tokenizer"]
+__all__ = ["ModelNotFoundError", "HubModel", "download_files", "parse_model_name", "repo_files",
+           "resolve_model", "resolve_tokenizer"]
 
 # Files a tokenizer folder may be read from (fastllm.Tokenizer.from_pretrained).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -85,18 +85,18 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> Path
                              "local path")
         return path
     name = _hub_name(model, "model")
-    files = _repo_files(name.repo_id, revision)
+    files = repo_files(name.repo_id, revision)
     if name.quant is not None or name.filename is not None or (
             "config.json" not in files and any(_is_gguf(f) for f in files)):
         wanted = _gguf_files(name, files)
-        folder = _download(name, revision, wanted)
+        folder = download_files(name, revision, wanted)
         return folder / wanted[0]
     if "config.json" not in files:
         raise ModelNotFoundError(f"{name.repo_id} (revision {revision or 'main'}) holds no "
                                  "config.json and no .gguf file: not a model fastllm can load")
     wanted = [f for f in files if f in TOKENIZER_FILES]
     if _INDEX in files:
-        index = _download(name, revision, [_INDEX]) / _INDEX
+        index = download_files(name, revision, [_INDEX]) / _INDEX
         try:
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"]
                                 .values()))
@@ -108,7 +108,7 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> Path
         wanted += [f for f in files if "/" not in f and f.endswith(".safetensors")]
     # No safetensors: download config and tokenizer only; the loader then names the pickle
     # files it refuses.
-    return _download(name, revision, wanted)
+    return download_files(name, revision, wanted)
 
 
 def resolve_tokenizer(tokenizer: str | os.PathLike, revision: str | None = None) -> Path:
@@ -122,12 +122,12 @@ def resolve_tokenizer(tokenizer: str | os.PathLike, revision: str | None = None)
                              f"hub; {tokenizer} is a local path")
         return path
     name = _hub_name(tokenizer, "tokenizer")
-    files = _repo_files(name.repo_id, revision)
+    files = repo_files(name.repo_id, revision)
     wanted = [f for f in files if f in TOKENIZER_FILES]
     if name.quant is not None or name.filename is not None or not (
             "tokenizer.json" in wanted or "tokenizer.model" in wanted):
         return resolve_model(str(name), revision)
-    return _download(name, revision, wanted)
+    return download_files(name, revision, wanted)
 
 
 def _hub_name(model: str | os.PathLike, what: str) -> HubModel:
@@ -170,7 +170,7 @@ def _hub_error(error: Exception, name: HubModel, revision: str | None) -> ModelN
     return ModelNotFoundError(message)
 
 
-def _repo_files(repo_id: str, revision: str | None) -> list[str]:
+def repo_files(repo_id: str, revision: str | None) -> list[str]:
     """The files of the repo at ``revision``: listed by the hub, else (offline or unreachable)
     those of its cached snapshot."""
     from huggingface_hub import HfApi, constants, snapshot_download
@@ -246,7 +246,7 @@ def _models(ggufs: list[str]) -> dict[str, list[str]]:
     return models
 
 
-def _download(name: HubModel, revision: str | None, files: list[str]) -> Path:
+def download_files(name: HubModel, revision: str | None, files: list[str]) -> Path:
     """The snapshot folder holding ``files`` of the repo, downloaded (with huggingface_hub's
     progress bars) where the cache lacks them."""
     from huggingface_hub import snapshot_download

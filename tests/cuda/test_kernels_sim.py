@@ -372,6 +372,94 @@ def test_moe_quantized_grouped_path_runs_quantized_linear(sim, type_name):
     assert_within_twice_plain_error(got.double(), plain.double(), expected)
 
 
+# --- batched LoRA ---------------------------------------------------------------------------
+
+def lora_inputs(tokens, slots, rank, in_features, out_features, dtype=F32):
+    """(y, x, lora_a, lora_b, token_slots): every slot and -1 in turn, the LoRA term O(1)."""
+    y = torch.randn(tokens, out_features, dtype=dtype)
+    x = torch.randn(tokens, in_features, dtype=dtype)
+    lora_a = (torch.randn(slots, rank, in_features) / in_features**0.5).to(dtype)
+    lora_b = (torch.randn(slots, out_features, rank) / rank**0.5).to(dtype)
+    token_slots = (torch.arange(tokens, dtype=torch.int32) % (slots + 1)) - 1
+    return y, x, lora_a, lora_b, token_slots
+
+
+def lora_plain(y, x, lora_a, lora_b, token_slots):
+    """peft's eager lora_B(lora_A(x)) per slot in the inputs' dtype, added to y."""
+    out = y.clone()
+    for s in range(lora_a.shape[0]):
+        rows = (token_slots == s).nonzero().squeeze(1)
+        out[rows] += torch.nn.functional.linear(torch.nn.functional.linear(x[rows], lora_a[s]),
+                                                lora_b[s])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, FP16])
+@pytest.mark.parametrize("rank, lanes", [(1, 1), (5, 8), (16, 16), (33, 32), (1024, 32)])
+def test_add_lora_matches_float64(sim, dtype, rank, lanes):
+    """The shrink: a block per token and 8 rank rows, a warp per rank row. The expand: a block
+    per token and 256 / lanes output rows, lanes the rank rounded up to a power of two (at most a
+    warp) per row. Tokens of slot -1 are left as they are; the rest match the float64 twin (and
+    in float32 the CPU kernel)."""
+    tokens, in_features, out_features = 9, 70, 45
+    y, x, lora_a, lora_b, token_slots = lora_inputs(tokens, 3, rank, in_features, out_features,
+                                                    dtype)
+    got = y.clone()
+    sim.add_lora(got, x, lora_a, lora_b, token_slots)
+    shrink, expand = sim.take_launch_log().tolist()
+    assert shrink == [tokens, math.ceil(rank / 8), 1, 256, 1, 1, 0]
+    assert expand == [tokens, math.ceil(out_features / (256 // lanes)), 1, 256, 1, 1, 0]
+    untouched = token_slots < 0
+    assert torch.equal(got[untouched], y[untouched])
+    expected = reference.add_lora(y, x, lora_a, lora_b, token_slots)
+    judge(got, lambda: lora_plain(y, x, lora_a, lora_b, token_slots), expected, dtype)
+    if dtype == F32:
+        cpu = y.clone()
+        ops.add_lora(cpu, x, lora_a, lora_b, token_slots)
+        torch.testing.assert_close(got, cpu, atol=F32_TOL, rtol=F32_TOL)
+
+
+def test_add_lora_writes_only_y_through_its_row_stride(sim):
+    """y a column slice of a NaN buffer: the rows step by the buffer's stride, and nothing
+    outside the slice is written."""
+    y, x, lora_a, lora_b, token_slots = lora_inputs(6, 2, 16, 64, 40, BF16)
+    buffer = torch.full((6, 48), math.nan, dtype=BF16)
+    target = buffer[:, 3:43]
+    target.copy_(y)
+    sim.add_lora(target, x, lora_a, lora_b, token_slots)
+    assert buffer[:, :3].isnan().all() and buffer[:, 43:].isnan().all()
+    expected = reference.add_lora(y, x, lora_a, lora_b, token_slots)
+    judge(target, lambda: lora_plain(y, x, lora_a, lora_b, token_slots), expected, BF16)
+
+
+def test_add_lora_rejects_a_slot_out_of_range_unless_trusted(sim):
+    y, x, lora_a, lora_b, _ = lora_inputs(4, 2, 8, 32, 24)
+    bad = torch.tensor([0, 2, 1, -3], dtype=torch.int32)
+    target = y.clone()
+    with pytest.raises(ValueError, match=r"token_slots\[1\]=2 is outside \[-1, 2\)"):
+        sim.add_lora(target, x, lora_a, lora_b, bad)
+    assert torch.equal(target, y), "a rejected call wrote"
+    assert sim.take_launch_log().numel() == 0, "a rejected call launched"
+    sim.set_trusted_inputs(True)
+    sim.add_lora(target, x, lora_a, lora_b, bad)  # the bad tokens are skipped, the others added
+    assert torch.equal(target[[1, 3]], y[[1, 3]])
+    expected = reference.add_lora(y, x, lora_a, lora_b, torch.tensor([0, -1, 1, -1]))
+    torch.testing.assert_close(target.double(), expected, atol=F32_TOL, rtol=F32_TOL)
+
+
+def test_add_lora_does_not_depend_on_the_threads_order(sim):
+    """The expand stages each token's shrink result in shared memory behind a barrier: each
+    block's threads run first to last, then last to first, with the same bits."""
+    y, x, lora_a, lora_b, token_slots = lora_inputs(5, 2, 40, 64, 70, BF16)
+    runs = []
+    for reverse in (False, True):
+        sim.configure(SMS, reverse, False)
+        target = y.clone()
+        sim.add_lora(target, x, lora_a, lora_b, token_slots)
+        runs.append(target)
+    assert torch.equal(runs[0], runs[1])
+
+
 # --- scheduling order -----------------------------------------------------------------------
 
 def test_results_do_not_depend_on_the_threads_order(sim):

@@ -150,10 +150,10 @@ def test_a_model_step_that_raises_is_rerun_request_by_request(llm, monkeypatch):
     long_prompt = {"prompt_token_ids": [1] + list(range(100, 145))}  # 46 tokens
     model = llm.model
 
-    def forward(input_ids, step, kv_cache):
+    def forward(input_ids, step, kv_cache, lora=None):
         if int(step.positions.max()) >= 50:
             raise RuntimeError("position 50 is poisoned")
-        return type(model).forward(model, input_ids, step, kv_cache)
+        return type(model).forward(model, input_ids, step, kv_cache, lora)
 
     monkeypatch.setattr(model, "forward", forward)
     params_long = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)

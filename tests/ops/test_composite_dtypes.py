@@ -111,6 +111,10 @@ CASES = {
                                 1e-6), {}),
     "add_rms_norm": lambda dtype: ((torch.randn(3, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype),
                                     torch.randn(16, dtype=dtype), 1e-6), {}),
+    "add_lora": lambda dtype: ((torch.randn(4, 24, dtype=dtype), torch.randn(4, 16, dtype=dtype),
+                                torch.randn(3, 8, 16, dtype=dtype),
+                                torch.randn(3, 24, 8, dtype=dtype),
+                                torch.tensor([2, -1, 0, 2], dtype=torch.int32)), {}),
     "silu_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
     "gelu_tanh_and_mul": lambda dtype: ((torch.randn(3, 32, dtype=dtype),), {}),
     # Q4_K gate|up experts (random blocks), float down experts.

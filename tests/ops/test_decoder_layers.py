@@ -3,7 +3,7 @@ fastllm.ops.reference.decoder_layers: a prefill step then a decode step over two
 paged cache whose unwritten slots hold NaN, with float and block-quantized (mixed-format)
 projections, and each family's layer: q/k norms per head or over all heads, pre-, post- and
 sandwich norms, GELU-tanh, soft-capped scores, a mixture of experts, a NoPE layer, a sliding
-window, two RoPE tables, partial rotary and pre-RoPE caches."""
+window, two RoPE tables, partial rotary, pre-RoPE caches and LoRA adapter slots."""
 
 from __future__ import annotations
 
@@ -186,6 +186,49 @@ def test_decoder_layers_match_their_float64_twin(dtype, quantized, variant):
                                    rtol=tolerance, atol=tolerance)
 
 
+def lora_slots(fan_in: int, fan_out: int, rank: int, dtype: torch.dtype) -> ops.ProjectionLoRA:
+    """Two adapter slots of a projection, the second's rows and columns past rank 2 zero
+    (a smaller adapter in a slot of ``rank``)."""
+    a, b = torch.randn(2, rank, fan_in) * 0.2, torch.randn(2, fan_out, rank) * 0.2
+    a[1, 2:], b[1, :, 2:] = 0, 0
+    return ops.ProjectionLoRA(a.to(dtype), b.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_lora_slots_match_the_twin(dtype, quantized):
+    """Each token adds its own slot's LoRA (or none) to every projection that has slots,
+    over float and block-quantized weights."""
+    q_rows = N_HEADS * HEAD_DIM
+    qkv_rows = (N_HEADS + 2 * N_KV_HEADS) * HEAD_DIM
+    slots = dict(qkv_lora=lora_slots(HIDDEN, qkv_rows, 12, dtype),
+                 o_lora=lora_slots(q_rows, HIDDEN, 4, dtype),
+                 gate_up_lora=lora_slots(HIDDEN, 2 * INTERMEDIATE, 8, dtype),
+                 down_lora=lora_slots(INTERMEDIATE, HIDDEN, 4, dtype))
+    layers = [as_dtype(layer_weights(quantized), dtype).replace(**slots) for _ in range(2)]
+    tables = [ops.rope_cos_sin_cache(16, HEAD_DIM)]
+    shape = (len(layers), NUM_BLOCKS, BLOCK_SIZE, N_KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    bound = ops.DecoderLayers(layers, tables)
+    plain = None
+    for step in steps():
+        tokens = step.positions.shape[0]
+        step = step.replace(lora_slots=torch.tensor([0, 1, -1] * tokens, dtype=torch.int32)[
+            :tokens])
+        x = torch.randn(tokens, HIDDEN).to(dtype)
+        out, _ = bound(x.clone(), None, step, k_cache, v_cache, False)
+        want, _, ref_k, ref_v = reference.decoder_layers(
+            layers, x, None, step, ref_k, ref_v, rope_tables=tables, pre_rope=False)
+        err = (out.double() - want).abs().max() / want.abs().max()
+        assert err < TOLERANCE[dtype, quantized], f"relative error {err:.3g}"
+        if plain is None:  # the adapters matter: without the step's slots, other outputs
+            plain = ops.DecoderLayers(layers, tables)(
+                x.clone(), None, step.replace(lora_slots=None), k_cache.clone(),
+                v_cache.clone(), False)[0]
+            assert (plain.double() - want).abs().max() / want.abs().max() > 0.05
+
+
 def test_a_decode_layer_is_nine_fastllm_ops():
     """A Qwen3 layer (q/k norms, RoPE) at decode: each step one fastllm op and no other compute
     op (views aside), so on CUDA one kernel each (attention adds its merge of key splits, and
@@ -236,6 +279,10 @@ def test_the_residual_stream_continues_from_the_caller():
     (lambda: dict(use_rope=None), TypeError, "use_rope must be a bool"),
     (lambda: dict(rope_table=1), ValueError, "layer 0 rotates with RoPE table 1 but 1 table"),
     (lambda: dict(eps=1e-5, epsilon=1e-5), TypeError, "DecoderLayer has no field epsilon"),
+    (lambda: dict(o_lora=ops.ProjectionLoRA(torch.zeros(2, 4, 64), torch.zeros(2, 64, 8))),
+     ValueError, "must agree on slots and rank"),
+    (lambda: dict(qkv_lora=torch.zeros(2, 4, 64)), TypeError,
+     "qkv_lora must be a ProjectionLoRA or None"),
 ])
 def test_bad_layers_are_refused(bad, error, match):
     """Each record is checked as it is built (fields, values), the layers as they are bound
@@ -267,6 +314,10 @@ def test_caches_of_another_layer_count_are_refused():
      r"block_tables must be \[batch, max_blocks\]"),
     (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q must be >= 0"),
     (dict(keys_are_new=1), TypeError, "keys_are_new must be a bool"),
+    (dict(lora_slots=torch.zeros(10, dtype=torch.long)), TypeError,
+     "lora_slots must be torch.int32"),
+    (dict(lora_slots=torch.zeros(9, dtype=torch.int32)), ValueError,
+     r"a step of 10 tokens needs lora_slots \[10\]"),
 ])
 def test_bad_steps_are_refused(change, error, match):
     with pytest.raises(error, match=match):

@@ -33,6 +33,7 @@ from fastllm.engine.scheduler_output import (ModelRunnerOutput, SchedulerOutput,
 from fastllm.engine.speculative import SpeculativeConfig
 from fastllm.engine.structured_output import GrammarCompiler
 from fastllm.kv_cache import ChunkIndex
+from fastllm.lora.slots import LoRAConfig
 from fastllm.models.pool import resolve_dtype
 from fastllm.tokenizer import Tokenizer
 
@@ -67,6 +68,8 @@ class EngineConfig:
             SpeculativeConfig` or a dict of its fields, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4}`` or ``{"method": "draft", "model": PATH}``; None
             (default) drafts nothing. Tokens are the same with it as without.
+        lora: serve LoRA adapters (:class:`fastllm.lora.LoRAConfig`: how many in a step, their
+            largest rank, how many kept loaded); None (default): the base model alone.
     """
 
     max_num_seqs: int = 32
@@ -76,8 +79,11 @@ class EngineConfig:
     kv_cache_dtype: str | torch.dtype = "auto"
     batch_invariant: bool = False
     speculative: SpeculativeConfig | Mapping[str, Any] | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise TypeError(f"lora must be a LoRAConfig or None, got {self.lora!r}")
         self.speculative = SpeculativeConfig.of(self.speculative)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
@@ -167,7 +173,9 @@ class Engine:
         self.scheduler = Scheduler(
             kv_cache, SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                       max_num_batched_tokens=config.max_num_batched_tokens,
-                                      max_prefill_chunk=config.max_prefill_chunk),
+                                      max_prefill_chunk=config.max_prefill_chunk,
+                                      max_loras=None if config.lora is None
+                                      else config.lora.max_loras),
             max_model_len, chunk_index)
         self._grammars: GrammarCompiler | None = None  # built for the first constrained request
 
@@ -188,6 +196,20 @@ class Engine:
         """Ends a request now ("abort"): its KV blocks are freed at once."""
         self.scheduler.abort_request(request)
         self._release_finished()
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The names of the LoRA adapters of the running requests, and of the waiting ones
+        (those not running too)."""
+        running = {r.lora_request.lora_name for r in list(self.scheduler.running)
+                   if r.lora_request is not None}
+        waiting = {r.lora_request.lora_name for r in list(self.scheduler.waiting)
+                   if r.lora_request is not None}
+        return sorted(running), sorted(waiting - running)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Has the workers forget a LoRA adapter (unloaded by its server) from the next
+        step."""
+        self.scheduler.remove_lora(lora_int_id)
 
     def fail_request(self, request: Request, error: Exception) -> None:
         """Ends a request that cannot go on (finish_reason "error", ``error`` kept on it): its

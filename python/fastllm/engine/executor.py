@@ -49,6 +49,7 @@ from fastllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fastllm.engine.speculative import SpeculativeConfig
 from fastllm.engine.worker import Worker
 from fastllm.kv_cache import KVPoolPlan, PagedKVCache
+from fastllm.lora.slots import LoRAConfig
 from fastllm.models import DecoderLM, TensorParallel
 from fastllm.models.pool import load
 
@@ -70,14 +71,15 @@ class ExecutorError(RuntimeError):
 
 def make_worker(model: DecoderLM, kv_cache: PagedKVCache, *, max_model_len: int,
                 max_num_seqs: int, enforce_eager: bool,
-                speculative: SpeculativeConfig | None = None, samples: bool = True) -> Worker:
+                speculative: SpeculativeConfig | None = None, samples: bool = True,
+                lora: LoRAConfig | None = None) -> Worker:
     """A worker for ``model`` over ``kv_cache``; on CUDA its decode steps replay CUDA graphs
-    unless ``enforce_eager``."""
+    unless ``enforce_eager`` (steps with LoRA adapters run eagerly)."""
     decode_graphs = (DecodeGraphs(model, kv_cache, max_batch=max_num_seqs,
                                   max_model_len=max_model_len)
                      if kv_cache.k_cache.device.type == "cuda" and not enforce_eager else None)
     return Worker(model, kv_cache, max_model_len=max_model_len, decode_graphs=decode_graphs,
-                  speculative=speculative, samples=samples)
+                  speculative=speculative, samples=samples, lora=lora)
 
 
 class Executor(ABC):
@@ -126,6 +128,7 @@ class ParallelConfig:
         batch_invariant: every rank runs its steps under :func:`fastllm.ops.batch_invariant`.
         block_size, cache_dtype: each rank's KV cache blocks.
         pre_rope: each rank's KV cache holds keys before RoPE (independent-chunk prompts).
+        lora: each rank's LoRA adapter slots, or None without LoRA.
     """
 
     model: str
@@ -139,6 +142,7 @@ class ParallelConfig:
     block_size: int
     cache_dtype: torch.dtype
     pre_rope: bool = False
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         size = self.tensor_parallel_size
@@ -202,7 +206,7 @@ def _rank_worker(config: ParallelConfig, rank: int, model: DecoderLM, max_model_
                             pre_rope=config.pre_rope)
     return make_worker(model, kv_cache, max_model_len=max_model_len,
                        max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
-                       speculative=speculative, samples=rank == 0)
+                       speculative=speculative, samples=rank == 0, lora=config.lora)
 
 
 def _load_shard(config: ParallelConfig, rank: int, groups: _Groups) -> DecoderLM:

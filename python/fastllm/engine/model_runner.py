@@ -25,6 +25,7 @@ from fastllm import ops
 from fastllm.engine.decode_graphs import DecodeGraphs
 from fastllm.engine.scheduler_output import SchedulerOutput, batch_of_sequences
 from fastllm.kv_cache import PagedKVCache
+from fastllm.lora.slots import LoRASlots
 from fastllm.models import DecoderLM
 from fastllm.ops.host_to_device import StagingBuffer
 
@@ -84,8 +85,10 @@ class ModelRunner:
     device in one copy, through the runner's :class:`StagingBuffer`."""
 
     def __init__(self, model: DecoderLM, kv_cache: PagedKVCache,
-                 decode_graphs: DecodeGraphs | None = None) -> None:
+                 decode_graphs: DecodeGraphs | None = None, lora: LoRASlots | None = None
+                 ) -> None:
         self.model, self.kv_cache, self.decode_graphs = model, kv_cache, decode_graphs
+        self.lora = lora
         self.device = kv_cache.k_cache.device
         self.staging = StagingBuffer(self.device)
 
@@ -96,10 +99,14 @@ class ModelRunner:
         travel in the step's one host-to-device copy and come back in ``StepLogits.extra``."""
         extra = {} if extra is None else extra
         input_ids = [t for s in batch.sequences for t in s.token_ids]
+        tensors = step_tensors(batch)
+        lora_slots = self._lora_slots(batch)
+        if lora_slots is not None:
+            tensors["lora_slots"] = lora_slots
         graphs = self.decode_graphs
-        if (graphs is not None and batch.is_decode
+        if (graphs is not None and batch.is_decode and lora_slots is None
                 and graphs.supports(len(batch.sequences), batch.block_tables.shape[1])):
-            packed = graphs.pack(input_ids, step_tensors(batch))
+            packed = graphs.pack(input_ids, tensors)
             staged, staged_extra = self.staging.send({"packed": packed}, extra)
             # The metadata come from the block manager, checked on the host: GPU ops need not
             # copy them back to check them again.
@@ -141,10 +148,10 @@ class ModelRunner:
         for i, (token_ids, entries) in enumerate(score_rows.items()):
             inputs[f"score_rows{i}"] = torch.tensor([row for _, row in entries], dtype=torch.long)
             inputs[f"score_ids{i}"] = torch.tensor(token_ids, dtype=torch.long)
-        staged_step, staged, staged_extra = self.staging.send(step_tensors(batch), inputs, extra)
+        staged_step, staged, staged_extra = self.staging.send(tensors, inputs, extra)
         with ops.trusted_inputs():
             hidden = self.model(staged["input_ids"], decoder_step(batch, staged_step),
-                                self.kv_cache)  # [T, hidden]
+                                self.kv_cache, None if lora_slots is None else self.lora)
         logits = None
         if sampling_rows:
             logits = self.model.compute_logits(
@@ -184,6 +191,21 @@ class ModelRunner:
         for sequence in batch.sequences:
             manager.mark_computed(sequence.seq_id, sequence.start + len(sequence.token_ids))
         return output
+
+    def _lora_slots(self, batch: SchedulerOutput) -> Tensor | None:
+        """int32 ``[T]`` each token's LoRA slot (-1: none), its adapters put in slots; None
+        for a step without adapters."""
+        requests = [s.lora_request for s in batch.sequences if s.lora_request is not None]
+        if not requests:
+            return None
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {requests[0].lora_name!r} asked of an engine "
+                             "without LoRA (LLM(..., enable_lora=True))")
+        slot_of = self.lora.slots(requests)
+        slots = [-1 if s.lora_request is None else slot_of[s.lora_request.lora_int_id]
+                 for s in batch.sequences]
+        return torch.tensor([slot for s, slot in zip(batch.sequences, slots)
+                             for _ in s.token_ids], dtype=torch.int32)
 
     def _prompt_logprobs(self, hidden: Tensor, token_ids: Tensor, k: int
                          ) -> tuple[Tensor, Tensor, Tensor]:

@@ -17,6 +17,7 @@ from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.outputs import RequestMetrics
 from fastllm.engine.scheduler_output import NewRequest, SampledLogprobs
 from fastllm.engine.structured_output import GrammarMatcher
+from fastllm.lora.adapter import LoRARequest
 from fastllm.sampling import SamplingParams, resolve_seed
 
 __all__ = ["Request"]
@@ -40,6 +41,7 @@ class Request:
         pooling: makes the request prompt-only too, its ``embedding`` the prompt's final
             hidden states pooled ("last": the last token's; "mean": their mean) and
             L2-normalized, as vLLM's pooling runner gives a decoder model's embedding.
+        lora_request: the LoRA adapter the request runs with (None: the base model).
 
     The scheduler keeps its state of the request here too, and is the one writer of it: the
     sequence id the request holds in the block manager (None while waiting or preempted), its
@@ -51,8 +53,9 @@ class Request:
                  params: SamplingParams, eos_token_ids: Sequence[int], max_model_len: int, *,
                  chunked_prompt: ChunkedPrompt | None = None,
                  score_token_ids: Sequence[int] | None = None,
-                 pooling: str | None = None) -> None:
+                 pooling: str | None = None, lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.chunked_prompt = chunked_prompt

@@ -61,6 +61,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int | None = None
+    max_loras: int | None = None  # LoRA adapters in a step at most; None: no LoRA
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every request in, by id
         self._shown: set[str] = set()  # requests a step has shown the workers
         self._finished_ids: list[str] = []  # shown requests that left since the last step
+        self._removed_lora_ids: list[int] = []  # adapters unloaded since the last step
         # Speculative decoding: drafts verified, of which accepted, and request-steps verifying.
         self.num_draft_tokens = self.num_accepted_tokens = self.num_verify_steps = 0
 
@@ -121,6 +123,15 @@ class Scheduler:
         block_size = self.kv_cache.spec.block_size
         blocks = math.ceil((length + room) / block_size)
         chunked = request.chunked_prompt
+        if request.lora_request is not None:
+            if self.config.max_loras is None:
+                raise ValueError(f"request {request.request_id}: LoRA adapter "
+                                 f"{request.lora_request.lora_name!r} asked of an engine "
+                                 "without LoRA (LLM(..., enable_lora=True))")
+            if chunked is not None:
+                raise ValueError(f"request {request.request_id}: independent chunks are "
+                                 "stored for the base model; a LoRA adapter's prompt is a plain "
+                                 "one")
         if chunked is not None:
             if request.prompt_logprobs is not None:
                 raise ValueError(f"request {request.request_id}: prompt_logprobs need a plain "
@@ -154,11 +165,19 @@ class Scheduler:
         request.fail(error)
 
     def idle_step(self) -> SchedulerOutput | None:
-        """With nothing to run: the step that tells the workers which requests left and which
-        chunk encodings to forget, if any."""
+        """With nothing to run: the step that tells the workers which requests left, which
+        chunk encodings and which LoRA adapters to forget, if any."""
         finished = self.take_finished_ids()
         drops = self.chunk_index.take_drops() if self.chunk_index is not None else []
-        return SchedulerOutput.empty(finished, drops) if finished or drops else None
+        removed, self._removed_lora_ids = self._removed_lora_ids, []
+        if not (finished or drops or removed):
+            return None
+        return SchedulerOutput.empty(finished, drops, removed)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Tells the workers, with the next step, to forget an unloaded adapter (requests
+        still running with it load it again from its files)."""
+        self._removed_lora_ids.append(lora_int_id)
 
     def take_finished_ids(self) -> list[str]:
         """The ids of requests that left since the last step and that a step showed the
@@ -426,17 +445,33 @@ class Scheduler:
             budget -= sum(len(s.token_ids) for s in scheduled)
             i += 1
         # New requests only when nothing was preempted this step (they would take the blocks).
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        # A request whose LoRA adapter would be one too many in the step waits, and so does
+        # every later one with an adapter: none keeps an adapter busy ahead of it.
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        adapter_waits = False
+        index = 0
+        while (index < len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs
                and self.num_preemptions == preempted):
-            request = self.waiting[0]
+            request = self.waiting[index]
+            lora = request.lora_request
+            if lora is not None and (adapter_waits or (
+                    lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras)):
+                adapter_waits = True
+                index += 1
+                continue
             seq_id = next(self._seq_ids)
             try:
                 # Prompt logprobs come from the prompt's own rows: none may come from the cache.
+                # KV computed under an adapter serves only that adapter's prompts.
                 cached = manager.allocate(seq_id, self._held_tokens(request),
-                                          reuse_cached=not request.needs_every_prompt_row)
+                                          reuse_cached=not request.needs_every_prompt_row,
+                                          cache_salt=0 if lora is None else lora.lora_int_id)
             except KVCacheFullError:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             self.running.append(request)
             request.seq_id = seq_id
             if request.metrics.first_scheduled_time is None:
@@ -453,6 +488,7 @@ class Scheduler:
             return None
         for sequence, request in zip(sequences, owners):
             sequence.request_id = request.request_id
+            sequence.lora_request = request.lora_request
             sequence.chunk_loads = self._chunk_loads.pop(sequence.seq_id, [])
         return self._layout(sequences, self.take_finished_ids())
 
@@ -466,6 +502,7 @@ class Scheduler:
         # later step can write it.
         step.block_copies = [(src, dst) for _, src, dst in self._block_copies]
         self._block_copies = []
+        step.removed_lora_ids, self._removed_lora_ids = self._removed_lora_ids, []
         if self.chunk_index is not None:
             step.chunk_drops = self.chunk_index.take_drops()
         sampling = [self._requests[s.request_id] for s in sequences if s.samples]
@@ -489,6 +526,7 @@ class Scheduler:
         for request_id, sequences in groups.items():
             part = layout_batch(self.block_manager, sequences)
             part.finished_request_ids = step.finished_request_ids
+            part.removed_lora_ids = step.removed_lora_ids
             # The first part copies again (the failed step copied before its model raised, and
             # nothing ran since); a later one must not, over what the parts before it wrote.
             if not parts:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from fastllm.kv_cache import BlockManager, cache_slots
+from fastllm.lora.adapter import LoRARequest
 from fastllm.sampling import SamplingParams
 
 __all__ = ["ModelRunnerOutput", "NewRequest", "SampledLogprobs", "ScheduledSequence",
@@ -50,6 +51,7 @@ class ScheduledSequence:
             the step.
         chunk_save: ``(entry id, int64 slots)``: the K/V at these slots, which this step
             completes, the workers keep under the id once it ran.
+        lora_request: the LoRA adapter its tokens run with, or None (the base model).
     """
 
     seq_id: int
@@ -66,6 +68,7 @@ class ScheduledSequence:
     num_pool_rows: int = 0
     chunk_loads: list[tuple[int, Tensor]] = field(default_factory=list)
     chunk_save: tuple[int, Tensor] | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -106,6 +109,7 @@ class SchedulerOutput:
         block_copies: ``(src, dst)`` blocks the workers copy on every layer's K and V before the
             step (copy-on-write: a sequence appended into a block it shared).
         chunk_drops: stored chunk encodings the workers forget (evicted from the index).
+        removed_lora_ids: LoRA adapters unloaded since the last step (the workers forget them).
         started: when the engine began the step (``time.perf_counter()`` in the process that
             samples; 0 unknown): speculative decoding's step costs count the scheduling too,
             as a step costs its caller.
@@ -126,6 +130,7 @@ class SchedulerOutput:
     constrained_request_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     chunk_drops: list[int] = field(default_factory=list)
+    removed_lora_ids: list[int] = field(default_factory=list)
     started: float = 0.0
 
     @property
@@ -145,14 +150,14 @@ class SchedulerOutput:
         return sum(1 + s.num_draft_tokens for s in self.sequences if s.samples)
 
     @classmethod
-    def empty(cls, finished_request_ids: Sequence[str],
-              chunk_drops: Sequence[int] = ()) -> SchedulerOutput:
-        """A step that runs nothing and only tells the workers which requests left and which
-        chunk encodings to forget."""
+    def empty(cls, finished_request_ids: Sequence[str], chunk_drops: Sequence[int] = (),
+              removed_lora_ids: Sequence[int] = ()) -> SchedulerOutput:
+        """A step that runs nothing and only tells the workers which requests left, which
+        chunk encodings and which LoRA adapters to forget."""
         return cls([], torch.zeros(0, 0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
                    torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
                    finished_request_ids=list(finished_request_ids),
-                   chunk_drops=list(chunk_drops))
+                   chunk_drops=list(chunk_drops), removed_lora_ids=list(removed_lora_ids))
 
 
 @dataclass

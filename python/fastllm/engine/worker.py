@@ -33,6 +33,7 @@ from fastllm.engine.scheduler_output import (ModelRunnerOutput, NewRequest, Samp
 from fastllm.engine.speculative import (DraftLength, DraftModelProposer, NgramProposer,
                                         SpeculativeConfig, StepCosts, accepted_length)
 from fastllm.kv_cache import ChunkKVStore, PagedKVCache
+from fastllm.lora.slots import LoRAConfig, LoRASlots
 from fastllm.models import DecoderLM
 from fastllm.models.pool import load
 from fastllm.ops.host_to_device import StagingBuffer, to_host
@@ -87,8 +88,11 @@ class Worker:
 
     def __init__(self, model: DecoderLM, kv_cache: PagedKVCache, *, max_model_len: int,
                  decode_graphs: DecodeGraphs | None = None,
-                 speculative: SpeculativeConfig | None = None, samples: bool = True) -> None:
-        self.runner = ModelRunner(model, kv_cache, decode_graphs)
+                 speculative: SpeculativeConfig | None = None, samples: bool = True,
+                 lora: LoRAConfig | None = None) -> None:
+        # This rank's adapter slots (its shard of each adapter), with LoRA.
+        self.lora = None if lora is None else LoRASlots(model, lora)
+        self.runner = ModelRunner(model, kv_cache, decode_graphs, self.lora)
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.k_cache.device
         self.vocab_size = model.config.vocab_size
@@ -185,6 +189,9 @@ class Worker:
                 self.chunks.save(entry_id, *self.kv_cache.read_rows(slots.to(self.device)))
 
     def _update_requests(self, step: SchedulerOutput) -> None:
+        if self.lora is not None:
+            for lora_int_id in step.removed_lora_ids:
+                self.lora.remove(lora_int_id)
         for request_id in step.finished_request_ids:
             request = self.requests.pop(request_id, None)
             if request is not None and self.proposer is not None:

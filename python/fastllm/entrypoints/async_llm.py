@@ -30,6 +30,7 @@ from fastllm.engine.output_processor import RequestState
 from fastllm.engine.outputs import Logprob, RequestOutput
 from fastllm.engine.request import Request
 from fastllm.entrypoints.client import EngineClient, PromptType
+from fastllm.lora import LoRARequest
 from fastllm.sampling import SamplingParams
 
 __all__ = ["AsyncLLM", "StreamDelta"]
@@ -104,21 +105,24 @@ class AsyncLLM:
         """Whether the engine thread ended on an error (no request can run any more)."""
         return self._error is not None
 
-    async def stream(self, prompt: PromptType,
-                     sampling_params: SamplingParams | None = None) -> AsyncIterator[str]:
+    async def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                     *, lora_request: LoRARequest | None = None) -> AsyncIterator[str]:
         """Yields one request's text deltas as the engine produces them; raises the request's
         error if it fails."""
-        async for update in self.stream_outputs(prompt, sampling_params):
+        async for update in self.stream_outputs(prompt, sampling_params,
+                                                lora_request=lora_request):
             if update.text:
                 yield update.text
 
     async def stream_outputs(self, prompt: PromptType,
-                             sampling_params: SamplingParams | None = None
+                             sampling_params: SamplingParams | None = None, *,
+                             lora_request: LoRARequest | None = None
                              ) -> AsyncIterator[StreamDelta]:
         """Yields what each engine step added to one request (text, token ids, logprobs), the
         last with its finish reason; raises the request's error if it fails. A prompt or
-        parameter the engine refuses raises here, before anything is yielded."""
-        request, state, queue = self._submit(prompt, sampling_params)
+        parameter the engine refuses raises here, before anything is yielded. With
+        ``lora_request`` it runs with that LoRA adapter (see :meth:`fastllm.LLM.generate`)."""
+        request, state, queue = self._submit(prompt, sampling_params, lora_request)
         try:
             sent = 0  # output tokens already yielded
             while True:
@@ -136,10 +140,11 @@ class AsyncLLM:
         finally:
             self._forget(request)
 
-    async def generate(self, prompt: PromptType,
-                       sampling_params: SamplingParams | None = None) -> RequestOutput:
-        """The finished output of one request; raises the request's error if it fails."""
-        request, state, queue = self._submit(prompt, sampling_params)
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       *, lora_request: LoRARequest | None = None) -> RequestOutput:
+        """The finished output of one request (with the LoRA adapter ``lora_request``, if
+        given); raises the request's error if it fails."""
+        request, state, queue = self._submit(prompt, sampling_params, lora_request)
         await self._finished(request, queue)
         return state.output()
 
@@ -151,10 +156,12 @@ class AsyncLLM:
         await self._finished(request, self._subscribe(request))
         return request.scores
 
-    async def embed(self, token_ids: Sequence[int], pooling: str = "last") -> Tensor:
+    async def embed(self, token_ids: Sequence[int], pooling: str = "last", *,
+                    lora_request: LoRARequest | None = None) -> Tensor:
         """The prompt ``token_ids``' embedding (see :meth:`fastllm.LLM.embed`), a prompt-only
         request of the running batch."""
-        request, = self.client.make_embedding_requests([list(token_ids)], pooling)
+        request, = self.client.make_embedding_requests([list(token_ids)], pooling,
+                                                       lora_request)
         await self._finished(request, self._subscribe(request))
         return request.embedding
 
@@ -170,11 +177,13 @@ class AsyncLLM:
         finally:
             self._forget(request)
 
-    def _submit(self, prompt: PromptType, sampling_params: SamplingParams | None
+    def _submit(self, prompt: PromptType, sampling_params: SamplingParams | None,
+                lora_request: LoRARequest | None
                 ) -> tuple[Request, RequestState, asyncio.Queue]:
-        if isinstance(sampling_params, (list, tuple)):
-            raise TypeError("AsyncLLM takes one prompt and one SamplingParams per call")
-        request, = self.client.make_requests([prompt], sampling_params)
+        if isinstance(sampling_params, (list, tuple)) or isinstance(lora_request, (list, tuple)):
+            raise TypeError("AsyncLLM takes one prompt, one SamplingParams and one LoRARequest "
+                            "per call")
+        request, = self.client.make_requests([prompt], sampling_params, lora_request)
         state, = self.client.follow([request])
         return request, state, self._subscribe(request, state)
 

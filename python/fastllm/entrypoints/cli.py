@@ -373,7 +373,47 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--max-body-bytes", type=int, default=4 << 20, metavar="BYTES",
                        help="the largest request body (past it, a 413)")
     _add_engine_group(parser, llm=True)
+    group = parser.add_argument_group("LoRA")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters: a request's model names one")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="adapters served from the start: name=path (a peft folder or hub "
+                            "repo) or JSON {\"name\": ..., \"path\": ...}")
+    group.add_argument("--max-loras", type=int, default=1, metavar="N",
+                       help="adapters in one batch at most")
+    group.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                       help="the largest rank an adapter may have")
+    group.add_argument("--max-cpu-loras", type=int, metavar="N",
+                       help="adapters kept loaded in host memory (default: --max-loras)")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=os.environ.get("FASTLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+                       in ("1", "true"),
+                       help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                            "$FASTLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     parser.set_defaults(run=_serve)
+
+
+def _lora_modules(values: Sequence[str]) -> dict[str, str]:
+    """--lora-modules' adapters, name -> path, from ``name=path`` or vLLM's JSON form."""
+    modules: dict[str, str] = {}
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+            except ValueError as error:
+                raise ValueError(f"--lora-modules: {value!r} is not valid JSON: {error}") from None
+            if not isinstance(entry, dict) or not all(
+                    isinstance(entry.get(key), str) for key in ("name", "path")):
+                raise ValueError(f"--lora-modules: {value!r} needs string fields name and path")
+            name, path = entry["name"], entry["path"]
+        else:
+            name, _, path = value.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules takes name=path, got {value!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names adapter {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -391,11 +431,17 @@ def _serve(args: argparse.Namespace) -> None:
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         chat_template=(None if args.chat_template is None
                        else Path(args.chat_template).read_text(encoding="utf-8")),
-        pooling=args.pooling)
-    llm = AsyncLLM(args.model, **_llm_kwargs(args))
-    print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)
+        pooling=args.pooling, lora_modules=_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+    if (config.lora_modules or config.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    llm = AsyncLLM(args.model, **_llm_kwargs(args), enable_lora=args.enable_lora,
+                   max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                   max_cpu_loras=args.max_cpu_loras)
     try:
-        build_server(llm, config, name).run()
+        server = build_server(llm, config, name)
+        print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)
+        server.run()
     finally:
         llm.shutdown()
 

@@ -28,9 +28,12 @@ from fastllm.gguf_file import GGUFFileReader
 from fastllm.hub import resolve_model, resolve_tokenizer
 from fastllm.kv_cache import (ChunkIndex, KVPoolPlan, PagedKVCache, default_kv_cache_memory,
                               plan_pool)
+from fastllm.lora import LoRARequest, load_adapter
+from fastllm.lora.slots import LoRAConfig
 from fastllm.models import DecoderLM
 from fastllm.models.decoder import DEFAULT_ROPE_POSITIONS
 from fastllm.models.pool import load, resolve_dtype
+from fastllm.models.tensor_parallel import ShardLayout
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
 from fastllm.tokenizer.token_ids import as_token_ids
@@ -80,12 +83,18 @@ class EngineClient:
                  batch_invariant: bool = False,
                  speculative: Mapping[str, Any] | None = None,
                  tensor_parallel_size: int = 1, revision: str | None = None,
-                 tokenizer_revision: str | None = None) -> None:
+                 tokenizer_revision: str | None = None, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None) -> None:
+        if not isinstance(enable_lora, bool):
+            raise TypeError(f"enable_lora must be a bool, got {enable_lora!r}")
+        lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         engine_config = EngineConfig(max_num_seqs=max_num_seqs,
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      max_prefill_chunk=max_prefill_chunk,
                                      enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
-                                     batch_invariant=batch_invariant, speculative=speculative)
+                                     batch_invariant=batch_invariant, speculative=speculative,
+                                     lora=lora)
         if chunk_store_memory is not None and (not isinstance(chunk_store_memory, int)
                                                or chunk_store_memory < 0):
             raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "
@@ -126,7 +135,7 @@ class EngineClient:
                                     pre_rope=chunk_store_memory is not None)
             executor: Executor = UniProcExecutor(make_worker(
                 loaded, kv_cache, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                enforce_eager=enforce_eager, speculative=engine_config.speculative))
+                enforce_eager=enforce_eager, speculative=engine_config.speculative, lora=lora))
         else:
             torch_dtype = resolve_dtype(dtype)
             executor = MultiprocExecutor(
@@ -136,7 +145,7 @@ class EngineClient:
                                max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
                                batch_invariant=batch_invariant, block_size=block_size,
                                cache_dtype=engine_config.cache_dtype(torch_dtype),
-                               pre_rope=chunk_store_memory is not None),
+                               pre_rope=chunk_store_memory is not None, lora=lora),
                 self._plan_cache, enable_prefix_caching=enable_prefix_caching,
                 speculative=engine_config.speculative)
         self.model, self.kv_cache = executor.model, executor.kv_cache
@@ -157,6 +166,8 @@ class EngineClient:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.lock = threading.RLock()  # one engine step at a time, whichever thread asks
         self._request_counter = itertools.count()
+        self.lora_config = lora
+        self._checked_loras: dict[int, LoRARequest] = {}  # adapters checked, by id
 
     def _plan_cache(self, model: DecoderLM) -> tuple[int, KVPoolPlan]:
         """The context length and the KV pool for ``model`` (rank 0's shard under tensor
@@ -200,11 +211,44 @@ class EngineClient:
 
     # ---- requests ----------------------------------------------------------------------------
 
+    def check_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """``lora_request`` once its adapter is known to load on this model (read once per
+        adapter id): a ValueError naming what is wrong with it, a FileNotFoundError for files
+        that are not there, a TypeError for a value of another type."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got "
+                            f"{type(lora_request).__name__}")
+        if self.lora_config is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked of an engine "
+                             "without LoRA: LLM(..., enable_lora=True)")
+        known = self._checked_loras.get(lora_request.lora_int_id)
+        if known is None:
+            config = self.model.config
+            load_adapter(lora_request, config, ShardLayout.of(config, None),
+                         max_lora_rank=self.lora_config.max_lora_rank, dtype=self.model.dtype)
+            self._checked_loras[lora_request.lora_int_id] = lora_request
+        elif known != lora_request:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is adapter "
+                             f"{known.lora_name!r} ({known.lora_path}); {lora_request!r} needs "
+                             "an id of its own")
+        return lora_request
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Unloads an adapter: the engine's workers forget it, and a later request for its id
+        reads its files again."""
+        self._checked_loras.pop(lora_int_id, None)
+        with self.lock:
+            self.engine.remove_lora(lora_int_id)
+
     def make_requests(self, prompts: PromptType | Sequence[PromptType],
-                      sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                      lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                       ) -> list[Request]:
-        """Checked requests for prompts (one or a list) and their parameters (one for all, or
-        one each; default ``SamplingParams()``)."""
+        """Checked requests for prompts (one or a list), their parameters (one for all, or
+        one each; default ``SamplingParams()``) and LoRA adapters (one for all, or one each;
+        default none)."""
         if _is_one_prompt(prompts):
             prompts = [prompts]
         elif not isinstance(prompts, Sequence):
@@ -219,8 +263,18 @@ class EngineClient:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
+        else:
+            raise TypeError(f"lora_request must be a LoRARequest, a list of them (None for the "
+                            f"base model) or None, got {type(lora_request).__name__}")
+        loras = [self.check_lora(lora) for lora in loras]
         requests = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, lora in zip(prompts, params_list, loras):
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"sampling_params must be SamplingParams, got "
                                 f"{type(params).__name__}")
@@ -230,7 +284,8 @@ class EngineClient:
             requests.append(Request(
                 str(next(self._request_counter)), text, token_ids, params,
                 self.tokenizer.eos_token_ids, self.max_model_len,
-                chunked_prompt=prompt if isinstance(prompt, ChunkedPrompt) else None))
+                chunked_prompt=prompt if isinstance(prompt, ChunkedPrompt) else None,
+                lora_request=lora))
         return requests
 
     def make_scoring_request(self, token_ids: Sequence[int],
@@ -245,19 +300,22 @@ class EngineClient:
                        self.max_model_len, score_token_ids=score_token_ids)
 
     def make_embedding_requests(self, prompts: PromptType | Sequence[PromptType],
-                                pooling: str) -> list[Request]:
+                                pooling: str,
+                                lora_request: LoRARequest | Sequence[LoRARequest | None] |
+                                None = None) -> list[Request]:
         """Prompt-only requests (one prompt or a list) whose ``embedding`` is the prompt's
         final hidden states pooled ("last" or "mean") and L2-normalized."""
         if pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be 'last' or 'mean', got {pooling!r}")
         requests = []
-        for request in self.make_requests(prompts, SamplingParams(max_tokens=0)):
+        for request in self.make_requests(prompts, SamplingParams(max_tokens=0), lora_request):
             if request.chunked_prompt is not None:
                 raise TypeError("an embedding's prompt is text or token ids, not a "
                                 "ChunkedPrompt")
             requests.append(Request(request.request_id, request.prompt,
                                     request.prompt_token_ids, request.params, (),
-                                    self.max_model_len, pooling=pooling))
+                                    self.max_model_len, pooling=pooling,
+                                    lora_request=request.lora_request))
         return requests
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:

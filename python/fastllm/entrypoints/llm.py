@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from fastllm.engine.outputs import EmbeddingOutput, RequestOutput
 from fastllm.entrypoints.client import EngineClient, PromptType
+from fastllm.lora import LoRARequest
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
 
@@ -91,6 +92,14 @@ class LLM:
             CUDA, ranks on ``cuda:0`` .. ``cuda:N-1``), the same tokens as one process. Under
             ``torchrun`` every rank runs the script, and the ranks but 0 serve inside this
             constructor, then exit. :meth:`shutdown` (or dropping the object) stops the ranks.
+        enable_lora: serve LoRA adapters (peft folders or hub repos, named per request by a
+            :class:`fastllm.LoRARequest`) on the base model, as vLLM does: each token of a
+            step adds its own adapter's two small matmuls to every projection it targets.
+        max_loras: adapters in one step at most (each holds a slot of weights on the device);
+            requests of other adapters wait for a slot.
+        max_lora_rank: the largest rank ``r`` an adapter may have.
+        max_cpu_loras: adapters kept loaded on the host (default: ``max_loras``); others are
+            read from their files again when they run.
     """
 
     def __init__(self, model: str | os.PathLike, *, revision: str | None = None,
@@ -105,7 +114,9 @@ class LLM:
                  kv_cache_dtype: str | torch.dtype = "auto",
                  batch_invariant: bool = False,
                  speculative: Mapping[str, Any] | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None) -> None:
         self.client = EngineClient(
             model, revision=revision, dtype=dtype, device=device, tokenizer=tokenizer,
             tokenizer_revision=tokenizer_revision, max_model_len=max_model_len,
@@ -115,7 +126,8 @@ class LLM:
             enforce_eager=enforce_eager, chunk_store_memory=chunk_store_memory,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             batch_invariant=batch_invariant, speculative=speculative,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.kv_cache, self.engine = self.client.kv_cache, self.client.engine
         self.device, self.max_model_len = self.client.device, self.client.max_model_len
@@ -124,7 +136,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generates a completion for each prompt, in order.
 
         Args:
@@ -136,13 +150,16 @@ class LLM:
                 outside the vocabulary a ValueError naming it.
             sampling_params: for all prompts, or one per prompt. Default: ``SamplingParams()``.
             use_tqdm: show a progress bar over the prompts.
+            lora_request: the LoRA adapter for all prompts, or one per prompt (None: the base
+                model), with ``enable_lora``. An adapter's files are read and checked against
+                the model the first time its ``lora_int_id`` is used.
 
         A bad prompt or parameter raises before anything runs. A request that fails inside a
         step (e.g. its penalties overflow its logits) ends alone, with finish_reason "error"
         and the exception in its output's ``error``; the other prompts complete as if it had
         not been there.
         """
-        requests = self.client.make_requests(prompts, sampling_params)
+        requests = self.client.make_requests(prompts, sampling_params, lora_request)
         states = self.client.follow(requests)
         with tqdm(total=len(requests), desc="Generating", unit="prompt",
                   disable=not use_tqdm or not requests) as progress:
@@ -150,13 +167,15 @@ class LLM:
         return [state.output() for state in states]
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, pooling: str = "last",
-              use_tqdm: bool = True) -> list[EmbeddingOutput]:
+              use_tqdm: bool = True,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingOutput]:
         """Each prompt's embedding, in order: its final hidden states pooled ("last": the last
         token's, as decoder embedding models such as Qwen3-Embedding are read; "mean": their
         mean) and L2-normalized, as vLLM's pooling runner gives them. The prompts are
         prompt-only requests of the running batch (a last-token prompt may start from the
-        prefix cache)."""
-        requests = self.client.make_embedding_requests(prompts, pooling)
+        prefix cache). ``lora_request`` as :meth:`generate` takes it."""
+        requests = self.client.make_embedding_requests(prompts, pooling, lora_request)
         with tqdm(total=len(requests), desc="Embedding", unit="prompt",
                   disable=not use_tqdm or not requests) as progress:
             self.client.run(requests, progress.update)
@@ -166,8 +185,8 @@ class LLM:
         return [EmbeddingOutput(request.request_id, list(request.prompt_token_ids),
                                 request.embedding.tolist()) for request in requests]
 
-    def stream(self, prompt: PromptType,
-               sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+               lora_request: LoRARequest | None = None) -> Iterator[str]:
         """Yields the text of one completion as it is generated, delta by delta.
 
         The deltas join to ``generate``'s text for the same prompt and parameters (text that
@@ -178,7 +197,7 @@ class LLM:
         if isinstance(sampling_params, Sequence):
             raise TypeError("stream takes one prompt and one SamplingParams")
         client = self.client
-        request, = client.make_requests([prompt], sampling_params)
+        request, = client.make_requests([prompt], sampling_params, lora_request)
         state, = client.follow([request])
         client.add([request])
         try:
@@ -196,7 +215,9 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
         """``generate`` on one conversation (a list of ``{"role", "content"}`` messages) or a
         list of them, each rendered with the chat template and a generation prompt.
         ``template_kwargs`` go to the template (e.g. ``enable_thinking=False``)."""
@@ -208,7 +229,8 @@ class LLM:
         conversations = [messages] if one else messages
         prompts = [self.chat_prompt(conversation, **template_kwargs)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
                     **template_kwargs: Any) -> dict[str, list[int]]:

@@ -7,6 +7,7 @@ materializes it once. Both loaders use it: safetensors (:mod:`fastllm.models.loa
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from fastllm.models.quantized import (QuantizedEmbedding, QuantizedLinear, Quant
                                       quantize_weight)
 from fastllm.models.tensor_parallel import ShardLayout, TensorParallel, TensorSlice
 
-__all__ = ["HFTensor", "TensorReader", "build_model", "hf_weight_map"]
+__all__ = ["HFTensor", "TensorReader", "build_model", "fused_rows", "hf_weight_map"]
 
 # One HF tensor: its checkpoint name and the shape it must have.
 HFTensor = tuple[str, tuple[int, ...]]
@@ -94,6 +95,21 @@ def hf_weight_map(config: ModelConfig) -> dict[str, list[HFTensor]]:
     return names
 
 
+def fused_rows(config: ModelConfig, name: str) -> list[int] | None:
+    """The rows of each sub-module (q, k, v; or gate, up) of fastllm parameter ``name`` when
+    the checkpoint stores it as one tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``); None for
+    any other."""
+    if not config.family.fused_checkpoint:
+        return None
+    module = name.rsplit(".", 2)[-2]
+    if module == "qkv_proj":
+        kv = config.n_kv_heads * config.head_dim
+        return [config.n_heads * config.head_dim, kv, kv]
+    if module == "gate_up_proj":
+        return [config.intermediate_size] * 2
+    return None
+
+
 def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
                 device: torch.device | str, quantization: str | None = None,
                 tensor_parallel: TensorParallel | None = None,
@@ -142,7 +158,13 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
         slices = shard.slices(name, parts)
         if slices is None:  # not held by this rank
             continue
-        tensors = [read(hf_name, shape, part) for (hf_name, shape), part in zip(parts, slices)]
+        if len(slices) > len(parts):  # one fused tensor (Phi-3), cut sub-module by sub-module
+            (hf_name, shape), = parts
+            starts = itertools.accumulate(fused_rows(config, name), initial=0)
+            tensors = [read(hf_name, shape, TensorSlice(0, start + cut.start, start + cut.stop))
+                       for start, cut in zip(starts, slices)]
+        else:
+            tensors = [read(hf_name, shape, part) for (hf_name, shape), part in zip(parts, slices)]
         if _VOCABULARY.search(name):
             tensors = [_pad_rows(t, shard.vocab_rows) for t in tensors]
         if (_EXPERTS.search(name) and all(isinstance(t, QuantizedWeight) for t in tensors)

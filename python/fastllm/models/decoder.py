@@ -17,6 +17,10 @@ each layer described by one :class:`fastllm.ops.DecoderLayer` record.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
@@ -36,6 +40,13 @@ __all__ = ["DEFAULT_ROPE_POSITIONS", "DecoderLM"]
 DEFAULT_ROPE_POSITIONS = 8192
 # One growth of a shared model's table at a time.
 _ROPE_TABLE_LOCK = threading.Lock()
+
+
+class LoRALayers(Protocol):
+    """What :meth:`DecoderLM.forward` reads of LoRA adapter slots
+    (:class:`fastllm.lora.LoRASlots`)."""
+
+    layers: Sequence[Mapping[str, ops.ProjectionLoRA]]
 
 
 class Linear(nn.Linear):
@@ -202,6 +213,9 @@ class DecoderLM(nn.Module):
         self.tensor_parallel = tensor_parallel
         self.shard = shard = ShardLayout.of(config, tensor_parallel)
         self._bound_layers: ops.DecoderLayers | None = None
+        # The layers bound with each LoRA slot holder's adapters too (one per engine serving
+        # adapters on this model), for as long as the holder lives.
+        self._bound_lora_layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.register_load_state_dict_post_hook(lambda module, _: module.unbind_layers())
         # Initialized here rather than by nn.Embedding: on the meta device (a model built to be
         # loaded into) normal_ runs a decomposition that imports torch._dynamo, slowing a load.
@@ -267,6 +281,7 @@ class DecoderLM(nn.Module):
         """Forgets the bound layers: the next forward binds them to the weights and RoPE tables
         then in place."""
         self._bound_layers = None
+        self._bound_lora_layers.clear()
 
     def _apply(self, fn, recurse: bool = True):  # every move or cast (.to, .cuda, to_empty...)
         self.unbind_layers()
@@ -291,7 +306,8 @@ class DecoderLM(nn.Module):
         return KVCacheSpec(num_layers=self.config.num_layers, n_kv_heads=self.shard.n_kv_heads,
                            head_dim=self.config.head_dim, dtype=dtype, block_size=block_size)
 
-    def forward(self, input_ids: Tensor, step: ops.DecoderStep, kv_cache: PagedKVCache) -> Tensor:
+    def forward(self, input_ids: Tensor, step: ops.DecoderStep, kv_cache: PagedKVCache,
+                lora: LoRALayers | None = None) -> Tensor:
         """Runs one step over a packed batch and writes its K/V into ``kv_cache``.
 
         Args:
@@ -300,6 +316,11 @@ class DecoderLM(nn.Module):
                 :class:`fastllm.ops.DecoderStep`, built by the engine's model runner).
             kv_cache: the paged cache the tokens' K/V go into and are read from (post-RoPE
                 keys, or pre-RoPE ones rotated as attention reads them: ``kv_cache.pre_rope``).
+            lora: LoRA adapter slots (an object whose ``layers`` hold, per layer, the
+                :class:`fastllm.ops.ProjectionLoRA` of each projection by the
+                :class:`fastllm.ops.DecoderLayer` field's prefix: "qkv", "o", "gate_up",
+                "down"), read at the tokens' ``step.lora_slots``; the layers are bound to them
+                once, as to the weights.
 
         Returns:
             ``[T, hidden]`` final-norm hidden states; pass the rows that need logits (usually
@@ -318,13 +339,28 @@ class DecoderLM(nn.Module):
         if self.config.family.embedding_scale:
             # Gemma: times sqrt(hidden) rounded to the activations' dtype, as HF does.
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
-        layers = self._bound_layers
-        if layers is None:
-            layers = self._bound_layers = ops.DecoderLayers(
-                [layer.record() for layer in self.layers], self.rope_tables(),
-                None if tp is None else tp.group_name)
+        layers = self._bind_layers(lora)
         x, residual = layers(x, None, step, kv_cache.k_cache, kv_cache.v_cache, kv_cache.pre_rope)
         return self.norm(x, residual)[0]
+
+    def _bind_layers(self, lora: LoRALayers | None) -> ops.DecoderLayers:
+        """The layers bound to the weights (and ``lora``'s slots), bound at first use."""
+        layers = self._bound_layers if lora is None else self._bound_lora_layers.get(lora)
+        if layers is not None:
+            return layers
+        records = [layer.record() for layer in self.layers]
+        if lora is not None:
+            records = [record.replace(**{f"{name}_lora": slots
+                                         for name, slots in adapters.items()})
+                       for record, adapters in zip(records, lora.layers, strict=True)]
+        tp = self.tensor_parallel
+        layers = ops.DecoderLayers(records, self.rope_tables(),
+                                   None if tp is None else tp.group_name)
+        if lora is None:
+            self._bound_layers = layers
+        else:
+            self._bound_lora_layers[lora] = layers
+        return layers
 
     def compute_logits(self, hidden: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` logits through the (possibly tied) LM head, or

@@ -30,14 +30,14 @@ from fastllm.models.decoder import DecoderLM
 from fastllm.models.quantized import check_quantization
 from fastllm.models.tensor_parallel import TensorParallel, TensorSlice
 
-__all__ = ["load_model"]
+__all__ = ["FLOAT_DTYPES", "PICKLE_SUFFIXES", "load_model", "open_safetensors"]
 
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 # Buffers some older HF checkpoints saved; HF skips them on load too.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # The safetensors dtypes a float weight may be stored in: a weight relabelled as an integer
 # type (same bytes, another meaning) would load as garbage.
-_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -66,7 +66,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if folder.suffix == ".gguf":
         return load_gguf(folder, dtype=dtype, device=device, quantization=quantization,
                          tensor_parallel=tensor_parallel, reader=gguf_reader)
-    if folder.suffix in _PICKLE_SUFFIXES:
+    if folder.suffix in PICKLE_SUFFIXES:
         raise ValueError(_pickle_refusal(folder))
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a model folder (expected a Hugging Face folder "
@@ -77,7 +77,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
     _check_keys(weight_map, files_by_name, config)
 
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(_open(file))
+        handles = {file: stack.enter_context(open_safetensors(file))
                    for file in sorted(set(files_by_name.values()))}
         for parts in weight_map.values():
             for hf_name, shape in parts:
@@ -99,7 +99,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32,
 
 
 @contextmanager
-def _open(file: Path) -> Iterator[Any]:
+def open_safetensors(file: Path) -> Iterator[Any]:
     """``safe_open(file)``; a file the reader refuses (a corrupt header, offsets past the end)
     is a ValueError naming it."""
     try:
@@ -118,9 +118,9 @@ def _check_tensor(handles: dict[Path, Any], file: Path, hf_name: str,
         dtype, stored_shape = entry.get_dtype(), tuple(entry.get_shape())
     except SafetensorError as error:
         raise ValueError(f"{file}: cannot read tensor {hf_name}: {error}") from error
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise ValueError(f"{file}: tensor {hf_name} is stored as {dtype}; a weight must be "
-                         f"floats ({', '.join(_FLOAT_DTYPES)})")
+                         f"floats ({', '.join(FLOAT_DTYPES)})")
     if stored_shape != shape:
         raise ValueError(f"{file}: tensor {hf_name} has shape {stored_shape}, expected {shape} "
                          "from config.json")
@@ -149,13 +149,13 @@ def _checkpoint_index(folder: Path) -> dict[str, Path]:
         return files
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
-        pickles = [p for p in sorted(folder.iterdir()) if p.suffix in _PICKLE_SUFFIXES]
+        pickles = [p for p in sorted(folder.iterdir()) if p.suffix in PICKLE_SUFFIXES]
         if pickles:
             raise ValueError(_pickle_refusal(pickles[0]))
         raise FileNotFoundError(f"no *.safetensors file in {folder}")
     files: dict[str, Path] = {}
     for shard in shards:
-        with _open(shard) as f:
+        with open_safetensors(shard) as f:
             for name in f.keys():
                 if name in files:
                     raise ValueError(f"{name} is in both {files[name].name} and {shard.name}")

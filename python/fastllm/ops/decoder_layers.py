@@ -17,6 +17,8 @@ read through its attributes and copied with some fields changed by ``replace(**c
 
 from __future__ import annotations
 
-from fastllm._C import DecoderLayer, DecoderLayers, DecoderStep, Experts, ProjectionPart
+from fastllm._C import (DecoderLayer, DecoderLayers, DecoderStep, Experts, ProjectionLoRA,
+                        ProjectionPart)
 
-__all__ = ["DecoderLayer", "DecoderLayers", "DecoderStep", "Experts", "ProjectionPart"]
+__all__ = ["DecoderLayer", "DecoderLayers", "DecoderStep", "Experts", "ProjectionLoRA",
+           "ProjectionPart"]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from fastllm.ops.collectives import all_reduce
-from fastllm.ops.decoder_layers import DecoderLayer, DecoderStep, ProjectionPart
+from fastllm.ops.decoder_layers import DecoderLayer, DecoderStep, ProjectionLoRA, ProjectionPart
 from fastllm.ops.quantized_ops import BLOCK_FORMATS
 
 
@@ -111,6 +111,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     out = torch.nn.functional.linear(x.float(), weight.float(),
                                      None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def add_lora(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor,
+             token_slots: Tensor) -> Tensor:
+    """Twin of :func:`fastllm.ops.add_lora`, token by token in float64: returns y plus each
+    token's LoRA (y itself unchanged), the shrink ``lora_a[s] @ x[t]`` rounded to x's dtype as
+    the op rounds it."""
+    out = y.to(torch.float64, copy=True)
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:
+            h = (lora_a[s].double() @ x[t].double()).to(x.dtype).double()
+            out[t] += lora_b[s].double() @ h
+    return out
 
 
 def rotary_embedding(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, *,
@@ -401,12 +414,16 @@ def decoder_layers(layers: Sequence[DecoderLayer], x: Tensor, residual: Tensor |
     def reduce(x: Tensor) -> Tensor:
         return x if group_name is None else all_reduce(x, group_name)
 
-    def project(parts: Sequence[ProjectionPart], x: Tensor) -> Tensor:
-        return torch.cat([
+    def project(parts: Sequence[ProjectionPart], x: Tensor,
+                lora: ProjectionLoRA | None = None) -> Tensor:
+        y = torch.cat([
             torch.nn.functional.linear(x, p.weight.double(),
                                        None if p.bias is None else p.bias.double())
             if p.weight_type is None else quantized_linear(x, p.weight, p.weight_type, p.bias)
             for p in parts], dim=1)
+        if lora is None or step.lora_slots is None:
+            return y
+        return add_lora(y, x, lora.lora_a, lora.lora_b, step.lora_slots)
 
     def norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         return x if weight is None else rms_norm(x, weight, eps)
@@ -417,7 +434,8 @@ def decoder_layers(layers: Sequence[DecoderLayer], x: Tensor, residual: Tensor |
             return moe(x, project(e.router, x), e.gate_up, e.down, e.top_k, e.renormalize,
                        gate_up_type=e.gate_up_type, down_type=e.down_type)
         activation = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[layer.activation]
-        return project(layer.down, activation(project(layer.gate_up, x)))
+        return project(layer.down, activation(project(layer.gate_up, x, layer.gate_up_lora)),
+                       layer.down_lora)
 
     x = x.double()
     residual = None if residual is None else residual.double()
@@ -427,7 +445,7 @@ def decoder_layers(layers: Sequence[DecoderLayer], x: Tensor, residual: Tensor |
         residual = x if residual is None else residual + x
         x = norm(residual, layer.input_norm, layer.eps)
         tokens = x.shape[0]
-        q, k, v = project(layer.qkv, x).view(tokens, -1, layer.head_dim).split(
+        q, k, v = project(layer.qkv, x, layer.qkv_lora).view(tokens, -1, layer.head_dim).split(
             [layer.n_heads, layer.n_kv_heads, layer.n_kv_heads], dim=1)
         q_norm, k_norm = layer.q_norm, layer.k_norm
         if q_norm is not None and not layer.qk_norm_per_head:  # over all heads
@@ -443,8 +461,8 @@ def decoder_layers(layers: Sequence[DecoderLayer], x: Tensor, residual: Tensor |
                               step.cu_seqlens_q, step.max_seqlen_q, scale=layer.scale,
                               window_left=layer.window_left, rotary_cos_sin_cache=rotation,
                               softcap=layer.softcap)
-        x = norm(reduce(project(layer.o, out.reshape(tokens, -1))), layer.post_attention_norm,
-                 layer.eps)
+        x = norm(reduce(project(layer.o, out.reshape(tokens, -1), layer.o_lora)),
+                 layer.post_attention_norm, layer.eps)
         residual = residual + x
         x = norm(residual, layer.pre_feedforward_norm, layer.eps)
         x = norm(reduce(feed_forward(layer, x)), layer.post_feedforward_norm, layer.eps)

@@ -19,13 +19,13 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -65,6 +65,11 @@ class ServerConfig:
             ``mistral``); None picks it from the chat template.
         reasoning_parser: how a reply's reasoning is told from its answer (``qwen3``,
             ``deepseek_r1``); None: replies are all answer.
+        lora_modules: LoRA adapters served from the start, name -> peft folder or hub repo
+            (the engine needs ``enable_lora``); a request's ``model`` names one.
+        allow_runtime_lora_updating: serve ``POST /v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` (vLLM's runtime updating), which load and unload
+            adapters while the server runs.
     """
 
     host: str = "127.0.0.1"
@@ -76,6 +81,8 @@ class ServerConfig:
     pooling: str = "last"
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
@@ -96,7 +103,7 @@ class ServerConfig:
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
               "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-              "/v1/rerank", "/rerank"}
+              "/v1/rerank", "/rerank", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 
 
 class _ClientDisconnected(Exception):
@@ -240,7 +247,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
                             tool_call_parser=config.tool_call_parser,
                             reasoning_parser=config.reasoning_parser)
     reranking = RerankServing(llm, model_name, serving)
-    embedding = EmbeddingServing(llm, model_name, serving, config.pooling)
+    for name, path in config.lora_modules.items():
+        try:
+            serving.load_lora(name, path)
+        except APIError as error:  # at start-up: a bad option, not a bad request
+            raise ValueError(f"--lora-modules {name}={path}: {error.message}") from None
+    embedding = EmbeddingServing(llm, serving, config.pooling)
     responding, messaging = ResponsesServing(serving), MessagesServing(serving)
     app = FastAPI(title="fastllm", docs_url=None, redoc_url=None)
 
@@ -301,8 +313,26 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> api.ModelList:
+        adapters = [api.ModelCard(id=name, root=lora.lora_path, parent=model_name,
+                                  max_model_len=serving.max_model_len)
+                    for name, lora in serving.lora_modules.items()]
         return api.ModelList(data=[api.ModelCard(id=model_name,
-                                                 max_model_len=serving.max_model_len)])
+                                                 max_model_len=serving.max_model_len),
+                                   *adapters])
+
+    if config.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: api.LoadLoRAAdapterRequest) -> Response:
+            # Reading the adapter's files may take a while: off the event loop.
+            await asyncio.to_thread(serving.load_lora, body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                     "successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: api.UnloadLoRAAdapterRequest) -> Response:
+            serving.unload_lora(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                     "successfully.")
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:

@@ -20,13 +20,12 @@ __all__ = ["EmbeddingServing"]
 class EmbeddingServing:
     """Embeds inputs with the served model."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str, serving: OpenAIServing,
-                 pooling: str) -> None:
-        self.llm, self.model_name, self.serving, self.pooling = llm, model_name, serving, pooling
+    def __init__(self, llm: AsyncLLM, serving: OpenAIServing, pooling: str) -> None:
+        self.llm, self.serving, self.pooling = llm, serving, pooling
         self.hidden_size = llm.client.model.config.hidden_size
 
     async def embed(self, req: api.EmbeddingRequest) -> api.EmbeddingResponse:
-        self.serving.check_model(req.model)
+        lora = self.serving.check_model(req.model)
         if req.dimensions is not None and req.dimensions != self.hidden_size:
             raise APIError(400, f"dimensions: this model's embeddings have {self.hidden_size} "
                                 f"dimensions and cannot be shortened, got {req.dimensions}",
@@ -37,7 +36,8 @@ class EmbeddingServing:
                 raise APIError(400, f"an input has {len(ids)} tokens, more than the model's "
                                     f"context ({self.serving.max_model_len})", param="input")
         self.serving.check_capacity(len(prompts))
-        tasks = [asyncio.ensure_future(self.llm.embed(ids, self.pooling)) for ids in prompts]
+        tasks = [asyncio.ensure_future(self.llm.embed(ids, self.pooling, lora_request=lora))
+                 for ids in prompts]
         try:
             embeddings = await asyncio.gather(*tasks)
         except BaseException:
@@ -47,8 +47,8 @@ class EmbeddingServing:
             raise
         tokens = sum(len(ids) for ids in prompts)
         return api.EmbeddingResponse(
-            model=self.model_name, usage=api.EmbeddingUsage(prompt_tokens=tokens,
-                                                            total_tokens=tokens),
+            model=self.serving.response_model(req.model),
+            usage=api.EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
             data=[api.EmbeddingData(index=i, embedding=_encoded(e, req.encoding_format))
                   for i, e in enumerate(embeddings)])
 

@@ -6,6 +6,7 @@ and waiting, KV usage, prefix-cache counters) is read when the endpoint is scrap
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -44,6 +45,15 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric([self.model_name], value)
             yield gauge
+        lora = self.engine.config.lora
+        if lora is not None:  # as vLLM's vllm:lora_requests_info: the labels carry the state
+            running, waiting = self.engine.lora_adapters()
+            info = GaugeMetricFamily(
+                "fastllm_lora_requests_info", "LoRA adapters of running and waiting requests.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(lora.max_loras), ",".join(running), ",".join(waiting)],
+                            time.time())
+            yield info
         for name, doc, value in (
                 ("fastllm_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
                  self.engine.stats.prefix_cache_queries),

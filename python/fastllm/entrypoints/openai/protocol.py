@@ -352,11 +352,23 @@ class EmbeddingResponse(_Response):
 
 # ---- models, rerank, errors --------------------------------------------------------------------
 
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "fastllm"
+    root: str | None = None  # the model's (or the LoRA adapter's) files
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

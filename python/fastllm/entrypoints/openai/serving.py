@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ from fastllm.entrypoints.openai.reasoning_parsers import (
 from fastllm.entrypoints.openai.tool_parsers import (
     PARSERS, GenericToolFormat, ToolCall, ToolCallDelta, ToolCallStream, ToolParser,
     detect_parser, json_lark)
+from fastllm.lora import LoRARequest
 from fastllm.sampling import SamplingParams, StructuredOutputsParams
 from fastllm.tokenizer import IncrementalDetokenizer
 
@@ -83,6 +85,9 @@ class OpenAIServing:
         :data:`~fastllm.entrypoints.openai.reasoning_parsers.REASONING_PARSERS`); None reads
         every reply as all answer."""
         self.llm, self.model_name, self.metrics, self.limits = llm, model_name, metrics, limits
+        # The adapters served (by the name a request's ``model`` gives), with ids of their own.
+        self.lora_modules: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
         self.tokenizer = llm.client.tokenizer
         self.max_model_len = llm.client.max_model_len
         self.vocab_size = llm.client.vocab_size
@@ -101,10 +106,46 @@ class OpenAIServing:
 
     # ---- shared checks -----------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); a name the
+        server does not serve is a 404 naming it."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.lora_modules.get(model)
+        if lora is None:
+            served = ", ".join(f"`{name}`" for name in [self.model_name, *self.lora_modules])
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
-                                f"`{self.model_name}`", param="model", code="model_not_found")
+                                f"{served}", param="model", code="model_not_found")
+        return lora
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter asked for, else the base model."""
+        return model if model in self.lora_modules else self.model_name
+
+    def load_lora(self, lora_name: str, lora_path: str) -> None:
+        """Serves the peft adapter at ``lora_path`` (a folder or hub repo) as model
+        ``lora_name``, once its files are read and checked against the base model."""
+        if lora_name in self.lora_modules or lora_name == self.model_name:
+            raise APIError(400, f"The lora adapter `{lora_name}` has already been loaded",
+                           param="lora_name")
+        if self.llm.client.lora_config is None:
+            raise APIError(400, "this server runs without LoRA: start it with --enable-lora",
+                           param="lora_name")
+        lora = LoRARequest(lora_name, next(self._lora_ids), lora_path)
+        try:
+            self.llm.client.check_lora(lora)
+        except (ValueError, OSError) as error:
+            raise APIError(400, f"cannot load LoRA adapter `{lora_name}`: {error}",
+                           param="lora_path") from None
+        self.lora_modules[lora_name] = lora
+
+    def unload_lora(self, lora_name: str) -> None:
+        """Stops serving adapter ``lora_name`` (requests running with it finish)."""
+        lora = self.lora_modules.pop(lora_name, None)
+        if lora is None:
+            raise APIError(404, f"The lora adapter `{lora_name}` cannot be found",
+                           param="lora_name", code="model_not_found")
+        self.llm.client.forget_lora(lora.lora_int_id)
 
     def check_capacity(self, new_requests: int) -> None:
         waiting = self.llm.num_waiting
@@ -196,7 +237,7 @@ class OpenAIServing:
     async def completions(self, req: api.CompletionRequest,
                           until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
                           ) -> api.CompletionResponse | AsyncIterator[str]:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.echo and req.logprobs is not None and req.n > 1:
             raise APIError(400, "echo with logprobs takes n = 1", param="n")
         prompts = self.completion_prompts(req.prompt)
@@ -211,9 +252,9 @@ class OpenAIServing:
         self.check_capacity(len(jobs))
         request_id = api.random_id("cmpl")
         if req.stream:
-            streams = await until_disconnected(self.open_streams(jobs))
+            streams = await until_disconnected(self.open_streams(jobs, lora=lora))
             return self._completion_events(request_id, req, echoes, streams)
-        outputs = await until_disconnected(self.generate(jobs))
+        outputs = await until_disconnected(self.generate(jobs, lora=lora))
         choices = []
         for i, (echo, out) in enumerate(zip(echoes, outputs)):
             logprobs = None
@@ -228,8 +269,8 @@ class OpenAIServing:
             choices.append(api.CompletionChoice(index=i, text=echo + out.outputs[0].text,
                                                 finish_reason=_finish_reason(out),
                                                 logprobs=logprobs))
-        return api.CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=count_usage(outputs, req.n))
+        return api.CompletionResponse(id=request_id, model=self.response_model(req.model),
+                                      choices=choices, usage=count_usage(outputs, req.n))
 
     async def _completion_events(self, request_id: str, req: api.CompletionRequest,
                                  echoes: list[str], streams: list[_OpenStream]
@@ -237,6 +278,7 @@ class OpenAIServing:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         continuous = include_usage and req.stream_options.continuous_usage_stats
         usage_field = {"usage": None} if include_usage else {}
+        model = self.response_model(req.model)
         text_offsets: list[_TextOffsets | None] = [None] * len(streams)
         last: list[RequestOutput | None] = [None] * len(streams)
         async for index, delta in merge_streams(streams):
@@ -256,14 +298,14 @@ class OpenAIServing:
                                    text_offsets[index])
             if text or delta.finish_reason is not None or logprobs is not None:
                 chunk = api.CompletionChunk(
-                    id=request_id, model=self.model_name, choices=[api.CompletionChoice(
+                    id=request_id, model=model, choices=[api.CompletionChoice(
                         index=index, text=text, logprobs=logprobs,
                         finish_reason=_finish_reason(delta.output)
                         if delta.finish_reason is not None else None)])
                 yield _event(chunk, **({"usage": count_usage(last, req.n).model_dump()}
                                        if continuous else usage_field))
         if include_usage:
-            yield _event(api.CompletionChunk(id=request_id, model=self.model_name, choices=[],
+            yield _event(api.CompletionChunk(id=request_id, model=model, choices=[],
                                              usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
@@ -336,11 +378,13 @@ class OpenAIServing:
                                 f"{error}", param="messages") from None
 
     def chat_jobs(self, req: api.ChatCompletionRequest
-                  ) -> tuple[list[tuple[list[int], SamplingParams]], ReplyFormat]:
-        """A chat request's engine requests (one per choice), and how their replies are read:
-        its model, prompt and sampling parameters checked, and room for them in the queue.
-        The Responses and Messages APIs build a chat request and come through here too."""
-        self.check_model(req.model)
+                  ) -> tuple[list[tuple[list[int], SamplingParams]], ReplyFormat,
+                             LoRARequest | None]:
+        """A chat request's engine requests (one per choice), how their replies are read and
+        the LoRA adapter they run with: its model, prompt and sampling parameters checked, and
+        room for them in the queue. The Responses and Messages APIs build a chat request and
+        come through here too."""
+        lora = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tool_use = self.tool_use(req)
@@ -354,7 +398,7 @@ class OpenAIServing:
                                        reply=reply)
         jobs = [(ids, p) for p in self._choices(params, req.n)]
         self.check_capacity(len(jobs))
-        return jobs, reply
+        return jobs, reply, lora
 
     def _reply_format(self, req: api.ChatCompletionRequest, prompt: list[int],
                       tool_use: _ToolUse | None) -> ReplyFormat:
@@ -384,24 +428,26 @@ class OpenAIServing:
         streams (read them with :func:`merge_streams`), and how to read the replies; errors
         name that API's fields (``params`` maps the chat request's names to them)."""
         try:
-            jobs, reply = self.chat_jobs(req)
+            jobs, reply, lora = self.chat_jobs(req)
             if req.stream:
                 return await until_disconnected(self.open_streams(
-                    jobs, reply.constraint_field)), reply
-            return await until_disconnected(self.generate(jobs, reply.constraint_field)), reply
+                    jobs, reply.constraint_field, lora)), reply
+            return await until_disconnected(self.generate(jobs, reply.constraint_field,
+                                                          lora)), reply
         except APIError as error:
             raise error.renamed(params) from None
 
     async def chat(self, req: api.ChatCompletionRequest,
                    until_disconnected: Callable[[Awaitable[T]], Awaitable[T]]
                    ) -> api.ChatCompletionResponse | AsyncIterator[str]:
-        jobs, reply = self.chat_jobs(req)
+        jobs, reply, lora = self.chat_jobs(req)
         top = req.top_logprobs or 0
         request_id = api.random_id("chatcmpl")
         if req.stream:
-            streams = await until_disconnected(self.open_streams(jobs, reply.constraint_field))
+            streams = await until_disconnected(self.open_streams(jobs, reply.constraint_field,
+                                                                 lora))
             return self._chat_events(request_id, req, streams, reply)
-        outputs = await until_disconnected(self.generate(jobs, reply.constraint_field))
+        outputs = await until_disconnected(self.generate(jobs, reply.constraint_field, lora))
         choices = []
         for i, out in enumerate(outputs):
             reasoning, text, calls = reply.parse(out.outputs[0].text)
@@ -413,10 +459,10 @@ class OpenAIServing:
                     tool_calls=[api.ToolCall(id=call.id, function=api.FunctionCall(
                         name=call.name, arguments=call.arguments)) for call in calls] or None),
                 finish_reason=_chat_finish_reason(out, bool(calls)),
-                logprobs=self._chat_logprobs(out.outputs[0].logprobs, top)
+                logprobs=self.chat_logprobs(out.outputs[0].logprobs, top)
                 if req.logprobs else None))
-        return api.ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                          usage=count_usage(outputs, req.n))
+        return api.ChatCompletionResponse(id=request_id, model=self.response_model(req.model),
+                                          choices=choices, usage=count_usage(outputs, req.n))
 
     def tool_use(self, req: api.ChatCompletionRequest) -> _ToolUse | None:
         """How the request's tools are used; None when the reply is plain text (no tools, or
@@ -484,16 +530,17 @@ class OpenAIServing:
         continuous = include_usage and req.stream_options.continuous_usage_stats
         usage_field = {"usage": None} if include_usage else {}
         top = req.top_logprobs or 0
+        model = self.response_model(req.model)
         for index in range(len(streams)):  # OpenAI's first chunk: the role
             yield _event(api.ChatCompletionChunk(
-                id=request_id, model=self.model_name, choices=[api.ChatChunkChoice(
+                id=request_id, model=model, choices=[api.ChatChunkChoice(
                     index=index, delta=api.DeltaMessage(role="assistant", content=""))]),
                 **usage_field)
         last: list[RequestOutput | None] = [None] * len(streams)
         readers = [reply.reader() for _ in streams]
         async for index, delta in merge_streams(streams):
             last[index] = delta.output
-            logprobs = (self._chat_logprobs(delta.logprobs, top)
+            logprobs = (self.chat_logprobs(delta.logprobs, top)
                         if req.logprobs and delta.logprobs else None)
             finished = delta.finish_reason is not None
             reader = readers[index]
@@ -506,7 +553,7 @@ class OpenAIServing:
                 for piece in pieces]
             if reasoning or content or tool_calls or logprobs is not None or finished:
                 yield _event(api.ChatCompletionChunk(
-                    id=request_id, model=self.model_name, choices=[api.ChatChunkChoice(
+                    id=request_id, model=model, choices=[api.ChatChunkChoice(
                         index=index, logprobs=logprobs,
                         delta=api.DeltaMessage(content=content or None,
                                                reasoning_content=reasoning or None,
@@ -516,12 +563,14 @@ class OpenAIServing:
                     **({"usage": count_usage(last, req.n).model_dump()} if continuous
                        else usage_field))
         if include_usage:
-            yield _event(api.ChatCompletionChunk(id=request_id, model=self.model_name,
+            yield _event(api.ChatCompletionChunk(id=request_id, model=model,
                                                  choices=[], usage=count_usage(last, req.n)))
         yield "data: [DONE]\n\n"
 
-    def _chat_logprobs(self, entries: list[dict[int, Logprob]] | None,
-                       top: int) -> api.ChatLogprobs:
+    def chat_logprobs(self, entries: list[dict[int, Logprob]] | None,
+                      top: int) -> api.ChatLogprobs:
+        """Sampled tokens' logprob entries as the chat API shows them: each token's logprob,
+        bytes and ``top`` most likely alternatives."""
         content = []
         for entry in entries or []:
             token_id, sampled = next(iter(entry.items()))  # the sampled token comes first
@@ -541,10 +590,13 @@ class OpenAIServing:
     # ---- running the engine requests ---------------------------------------------------------
 
     async def generate(self, jobs: list[tuple[list[int], SamplingParams]],
-                       constraint_field: str = "response_format") -> list[RequestOutput]:
-        """Every job's finished output; the first failure cancels (aborts) the others.
-        ``constraint_field``: the request field a constraint that fails to compile came from."""
-        tasks = [asyncio.ensure_future(self.llm.generate({"prompt_token_ids": ids}, params))
+                       constraint_field: str = "response_format",
+                       lora: LoRARequest | None = None) -> list[RequestOutput]:
+        """Every job's finished output (with the LoRA adapter ``lora``); the first failure
+        cancels (aborts) the others. ``constraint_field``: the request field a constraint that
+        fails to compile came from."""
+        tasks = [asyncio.ensure_future(self.llm.generate({"prompt_token_ids": ids}, params,
+                                                         lora_request=lora))
                  for ids, params in jobs]
         try:
             outputs = await asyncio.gather(*tasks)
@@ -559,11 +611,13 @@ class OpenAIServing:
         return outputs
 
     async def open_streams(self, jobs: list[tuple[list[int], SamplingParams]],
-                           constraint_field: str = "response_format") -> list[_OpenStream]:
-        """Starts every job's stream and waits for its first update, so that a request the
-        engine refuses is an error before the response starts."""
-        streams = [_OpenStream(self.llm.stream_outputs({"prompt_token_ids": ids}, params),
-                               self.metrics) for ids, params in jobs]
+                           constraint_field: str = "response_format",
+                           lora: LoRARequest | None = None) -> list[_OpenStream]:
+        """Starts every job's stream (with the LoRA adapter ``lora``) and waits for its first
+        update, so that a request the engine refuses is an error before the response starts."""
+        streams = [_OpenStream(self.llm.stream_outputs({"prompt_token_ids": ids}, params,
+                                                       lora_request=lora), self.metrics)
+                   for ids, params in jobs]
         try:
             await asyncio.gather(*(stream.start() for stream in streams))
         except BaseException as error:

@@ -56,8 +56,9 @@ class MessagesServing:
                              stream=req.stream, response_format=_response_format(req),
                              user=None if req.metadata is None else req.metadata.user_id)
         result, reply = await self.serving.run_chat(chat, until_disconnected, _PARAMS)
+        model = self.serving.response_model(req.model)
         if req.stream:
-            return self._events(result, reply)
+            return self._events(result, reply, model)
         output, = result
         reasoning, text, calls = reply.parse(output.outputs[0].text)
         content: list[am.ThinkingContent | am.TextContent | am.ToolUseContent] = []
@@ -69,7 +70,7 @@ class MessagesServing:
                                       input=json.loads(call.arguments)) for call in calls]
         stop_reason, stop_sequence = _stop(output, bool(calls))
         return am.MessageResponse(
-            id=am.message_id(), content=content, model=self.serving.model_name,
+            id=am.message_id(), content=content, model=model,
             stop_reason=stop_reason, stop_sequence=stop_sequence, usage=_usage(output))
 
     def count_tokens(self, req: am.CountTokensRequest) -> am.CountTokensResponse:
@@ -83,12 +84,13 @@ class MessagesServing:
             raise error.renamed(_PARAMS) from None
         return am.CountTokensResponse(input_tokens=len(self.serving.chat_prompt(chat, tool_use)))
 
-    async def _events(self, streams: list, reply: ReplyFormat) -> AsyncIterator[str]:
+    async def _events(self, streams: list, reply: ReplyFormat,
+                      model: str) -> AsyncIterator[str]:
         started = streams[0].first.output  # opening a stream waits for its first update
         reader, blocks = reply.reader(), _Blocks()
         try:
             yield named_event("message_start", {"message": am.MessageResponse(
-                id=am.message_id(), content=[], model=self.serving.model_name,
+                id=am.message_id(), content=[], model=model,
                 usage=am.MessagesUsage(input_tokens=len(started.prompt_token_ids),
                                        output_tokens=0)).model_dump()})
             async for _, delta in merge_streams(streams):
