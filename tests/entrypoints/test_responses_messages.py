@@ -102,6 +102,30 @@ def test_a_response_is_the_chat_completion_streamed_and_not(gpt):
     assert events[2].item.id == events[-2].item.id and events[-2].item.status == "incomplete"
 
 
+def test_output_text_logprobs_when_included(gpt):
+    """include ["message.output_text.logprobs"] with top_logprobs: each output token's
+    logprob and alternatives on output_text, equal to the chat API's for the same
+    conversation; streamed, the deltas' logprobs join to the same list."""
+    chat = gpt.chat.completions.create(model="stories", messages=CONVERSATION,
+                                       max_completion_tokens=12, logprobs=True, top_logprobs=2,
+                                       **GREEDY)
+    expected = [token.model_dump() for token in chat.choices[0].logprobs.content]
+    asked = dict(model="stories", instructions=SYSTEM, input=USER, max_output_tokens=12,
+                 include=["message.output_text.logprobs"], top_logprobs=2, **GREEDY)
+    got = gpt.responses.create(**asked)
+    text, = got.output[0].content
+    assert [token.model_dump() for token in text.logprobs] == expected
+    assert len(expected) == 12 and all(len(token["top_logprobs"]) == 2 for token in expected)
+    events = list(gpt.responses.create(**asked, stream=True))
+    streamed = [token.model_dump() for event in events
+                if event.type == "response.output_text.delta" for token in event.logprobs]
+    done = next(event for event in events if event.type == "response.output_text.done")
+    assert streamed == expected == [token.model_dump() for token in done.logprobs]
+    # Not included: none, as OpenAI sends them.
+    plain = gpt.responses.create(**{**asked, "include": None})
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_a_completed_response_through_the_sdks_stream_helper(smollm2_server):
     client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
     question = [{"role": "user", "content": "What is the capital of France?"}]

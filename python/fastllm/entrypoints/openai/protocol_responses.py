@@ -145,6 +145,11 @@ class ResponsesRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool = True
     truncation: Literal["disabled"] | None = None
+    # "message.output_text.logprobs" adds each output token's logprobs (and top_logprobs
+    # alternatives) to output_text; what other values ask for, items this server never makes
+    # (file search results, images, encrypted reasoning), there is none of.
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 # ---- the response ------------------------------------------------------------------------------

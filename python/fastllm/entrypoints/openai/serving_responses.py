@@ -32,6 +32,8 @@ __all__ = ["ResponsesServing"]
 
 T = TypeVar("T")
 
+# The include value that adds output tokens' logprobs to output_text.
+_LOGPROBS = "message.output_text.logprobs"
 # The chat request's field names as this API names them, for errors.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
            "response_format": "text.format"}
@@ -48,6 +50,8 @@ class ResponsesServing:
                      ) -> rs.ResponseObject | AsyncIterator[str]:
         """The response to ``req``, or with ``stream`` its events."""
         _refuse_what_needs_state(req)
+        logprobs = req.include is not None and _LOGPROBS in req.include
+        top = (req.top_logprobs or 0) if logprobs else 0
         chat = api.ChatCompletionRequest(
             model=req.model, messages=_messages(req), max_completion_tokens=req.max_output_tokens,
             temperature=req.temperature, top_p=req.top_p, user=req.user,
@@ -57,11 +61,12 @@ class ResponsesServing:
                 strict=tool.strict)) for tool in req.tools] if req.tools else None,
             tool_choice=api.NamedToolChoice(type="function", function=api.NamedFunction(
                 name=req.tool_choice.name)) if isinstance(req.tool_choice, rs.FunctionChoice)
-            else req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
-        started = _response(req, self.serving.model_name)
+            else req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+            logprobs=logprobs, top_logprobs=top if logprobs else None)
+        started = _response(req, self.serving.response_model(req.model))
         result, reply = await self.serving.run_chat(chat, until_disconnected, _PARAMS)
         if req.stream:
-            return self._events(started, result, reply)
+            return self._events(started, result, reply, top if logprobs else None)
         output, = result
         reasoning, text, calls = reply.parse(output.outputs[0].text)
         status = _status(output)
@@ -70,15 +75,25 @@ class ResponsesServing:
             items.append(rs.ReasoningItem(id=rs.response_id("rs"), status=status,
                                           content=[rs.ReasoningText(text=reasoning)]))
         if text or not calls:
-            items.append(rs.OutputMessage(id=rs.response_id("msg"), status=status,
-                                          content=[rs.OutputText(text=text)]))
+            # As vLLM: every output token's logprobs, the reasoning's included.
+            entries = self._logprobs(output.outputs[0].logprobs, top) if logprobs else []
+            items.append(rs.OutputMessage(id=rs.response_id("msg"), status=status, content=[
+                rs.OutputText(text=text, logprobs=entries)]))
         items += [rs.FunctionCallItem(id=rs.response_id("fc"), call_id=call.id, name=call.name,
                                       arguments=call.arguments, status="completed")
                   for call in calls]
         return _finished(started, items, output)
 
-    async def _events(self, started: rs.ResponseObject, streams: list,
-                      reply: ReplyFormat) -> AsyncIterator[str]:
+    def _logprobs(self, entries: list | None, top: int) -> list[dict[str, Any]]:
+        """Sampled tokens' logprob entries as output_text shows them (the chat API's
+        token, logprob, bytes and top_logprobs)."""
+        return [token.model_dump() for token in
+                self.serving.chat_logprobs(entries, top).content]
+
+    async def _events(self, started: rs.ResponseObject, streams: list, reply: ReplyFormat,
+                      top: int | None) -> AsyncIterator[str]:
+        """The response's events; with ``top`` (logprobs included), each output_text delta
+        carries the logprobs of the tokens since the last one."""
         numbers = itertools.count()
 
         def event(name: str, **body: Any) -> str:
@@ -90,21 +105,28 @@ class ResponsesServing:
             yield event("response.created", response=started.model_dump())
             yield event("response.in_progress", response=started.model_dump())
             last = None
+            pending: list[dict[str, Any]] = []  # logprobs of tokens not yet in a delta
             async for _, delta in merge_streams(streams):
                 last = delta.output
+                if top is not None:
+                    pending += self._logprobs(delta.logprobs, top)
                 reasoning, text, pieces = reader.feed(delta.text,
                                                       final=delta.finish_reason is not None)
                 events: list[str] = []
                 if reasoning:
                     events += items.text("reasoning", reasoning)
                 if text:
-                    events += items.text("message", text)
+                    events += items.text("message", text, pending)
+                    pending = []
                 for piece in pieces:
                     if piece.id is not None:
                         events += items.call(piece.id, piece.name)
                     if piece.arguments:
                         events += items.arguments(piece.arguments)
                 for line in events:
+                    yield line
+            if pending and items.kind == "message":  # tokens without text (an end token)
+                for line in items.text("message", "", pending):
                     yield line
             for line in items.close(_status(last), empty_message=True):
                 yield line
@@ -124,16 +146,21 @@ class _StreamedItems:
         self.done: list[rs.OutputItem] = []  # closed items, as the final response lists them
         self.kind: str | None = None  # the open item's: "reasoning", "message" or "call"
         self.id, self.body = "", ""  # the open item's id and text (or arguments) so far
+        self.logprobs: list[dict[str, Any]] = []  # the open message's token logprobs so far
         self._call: tuple[str, str] = ("", "")  # the open call's call id and name
 
-    def text(self, kind: str, delta: str) -> list[str]:
-        """``delta`` of a reasoning or message item, opening one unless that kind is open."""
+    def text(self, kind: str, delta: str,
+             logprobs: list[dict[str, Any]] | None = None) -> list[str]:
+        """``delta`` of a reasoning or message item (a message's with ``logprobs``), opening
+        one unless that kind is open."""
         events = [] if self.kind == kind else self._open(kind)
         self.body += delta
-        name = "reasoning_text" if kind == "reasoning" else "output_text"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return events + [self.event(f"response.{name}.delta", **self._at(), delta=delta,
-                                    **extra)]
+        if kind == "reasoning":
+            return events + [self.event("response.reasoning_text.delta", **self._at(),
+                                        delta=delta)]
+        self.logprobs += logprobs or []
+        return events + [self.event("response.output_text.delta", **self._at(), delta=delta,
+                                    logprobs=logprobs or [])]
 
     def call(self, call_id: str, name: str) -> list[str]:
         """Opens a function_call item."""
@@ -166,16 +193,16 @@ class _StreamedItems:
                 events.append(self.event("response.reasoning_text.done", **self._at(),
                                          text=self.body))
             else:
-                part = rs.OutputText(text=self.body)
+                part = rs.OutputText(text=self.body, logprobs=self.logprobs)
                 item = rs.OutputMessage(id=self.id, status=status, content=[part])
                 events.append(self.event("response.output_text.done", **self._at(),
-                                         text=self.body, logprobs=[]))
+                                         text=self.body, logprobs=self.logprobs))
             events.append(self.event("response.content_part.done", **self._at(),
                                      part=part.model_dump()))
         events.append(self.event("response.output_item.done", output_index=len(self.done),
                                  item=item.model_dump()))
         self.done.append(item)
-        self.kind, self.body = None, ""
+        self.kind, self.body, self.logprobs = None, "", []
         return events
 
     def _open(self, kind: str) -> list[str]:
