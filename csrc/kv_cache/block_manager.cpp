@@ -90,13 +90,27 @@ BlockManager::BlockId BlockManager::take_block() {
     TORCH_INTERNAL_ASSERT(!evictable_.empty(), "BlockManager: no block left after the check");
     id = evictable_.front();
     evictable_.pop_front();
-    Block& block = blocks_[id];
-    prefix_index_.erase(block.key);
-    block.cached = false;
-    block.token_ids.clear();
+    uncache(id);
   }
   blocks_[id].ref_count = 1;
   return id;
+}
+
+void BlockManager::uncache(BlockId id) {
+  Block& block = blocks_[id];
+  prefix_index_.erase(block.key);
+  block.cached = false;
+  block.token_ids.clear();
+}
+
+int64_t BlockManager::reset_prefix_cache() {
+  const auto dropped = int64_t(evictable_.size());
+  for (const BlockId id : evictable_) {
+    uncache(id);
+    free_list_.push_back(id);
+  }
+  evictable_.clear();
+  return dropped;
 }
 
 void BlockManager::acquire(BlockId id) {

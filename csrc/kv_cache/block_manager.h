@@ -76,6 +76,9 @@ class BlockManager {
   int64_t num_tokens(int64_t seq_id) const;
   int64_t num_computed_tokens(int64_t seq_id) const;
 
+  // Drops every cached block no sequence holds (their KV is forgotten, the blocks free);
+  // returns how many. Blocks sequences hold stay cached.
+  int64_t reset_prefix_cache();
   bool can_allocate(int64_t num_tokens) const;  // without counting prefix-cache hits
   int64_t num_free_blocks() const;              // free list + evictable cached blocks
   double usage() const;                         // fraction of blocks referenced
@@ -120,6 +123,7 @@ class BlockManager {
                       int64_t seq_id) const;
   BlockId find_cached(uint64_t parent_prefix_id, const int64_t* token_ids) const;
   BlockId take_block();
+  void uncache(BlockId block);  // out of the prefix index: its KV is no longer findable
   void acquire(BlockId block);
   void release(BlockId block);
   void cache_full_block(Sequence& seq, BlockId block, const int64_t* token_ids);

@@ -93,6 +93,9 @@ id, never read since readers stop at each sequence's length.)doc")
       .def("num_tokens", &BlockManager::num_tokens, py::arg("seq_id"))
       .def("num_computed_tokens", &BlockManager::num_computed_tokens, py::arg("seq_id"),
            "Leading tokens whose KV is written (prefix-cache hits and ``mark_computed``).")
+      .def("reset_prefix_cache", &BlockManager::reset_prefix_cache,
+           "Drops every cached block no sequence holds (a later prompt computes its KV again, "
+           "as after new weights); returns how many. Blocks sequences hold stay cached.")
       .def("can_allocate", &BlockManager::can_allocate, py::arg("num_tokens"),
            "Whether a prompt of ``num_tokens`` fits in free and evictable blocks, with no "
            "prefix-cache hit counted.")

@@ -22,7 +22,8 @@ from openai_server import finished, running_server, wait_idle
 from fastllm import AsyncLLM
 
 API_KEY = "sk-test"
-TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
 SYSTEM, USER = "Be kind.", "Tell me a story."
 CONVERSATION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
 GREEDY = {"temperature": 0}
@@ -100,6 +101,20 @@ def test_a_response_is_the_chat_completion_streamed_and_not(gpt):
     assert final.usage.output_tokens == 24
     assert events[0].response.status == "in_progress"
     assert events[2].item.id == events[-2].item.id and events[-2].item.status == "incomplete"
+
+
+def test_tokenize_renders_messages_as_the_chat_api_does(gpt, server):
+    chat = chat_completion(gpt, "stories", CONVERSATION, 4)
+    got = httpx.post(server.base_url + "/tokenize",
+                     json={"model": "stories", "messages": CONVERSATION}).json()
+    assert got["count"] == chat.usage.prompt_tokens == len(got["tokens"])
+    without = httpx.post(server.base_url + "/tokenize", json={
+        "messages": CONVERSATION, "add_generation_prompt": False}).json()
+    assert without["count"] < got["count"]  # the template's "assistant:" left out
+    refused = httpx.post(server.base_url + "/tokenize", json={
+        "messages": CONVERSATION, "add_special_tokens": True})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "add_special_tokens"
 
 
 def test_output_text_logprobs_when_included(gpt):

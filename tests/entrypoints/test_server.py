@@ -271,6 +271,66 @@ def test_models_health_and_metrics(client, server):
         assert name in text, name
 
 
+def test_router_gauges_move_under_load(client, server):
+    """The gauges a router's endpoint picker reads, under vLLM's names: requests running
+    while a burst runs, none after."""
+
+    def gauge(name: str) -> float:
+        text = httpx.get(server.base_url + "/metrics").text
+        line, = [line for line in text.splitlines() if line.startswith(name + "{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    seen = 0.0
+    with ThreadPoolExecutor(8) as pool:
+        burst = [pool.submit(client.completions.create, model="stories", prompt=PROMPT,
+                             max_tokens=64, extra_body={"ignore_eos": True}) for _ in range(8)]
+        while not all(f.done() for f in burst):
+            seen = max(seen, gauge("vllm:num_requests_running"))
+        for future in burst:
+            future.result()
+    assert seen >= 1
+    wait_idle(server.llm)
+    assert (gauge("vllm:num_requests_running"), gauge("vllm:num_requests_waiting"),
+            gauge("vllm:kv_cache_usage_perc")) == (0, 0, 0)
+
+
+def test_tokenize_and_detokenize(server):
+    tokenizer = server.llm.client.tokenizer
+    got = httpx.post(server.base_url + "/tokenize", json={
+        "model": "stories", "prompt": PROMPT, "return_token_strs": True}).json()
+    ids = tokenizer.encode(PROMPT)
+    assert got == {"count": len(ids), "max_model_len": 256, "tokens": ids,
+                   "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    bare = httpx.post(server.base_url + "/tokenize",
+                      json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert bare["token_strs"] is None
+    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()
+    assert text == {"prompt": tokenizer.decode(ids)}
+    for path, body, status, param in (
+            ("/tokenize", {"prompt": PROMPT, "messages": [{"role": "user", "content": "x"}]},
+             400, None),
+            ("/tokenize", {}, 400, None),
+            ("/tokenize", {"model": "other", "prompt": PROMPT}, 404, "model"),
+            ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
+        assert_error(httpx.post(server.base_url + path, json=body), status, param)
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(client, server):
+    manager = server.llm.client.kv_cache.block_manager
+    prompt = PROMPT + " there was a little girl who liked to play in the park" * 3
+    client.completions.create(model="stories", prompt=prompt, max_tokens=2)
+    wait_idle(server.llm)
+    assert manager.stats()["cached_blocks"] > 0
+    assert post(server, "/reset_prefix_cache", {}).status_code == 200
+    assert (manager.stats()["cached_blocks"], manager.stats()["evictable_blocks"]) == (0, 0)
+    assert_error(httpx.post(server.base_url + "/reset_prefix_cache"), 401)
+    hits = manager.stats()["hits"]
+    client.completions.create(model="stories", prompt=prompt, max_tokens=2)
+    assert manager.stats()["hits"] == hits  # computed again: nothing was left to hit
+
+
 # ---- bad requests ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, param", [

@@ -206,6 +206,10 @@ class Engine:
                    if r.lora_request is not None}
         return sorted(running), sorted(waiting - running)
 
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached prefix block no request holds; returns how many."""
+        return self.scheduler.reset_prefix_cache()
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Has the workers forget a LoRA adapter (unloaded by its server) from the next
         step."""

@@ -174,6 +174,11 @@ class Scheduler:
             return None
         return SchedulerOutput.empty(finished, drops, removed)
 
+    def reset_prefix_cache(self) -> int:
+        """Drops every cached block no request holds (the block manager forgets their KV);
+        returns how many."""
+        return self.block_manager.reset_prefix_cache()
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Tells the workers, with the next step, to forget an unloaded adapter (requests
         still running with it load it again from its files)."""

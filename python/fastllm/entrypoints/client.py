@@ -235,6 +235,12 @@ class EngineClient:
                              "an id of its own")
         return lora_request
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets the KV of every cached prefix no request holds (after new weights, or to
+        measure cold prompts); returns the blocks freed."""
+        with self.lock:
+            return self.engine.reset_prefix_cache()
+
     def forget_lora(self, lora_int_id: int) -> None:
         """Unloads an adapter: the engine's workers forget it, and a later request for its id
         reads its files again."""

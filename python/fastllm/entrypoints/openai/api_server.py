@@ -6,8 +6,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers
 with server-sent events), ``POST /v1/responses`` (OpenAI's Responses API, stateless), ``POST
 /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API), ``GET
-/v1/models``, ``POST /v1/rerank`` (with a Qwen3-Reranker model), ``GET /health`` and ``GET
-/metrics`` (Prometheus). Errors are OpenAI's error JSON with the field at fault in ``param``
+/v1/models``, ``POST /v1/rerank`` (with a Qwen3-Reranker model), ``POST /tokenize``,
+``/detokenize`` and ``/reset_prefix_cache`` (vLLM's), ``GET /health`` and ``GET /metrics``
+(Prometheus). Errors are OpenAI's error JSON with the field at fault in ``param``
 (Anthropic's under ``/v1/messages``). A client that disconnects aborts its requests, freeing
 their KV blocks at once.
 """
@@ -41,6 +42,7 @@ from fastllm.entrypoints.openai.serving import (APIError, OpenAIServing, Serving
 from fastllm.entrypoints.openai.serving_messages import MessagesServing
 from fastllm.entrypoints.openai.serving_responses import ResponsesServing
 from fastllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from fastllm.entrypoints.openai.tokenization import TokenizationServing
 from fastllm.entrypoints.openai.tool_parsers import PARSERS
 
 __all__ = ["ServerConfig", "build_app", "build_server"]
@@ -103,7 +105,8 @@ class ServerConfig:
 
 _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
               "/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-              "/v1/rerank", "/rerank", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+              "/v1/rerank", "/rerank", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+              "/tokenize", "/detokenize", "/reset_prefix_cache"}
 
 
 class _ClientDisconnected(Exception):
@@ -164,7 +167,8 @@ class _Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope["headers"]}
         key = self.config.api_key
-        if key is not None and (path.startswith("/v1") or path == "/rerank"):
+        guarded = path.startswith("/v1") or path in ("/rerank", "/reset_prefix_cache")
+        if key is not None and guarded:
             if headers.get("authorization") != f"Bearer {key}" and not (
                     _anthropic(path) and headers.get("x-api-key") == key):
                 also = " or 'x-api-key: KEY'" if _anthropic(path) else ""
@@ -253,6 +257,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
         except APIError as error:  # at start-up: a bad option, not a bad request
             raise ValueError(f"--lora-modules {name}={path}: {error.message}") from None
     embedding = EmbeddingServing(llm, serving, config.pooling)
+    tokenization = TokenizationServing(serving)
     responding, messaging = ResponsesServing(serving), MessagesServing(serving)
     app = FastAPI(title="fastllm", docs_url=None, redoc_url=None)
 
@@ -319,6 +324,20 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
         return api.ModelList(data=[api.ModelCard(id=model_name,
                                                  max_model_len=serving.max_model_len),
                                    *adapters])
+
+    @app.post("/tokenize")
+    async def tokenize(body: api.TokenizeRequest) -> api.TokenizeResponse:
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: api.DetokenizeRequest) -> api.DetokenizeResponse:
+        return tokenization.detokenize(body)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        # Between engine steps (the client's lock), off the event loop.
+        await asyncio.to_thread(llm.client.reset_prefix_cache)
+        return Response(status_code=200)
 
     if config.allow_runtime_lora_updating:
         @app.post("/v1/load_lora_adapter")

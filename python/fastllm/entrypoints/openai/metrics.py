@@ -1,7 +1,10 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of its own per server.
 
 Counters and histograms are observed as requests finish; the engine's state (requests running
-and waiting, KV usage, prefix-cache counters) is read when the endpoint is scraped.
+and waiting, KV usage, prefix-cache counters, LoRA adapters) is read when the endpoint is
+scraped. The gauges a multi-replica router reads come under vLLM's names too
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:lora_requests_info``).
 """
 
 from __future__ import annotations
@@ -33,27 +36,33 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator:
         labels = ["model_name"]
-        for name, doc, value in (
-                ("fastllm_num_requests_running", "Requests holding KV blocks.",
-                 self.engine.num_running),
-                ("fastllm_num_requests_waiting", "Requests queued for the engine.",
-                 self.engine.num_waiting),
-                ("fastllm_kv_cache_usage_perc", "Fraction of KV-cache blocks held (0 to 1).",
-                 self.engine.kv_usage),
-                ("fastllm_prefix_cache_hit_rate", "Prompt blocks found in the prefix cache, "
-                 "over those looked up, since start.", self.engine.stats.prefix_cache_hit_rate)):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric([self.model_name], value)
-            yield gauge
+        router_gauges = (
+            ("num_requests_running", "Requests holding KV blocks.", self.engine.num_running),
+            ("num_requests_waiting", "Requests queued for the engine.", self.engine.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks held (0 to 1).",
+             self.engine.kv_usage))
+        # Each also under vLLM's name, which the routers' endpoint pickers (the Gateway API
+        # Inference Extension's model-server protocol: llm-d, KServe) read.
+        for prefix in ("fastllm_", "vllm:"):
+            for name, doc, value in router_gauges:
+                gauge = GaugeMetricFamily(prefix + name, doc, labels=labels)
+                gauge.add_metric([self.model_name], value)
+                yield gauge
+        gauge = GaugeMetricFamily(
+            "fastllm_prefix_cache_hit_rate", "Prompt blocks found in the prefix cache, over "
+            "those looked up, since start.", labels=labels)
+        gauge.add_metric([self.model_name], self.engine.stats.prefix_cache_hit_rate)
+        yield gauge
         lora = self.engine.config.lora
-        if lora is not None:  # as vLLM's vllm:lora_requests_info: the labels carry the state
+        if lora is not None:  # the labels carry the state, as in vLLM's
             running, waiting = self.engine.lora_adapters()
-            info = GaugeMetricFamily(
-                "fastllm_lora_requests_info", "LoRA adapters of running and waiting requests.",
-                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            info.add_metric([str(lora.max_loras), ",".join(running), ",".join(waiting)],
-                            time.time())
-            yield info
+            for name in ("fastllm_lora_requests_info", "vllm:lora_requests_info"):
+                info = GaugeMetricFamily(
+                    name, "LoRA adapters of running and waiting requests.",
+                    labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+                info.add_metric([str(lora.max_loras), ",".join(running), ",".join(waiting)],
+                                time.time())
+                yield info
         for name, doc, value in (
                 ("fastllm_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
                  self.engine.stats.prefix_cache_queries),

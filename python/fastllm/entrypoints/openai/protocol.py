@@ -352,6 +352,42 @@ class EmbeddingResponse(_Response):
 
 # ---- models, rerank, errors --------------------------------------------------------------------
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or messages through the chat template (with tools)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)] | None = None
+    tools: list[ChatTool] | None = None
+    add_generation_prompt: bool = True
+    # Default: BOS and the like for a prompt, none for messages (the template writes them).
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
 class LoadLoRAAdapterRequest(_Request):
     lora_name: str
     lora_path: str

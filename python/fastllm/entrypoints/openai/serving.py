@@ -334,11 +334,12 @@ class OpenAIServing:
 
     # ---- chat --------------------------------------------------------------------------------
 
-    def chat_prompt(self, req: api.ChatCompletionRequest,
-                    tool_use: _ToolUse | None = None) -> list[int]:
+    def chat_prompt(self, req: api.ChatCompletionRequest, tool_use: _ToolUse | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
         """The prompt's token ids: the messages (and the tools in use) through the chat
-        template; on a template without tools, calls and results in the messages and the
-        tools' description are written in the generic format."""
+        template, with the generation prompt unless told not to; on a template without tools,
+        calls and results in the messages and the tools' description are written in the
+        generic format."""
         messages = []
         for i, message in enumerate(req.messages):
             fields = message.model_dump(exclude_none=True)
@@ -371,8 +372,8 @@ class OpenAIServing:
         elif tool_use is not None:
             kwargs["tools"] = tool_use.tools
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=True, **kwargs)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
         except (TypeError, ValueError) as error:
             raise APIError(400, f"the messages cannot be rendered with the chat template: "
                                 f"{error}", param="messages") from None
