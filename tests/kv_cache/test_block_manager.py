@@ -153,6 +153,36 @@ def test_free_keeps_full_blocks_cached_and_frees_the_rest():
     assert manager.stats()["evictable_blocks"] == 0 and manager.stats()["hits"] == 2
 
 
+def test_reset_prefix_cache_drops_what_no_sequence_holds():
+    manager = BlockManager(8, 4)
+    held, dropped = list(range(10)), list(range(100, 110))
+    for seq_id, prompt in ((1, held), (2, dropped)):
+        manager.allocate(seq_id, prompt)
+        manager.mark_computed(seq_id, 10)
+    manager.free(2)
+    assert manager.reset_prefix_cache() == 2  # sequence 2's two full blocks
+    assert manager.stats()["cached_blocks"] == 2 and manager.stats()["evictable_blocks"] == 0
+    assert manager.allocate(3, dropped) == 0  # forgotten
+    assert manager.allocate(4, held) == 8  # sequence 1 still holds its blocks, cached
+    assert manager.reset_prefix_cache() == 0
+
+
+@pytest.mark.parametrize("salt", [-1, 2**63 - 1])
+def test_a_bad_cache_salt_is_refused(salt):
+    with pytest.raises(ValueError, match="cache_salt"):
+        BlockManager(8, 4).allocate(1, [1, 2, 3], cache_salt=salt)
+
+
+def test_cache_salts_keep_prefixes_apart():
+    manager = BlockManager(16, 4)
+    prompt = list(range(10))
+    manager.allocate(1, prompt, cache_salt=7)
+    manager.mark_computed(1, 10)
+    assert manager.allocate(2, prompt) == 0
+    assert manager.allocate(3, prompt, cache_salt=8) == 0
+    assert manager.allocate(4, prompt, cache_salt=7) == 8
+
+
 def test_blocks_filled_by_append_enter_the_prefix_cache():
     manager = BlockManager(8, 4)
     manager.allocate(1, [1, 2, 3])
