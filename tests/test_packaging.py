@@ -16,8 +16,10 @@ import fastllm
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(fastllm.__file__).resolve().parent
-# Modules only `fastllm serve` loads, and the benchmarks' charts.
-EXTRAS = {"entrypoints/openai/": "server", "bench/charts.py": "bench"}
+# Modules only `fastllm serve` loads (and the KV-cache events it publishes for routers), and the
+# benchmarks' charts.
+EXTRAS = {"entrypoints/openai/": "server", "engine/kv_events.py": "server",
+          "bench/charts.py": "bench"}
 
 
 def requirement_names(requirements: list[str]) -> set[str]:

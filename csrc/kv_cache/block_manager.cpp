@@ -98,6 +98,7 @@ BlockManager::BlockId BlockManager::take_block() {
 
 void BlockManager::uncache(BlockId id) {
   Block& block = blocks_[id];
+  if (record_cache_events_) cache_events_.push_back({false, block.prefix_id, 0, {}});
   prefix_index_.erase(block.key);
   block.cached = false;
   block.token_ids.clear();
@@ -151,6 +152,7 @@ void BlockManager::cache_full_block(Sequence& seq, BlockId id, const int64_t* to
     // evicted): re-key it under this one, keeping its prefix id so blocks cached after it stay
     // reachable. Its old entry goes, so the index never holds two keys for one block.
     prefix_index_.erase(block.key);
+    if (record_cache_events_) cache_events_.push_back({false, block.prefix_id, 0, {}});
   } else {
     block.cached = true;
     block.prefix_id = next_prefix_id_++;
@@ -159,6 +161,8 @@ void BlockManager::cache_full_block(Sequence& seq, BlockId id, const int64_t* to
   block.key = key;
   block.parent_prefix_id = seq.prefix_id;
   seq.prefix_id = block.prefix_id;
+  if (record_cache_events_)
+    cache_events_.push_back({true, block.prefix_id, block.parent_prefix_id, block.token_ids});
 }
 
 int64_t BlockManager::allocate(int64_t seq_id, const std::vector<int64_t>& token_ids,

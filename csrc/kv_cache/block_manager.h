@@ -46,6 +46,16 @@ class BlockManager {
  public:
   using BlockId = int32_t;
   using BlockCopy = std::pair<BlockId, BlockId>;  // (src, dst) block the caller must copy
+  // A change of the prefix cache, for routers that mirror it (KV-cache events): a full block
+  // cached under prefix_id (the prefix through it), chained onto parent_prefix_id with its
+  // token_ids, or (stored false) the cached prefix prefix_id forgotten. A first block's parent
+  // is kEmptyPrefix, or 2**63 | cache_salt for a salted chain.
+  struct CacheEvent {
+    bool stored;
+    uint64_t prefix_id;
+    uint64_t parent_prefix_id;
+    std::vector<int64_t> token_ids;
+  };
 
   BlockManager(int64_t num_blocks, int64_t block_size, bool enable_prefix_caching);
 
@@ -79,6 +89,9 @@ class BlockManager {
   // Drops every cached block no sequence holds (their KV is forgotten, the blocks free);
   // returns how many. Blocks sequences hold stay cached.
   int64_t reset_prefix_cache();
+  // Recording of CacheEvents (off by default), and the events since the last take.
+  void record_cache_events(bool on) { record_cache_events_ = on; }
+  std::vector<CacheEvent> take_cache_events() { return std::exchange(cache_events_, {}); }
   bool can_allocate(int64_t num_tokens) const;  // without counting prefix-cache hits
   int64_t num_free_blocks() const;              // free list + evictable cached blocks
   double usage() const;                         // fraction of blocks referenced
@@ -138,6 +151,8 @@ class BlockManager {
   uint64_t next_prefix_id_ = kEmptyPrefix + 1;
   int64_t hits_ = 0;
   int64_t queries_ = 0;
+  bool record_cache_events_ = false;
+  std::vector<CacheEvent> cache_events_;
 };
 
 }  // namespace fastllm

@@ -96,6 +96,23 @@ id, never read since readers stop at each sequence's length.)doc")
       .def("reset_prefix_cache", &BlockManager::reset_prefix_cache,
            "Drops every cached block no sequence holds (a later prompt computes its KV again, "
            "as after new weights); returns how many. Blocks sequences hold stay cached.")
+      .def("record_cache_events", &BlockManager::record_cache_events, py::arg("on"),
+           "Starts (or stops) recording the prefix cache's changes for take_cache_events.")
+      .def(
+          "take_cache_events",
+          [](BlockManager& self) {
+            py::list events;
+            for (const auto& event : self.take_cache_events())
+              events.append(py::make_tuple(event.stored, event.prefix_id, event.parent_prefix_id,
+                                           event.token_ids));
+            return events;
+          },
+          R"doc(
+The prefix cache's changes since the last call, oldest first, each ``(stored, prefix_id,
+parent_prefix_id, token_ids)``: a full block cached (``stored``) as the prefix ``prefix_id``,
+chained onto ``parent_prefix_id`` (0 for a first block, ``2**63 | cache_salt`` for a first
+block of a salted chain) with its ``token_ids``; or the cached prefix ``prefix_id`` forgotten
+(evicted, reset, re-keyed). Recorded only after ``record_cache_events(True)``.)doc")
       .def("can_allocate", &BlockManager::can_allocate, py::arg("num_tokens"),
            "Whether a prompt of ``num_tokens`` fits in free and evictable blocks, with no "
            "prefix-cache hit counted.")

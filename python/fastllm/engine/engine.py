@@ -32,6 +32,7 @@ from fastllm.engine.scheduler_output import (ModelRunnerOutput, SchedulerOutput,
                                              request_error)
 from fastllm.engine.speculative import SpeculativeConfig
 from fastllm.engine.structured_output import GrammarCompiler
+from fastllm.engine.kv_events import KVEventPublisher, KVEventsConfig
 from fastllm.kv_cache import ChunkIndex
 from fastllm.lora.slots import LoRAConfig
 from fastllm.models.pool import resolve_dtype
@@ -70,6 +71,9 @@ class EngineConfig:
             (default) drafts nothing. Tokens are the same with it as without.
         lora: serve LoRA adapters (:class:`fastllm.lora.LoRAConfig`: how many in a step, their
             largest rank, how many kept loaded); None (default): the base model alone.
+        kv_events: publish the prefix cache's changes for routers
+            (:class:`~fastllm.engine.kv_events.KVEventsConfig` or a dict of its fields, vLLM's
+            ``--kv-events-config``); None (default): none.
     """
 
     max_num_seqs: int = 32
@@ -80,8 +84,10 @@ class EngineConfig:
     batch_invariant: bool = False
     speculative: SpeculativeConfig | Mapping[str, Any] | None = None
     lora: LoRAConfig | None = None
+    kv_events: KVEventsConfig | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.kv_events = KVEventsConfig.of(self.kv_events)
         if self.lora is not None and not isinstance(self.lora, LoRAConfig):
             raise TypeError(f"lora must be a LoRAConfig or None, got {self.lora!r}")
         self.speculative = SpeculativeConfig.of(self.speculative)
@@ -178,6 +184,14 @@ class Engine:
                                       else config.lora.max_loras),
             max_model_len, chunk_index)
         self._grammars: GrammarCompiler | None = None  # built for the first constrained request
+        events = config.kv_events
+        self.kv_events: KVEventPublisher | None = None
+        if events is not None and events.enable_kv_cache_events:
+            if not kv_cache.block_manager.enable_prefix_caching:
+                raise ValueError("kv_events_config: KV-cache events report the prefix cache, "
+                                 "which enable_prefix_caching=False turns off")
+            self.kv_events = KVEventPublisher(events, kv_cache.spec.block_size)
+            kv_cache.block_manager.record_cache_events(True)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -208,7 +222,13 @@ class Engine:
 
     def reset_prefix_cache(self) -> int:
         """Drops every cached prefix block no request holds; returns how many."""
-        return self.scheduler.reset_prefix_cache()
+        dropped = self.scheduler.reset_prefix_cache()
+        self._publish_cache_events()
+        return dropped
+
+    def _publish_cache_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.take_cache_events())
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Has the workers forget a LoRA adapter (unloaded by its server) from the next
@@ -240,8 +260,11 @@ class Engine:
         return self.scheduler.usage
 
     def shutdown(self) -> None:
-        """Stops the executor's ranks; the engine runs no step after."""
+        """Stops the executor's ranks and closes the KV-event sockets; the engine runs no
+        step after."""
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -276,6 +299,7 @@ class Engine:
         self.stats.prefix_cache_hits = counters["hits"]
         self.stats.prefix_cache_queries = counters["queries"]
         self._release_finished()
+        self._publish_cache_events()
         self.stats.step_s += time.perf_counter() - started
         return list(dict.fromkeys(updated))
 

@@ -179,6 +179,11 @@ class Scheduler:
         returns how many."""
         return self.block_manager.reset_prefix_cache()
 
+    def take_cache_events(self) -> list[tuple[bool, int, int, list[int]]]:
+        """The prefix cache's changes since the last call (``BlockManager.take_cache_events``,
+        recorded once ``block_manager.record_cache_events(True)``)."""
+        return self.block_manager.take_cache_events()
+
     def remove_lora(self, lora_int_id: int) -> None:
         """Tells the workers, with the next step, to forget an unloaded adapter (requests
         still running with it load it again from its files)."""

@@ -373,6 +373,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--max-body-bytes", type=int, default=4 << 20, metavar="BYTES",
                        help="the largest request body (past it, a 413)")
     _add_engine_group(parser, llm=True)
+    group.add_argument("--kv-events-config", metavar="JSON",
+                       help="publish the prefix cache's changes for routers, as vLLM's: e.g. "
+                            "'{\"enable_kv_cache_events\": true, \"endpoint\": "
+                            "\"tcp://*:5557\"}'")
+    group.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256"],
+                       help="the block hashes KV-cache events carry (fastllm.engine.kv_events)")
     group = parser.add_argument_group("LoRA")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters: a request's model names one")
@@ -435,9 +441,15 @@ def _serve(args: argparse.Namespace) -> None:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     if (config.lora_modules or config.allow_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            kv_events = json.loads(args.kv_events_config)
+        except ValueError as error:
+            raise ValueError(f"--kv-events-config is not valid JSON: {error}") from None
     llm = AsyncLLM(args.model, **_llm_kwargs(args), enable_lora=args.enable_lora,
                    max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                   max_cpu_loras=args.max_cpu_loras)
+                   max_cpu_loras=args.max_cpu_loras, kv_events_config=kv_events)
     try:
         server = build_server(llm, config, name)
         print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)

@@ -85,7 +85,8 @@ class EngineClient:
                  tensor_parallel_size: int = 1, revision: str | None = None,
                  tokenizer_revision: str | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None) -> None:
+                 max_cpu_loras: int | None = None,
+                 kv_events_config: Mapping[str, Any] | None = None) -> None:
         if not isinstance(enable_lora, bool):
             raise TypeError(f"enable_lora must be a bool, got {enable_lora!r}")
         lora = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
@@ -94,7 +95,7 @@ class EngineClient:
                                      max_prefill_chunk=max_prefill_chunk,
                                      enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
                                      batch_invariant=batch_invariant, speculative=speculative,
-                                     lora=lora)
+                                     lora=lora, kv_events=kv_events_config)
         if chunk_store_memory is not None and (not isinstance(chunk_store_memory, int)
                                                or chunk_store_memory < 0):
             raise ValueError(f"chunk_store_memory must be None or an int >= 0, got "

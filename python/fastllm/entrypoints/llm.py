@@ -100,6 +100,10 @@ class LLM:
         max_lora_rank: the largest rank ``r`` an adapter may have.
         max_cpu_loras: adapters kept loaded on the host (default: ``max_loras``); others are
             read from their files again when they run.
+        kv_events_config: publish the prefix cache's changes for prefix-aware routers, as
+            vLLM's ``--kv-events-config`` (:mod:`fastllm.engine.kv_events`: ZMQ, vLLM's wire
+            format, documented block hashes), e.g. ``{"enable_kv_cache_events": True,
+            "endpoint": "tcp://*:5557"}``.
     """
 
     def __init__(self, model: str | os.PathLike, *, revision: str | None = None,
@@ -116,7 +120,8 @@ class LLM:
                  speculative: Mapping[str, Any] | None = None,
                  tensor_parallel_size: int = 1, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None) -> None:
+                 max_cpu_loras: int | None = None,
+                 kv_events_config: Mapping[str, Any] | None = None) -> None:
         self.client = EngineClient(
             model, revision=revision, dtype=dtype, device=device, tokenizer=tokenizer,
             tokenizer_revision=tokenizer_revision, max_model_len=max_model_len,
@@ -127,7 +132,8 @@ class LLM:
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             batch_invariant=batch_invariant, speculative=speculative,
             tensor_parallel_size=tensor_parallel_size, enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            kv_events_config=kv_events_config)
         self.model, self.tokenizer = self.client.model, self.client.tokenizer
         self.kv_cache, self.engine = self.client.kv_cache, self.client.engine
         self.device, self.max_model_len = self.client.device, self.client.max_model_len
