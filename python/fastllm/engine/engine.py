@@ -187,11 +187,8 @@ class Engine:
         events = config.kv_events
         self.kv_events: KVEventPublisher | None = None
         if events is not None and events.enable_kv_cache_events:
-            if not kv_cache.block_manager.enable_prefix_caching:
-                raise ValueError("kv_events_config: KV-cache events report the prefix cache, "
-                                 "which enable_prefix_caching=False turns off")
+            self.scheduler.record_cache_events()
             self.kv_events = KVEventPublisher(events, kv_cache.spec.block_size)
-            kv_cache.block_manager.record_cache_events(True)
 
     # ---- requests ----------------------------------------------------------------------------
 

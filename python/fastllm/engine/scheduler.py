@@ -179,9 +179,17 @@ class Scheduler:
         returns how many."""
         return self.block_manager.reset_prefix_cache()
 
+    def record_cache_events(self) -> None:
+        """Has the block manager record the prefix cache's changes for
+        :meth:`take_cache_events` (a ValueError without a prefix cache)."""
+        if not self.block_manager.enable_prefix_caching:
+            raise ValueError("kv_events_config: KV-cache events report the prefix cache, which "
+                             "enable_prefix_caching=False turns off")
+        self.block_manager.record_cache_events(True)
+
     def take_cache_events(self) -> list[tuple[bool, int, int, list[int]]]:
-        """The prefix cache's changes since the last call (``BlockManager.take_cache_events``,
-        recorded once ``block_manager.record_cache_events(True)``)."""
+        """The prefix cache's changes since the last call (``BlockManager.take_cache_events``),
+        once :meth:`record_cache_events` asked for them."""
         return self.block_manager.take_cache_events()
 
     def remove_lora(self, lora_int_id: int) -> None:
