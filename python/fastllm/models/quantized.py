@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from fastllm import ops
 
 __all__ = ["QUANTIZATIONS", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight",
-           "Quantization", "SegmentedQuantizedLinear", "check_quantization", "quantize_weight"]
+           "Quantization", "SegmentedQuantizedLinear", "check_quantization", "pack_blocks",
+           "quantize_weight"]
 
 
 @dataclass(frozen=True)
@@ -183,10 +184,9 @@ def _quantize_q8_0(blocks: Tensor, out: Tensor) -> None:
     """Q8_0: an fp16 scale ``d = amax / 127``, then 32 int8 ``round(x / d)``. blocks float32
     ``[rows, n, 32]`` -> out uint8 ``[rows, n, 34]``."""
     d = blocks.abs().amax(-1, keepdim=True) / 127  # [rows, n, 1]
-    out[..., :2] = _fp16_bytes(d, blocks)
     inverse = torch.where(d == 0, 0.0, 1 / d)
     quants = _round_half_away(blocks * inverse).nan_to_num_(0.0).clamp_(-127, 127)
-    out[..., 2:] = quants.to(torch.int8).view(torch.uint8)
+    _write_blocks(out, _fp16(d, blocks), quants.to(torch.int8))
 
 
 def _quantize_q4_1(blocks: Tensor, out: Tensor) -> None:
@@ -195,16 +195,45 @@ def _quantize_q4_1(blocks: Tensor, out: Tensor) -> None:
     blocks float32 ``[rows, n, 32]`` -> out uint8 ``[rows, n, 20]``."""
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)  # [rows, n, 1]
     d = (high - low) / 15
-    out[..., :2] = _fp16_bytes(d, blocks)
-    out[..., 2:4] = _fp16_bytes(low, blocks)
     inverse = torch.where(d == 0, 0.0, 1 / d)
     quants = ((blocks - low).mul_(inverse).add_(0.5).trunc_()
               .nan_to_num_(0.0).clamp_(0, 15).to(torch.uint8))  # [rows, n, 32]
-    out[..., 4:] = quants[..., :16] | (quants[..., 16:] << 4)
+    _write_blocks(out, _fp16(d, blocks), quants, _fp16(low, blocks))
 
 
 _QUANTIZERS = {GGMLQuantizationType.Q8_0: _quantize_q8_0,
                GGMLQuantizationType.Q4_1: _quantize_q4_1}
+
+
+def pack_blocks(weight_type: int, d: Tensor, quants: Tensor,
+                m: Tensor | None = None) -> QuantizedWeight:
+    """ggml blocks of Q4_0 (2), Q4_1 (3) or Q8_0 (8) from fields already known exactly (a
+    quantized checkpoint's integers and scales; :mod:`fastllm.models.formats`): ``d`` (and
+    Q4_1's minimum ``m``) float16 ``[rows, n]``, one per block of 32 values; ``quants``
+    ``[rows, n, 32]``, Q8_0's int8 values or Q4_0's and Q4_1's 4-bit integers (0-15, uint8).
+    Returns ``[rows, n * block bytes]`` blocks, laid out as :func:`quantize_weight` writes
+    them."""
+    block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(weight_type)][1]
+    rows, n, _ = quants.shape
+    out = torch.empty(rows, n, block_bytes, dtype=torch.uint8, device=quants.device)
+    _write_blocks(out, d.unsqueeze(-1), quants, None if m is None else m.unsqueeze(-1))
+    return QuantizedWeight(out.view(rows, n * block_bytes), int(weight_type))
+
+
+def _write_blocks(out: Tensor, d: Tensor, quants: Tensor, m: Tensor | None = None) -> None:
+    """ggml's block layout into ``out`` (uint8 ``[rows, n, block bytes]``): the fp16 scale ``d``
+    (``[rows, n, 1]``), Q4_1's fp16 minimum ``m``, then the 32 quants: int8 (Q8_0) as they are,
+    4-bit integers (uint8) as 16 bytes, values 0-15 in the low nibbles, 16-31 in the high
+    ones."""
+    out[..., :2] = d.view(torch.uint8)
+    start = 2
+    if m is not None:
+        out[..., 2:4] = m.view(torch.uint8)
+        start = 4
+    if quants.dtype == torch.int8:
+        out[..., start:] = quants.view(torch.uint8)
+    else:
+        out[..., start:] = quants[..., :16] | (quants[..., 16:] << 4)
 
 
 def _round_half_away(x: Tensor) -> Tensor:
@@ -216,9 +245,9 @@ def _round_half_away(x: Tensor) -> Tensor:
     return rounded.copysign_(x)
 
 
-def _fp16_bytes(field: Tensor, blocks: Tensor) -> Tensor:
-    """A per-block field (float32 ``[..., 1]``: a scale or a minimum) as fp16 bytes ``[..., 2]``;
-    one that fp16 cannot hold is a ``ValueError`` quoting its block's range."""
+def _fp16(field: Tensor, blocks: Tensor) -> Tensor:
+    """A per-block field (float32 ``[..., 1]``: a scale or a minimum) in fp16; one that fp16
+    cannot hold is a ``ValueError`` quoting its block's range."""
     half = field.to(torch.float16)
     if not torch.isfinite(half).all():
         bad = (~torch.isfinite(half)).flatten().nonzero()[0].item()
@@ -226,4 +255,4 @@ def _fp16_bytes(field: Tensor, blocks: Tensor) -> Tensor:
         raise ValueError(f"the weight holds values too large for fp16 block scales, or non-finite "
                          f"ones: a block spans [{block.min().item():.4g}, "
                          f"{block.max().item():.4g}]")
-    return half.view(torch.uint8)
+    return half
