@@ -62,7 +62,7 @@ import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare, summarize
 from fastllm.bench.workloads import (MODEL_SHAPES, DeviceCopy, parse_device,
-                                     parse_model_bench_args)
+                                     parse_model_bench_args, random_hf_model)
 from fastllm.models.pool import model_pool
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
@@ -148,22 +148,7 @@ def save_random_model(config: ModelSizes, folder: Path, shape: str = MODEL) -> N
         num_key_value_heads=dims.n_kv_heads, head_dim=dims.head_dim,
         tie_word_embeddings=dims.tie_word_embeddings, rope_theta=dims.rope_theta,
         rms_norm_eps=1e-6, max_position_embeddings=40_960, **special)
-    with torch.device("meta"):  # no HF initialization: every weight is overwritten below
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gave lm_head its own storage
-    # Projections at std 1 / sqrt(fan_in) keep every layer's output about as large as its
-    # input, and the greedy tokens vary; with std 0.02 everywhere the model soon repeats one
-    # token, and the token comparison would check little.
-    generator = torch.Generator().manual_seed(config.seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name == "model.embed_tokens.weight":  # also the LM head: logits' std ~0.6
-                param.normal_(0.0, 0.02, generator=generator)
-            else:  # [out, in] projections
-                param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+    model = random_hf_model(hf_config, config.seed)
     model.save_pretrained(folder)
     tokenizer_dir = Path(config.models_dir) / "qwen3_tokenizer"
     for name in TOKENIZER_FILES:

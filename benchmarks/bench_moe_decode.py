@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from bench_generate import (DEFAULT_MODELS_DIR, QWEN3_BOS, QWEN3_EOS, TOKENIZER_FILES,
                             copy_bandwidth, leading_agreement, measure_generate, random_prompt)
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, summarize
-from fastllm.bench.workloads import parse_device, parse_model_bench_args
+from fastllm.bench.workloads import parse_device, parse_model_bench_args, random_hf_model
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
 MODEL = "qwen3-30b-a3b"
@@ -76,18 +76,7 @@ def random_moe_folder(config: MoeBenchConfig) -> Iterator[Path]:
         moe_intermediate_size=config.moe_intermediate_size, num_experts=config.num_experts,
         num_experts_per_tok=config.experts_per_token, bos_token_id=QWEN3_BOS,
         eos_token_id=QWEN3_EOS, pad_token_id=QWEN3_BOS)
-    with torch.device("meta"):  # no HF initialization: every weight is overwritten below
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-    model.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(config.seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name == "model.embed_tokens.weight":
-                param.normal_(0.0, 0.02, generator=generator)
-            else:  # [..., out, in]: expert weights are [experts, out, in]
-                param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+    model = random_hf_model(hf_config, config.seed, torch.bfloat16)
     with tempfile.TemporaryDirectory(prefix="fastllm_bench_moe_decode_") as tmp:
         folder = Path(tmp)
         model.save_pretrained(folder)

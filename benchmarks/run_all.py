@@ -48,6 +48,7 @@ import bench_engine
 import bench_generate
 import bench_gguf
 import bench_kv_cache
+import bench_lora
 import bench_mask_cache
 import bench_moe
 import bench_moe_decode
@@ -64,7 +65,7 @@ BENCHMARKS = {"mask_cache": bench_mask_cache.main, "attention": bench_attention.
               "moe": bench_moe.main, "moe_decode": bench_moe_decode.main,
               "generate": bench_generate.main, "engine": bench_engine.main,
               "rerank": bench_rerank.main, "gguf": bench_gguf.main, "serve": bench_serve.main,
-              "spec": bench_spec.main}
+              "spec": bench_spec.main, "lora": bench_lora.main}
 CPU_ONLY = {"gguf", "serve", "spec"}  # their peer runs on the CPU only; batch-1 speculation
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 QUIET_S = 60.0  # a benchmark silent this long gets a line saying it still runs

@@ -384,6 +384,26 @@ def draw_moe_decode(axes: Sequence[Axes], document: Document) -> None:
                     f"{rows[0]['num_experts']} experts a token (higher is better)", "tokens/s")
 
 
+def draw_lora(axes: Sequence[Axes], document: Document) -> None:
+    """Output tokens/s of fastllm with the adapters, the base model alone, the LoRA engine
+    without adapters and HF + peft, with the goal's share of the base's over them."""
+    runs = rows_where(document, section="throughput")
+    labels = [f"{row['num_requests']} requests, {row['adapters']} adapters\n"
+              f"{row['weights']} weights, a {row['layers']}-layer model" for row in runs]
+    series = {"fastllm, base model": "base_tok_s", "fastllm, adapters": "lora_tok_s",
+              "fastllm LoRA engine, no adapter": "lora_no_adapter_tok_s",
+              "HF + peft": "hf_peft_tok_s"}
+    centres = bar_groups(axes[0], labels,
+                         {name: [row[key] for row in runs] for name, key in series.items()},
+                         {"fastllm, base model": SERIES[1], "fastllm, adapters": FASTLLM,
+                          "fastllm LoRA engine, no adapter": SERIES[2], "HF + peft": PEER})
+    goal = runs[0]["goal_lora_vs_base"]
+    limit_marks(axes[0], centres, [goal * row["base_tok_s"] for row in runs],
+                f"goal with adapters: {goal:g}x the base model's", linestyle="--")
+    finish(axes[0], f"Output throughput, all requests at once, request i on adapter i % "
+                    f"{runs[0]['adapters']} (higher is better)", "tokens/s")
+
+
 CHARTS: dict[str, Chart] = {
     "gguf": Chart("Batch-1 generation from GGUF files: fastllm against llama.cpp",
                   lambda document: 2, draw_gguf),
@@ -410,6 +430,8 @@ CHARTS: dict[str, Chart] = {
                       lambda document: 2, draw_generate),
     "moe_decode": Chart("Mixture-of-experts decode at batch 1: fastllm.LLM against HF generate",
                         lambda document: 1, draw_moe_decode),
+    "lora": Chart("Multi-LoRA serving: fastllm.LLM with adapters against the base model and "
+                  "HF + peft", lambda document: 1, draw_lora),
 }
 
 

@@ -205,12 +205,24 @@ def moe_decode_headline(document: Document) -> list[Headline]:
             for row in document["rows"]]
 
 
+def lora_headline(document: Document) -> list[Headline]:
+    """Output tokens/s with the adapters against the base model alone and against HF + peft."""
+    found = []
+    for row in rows_where(document, section="throughput"):
+        about = f"{row['adapters']} adapters, {row['num_requests']} requests"
+        found += [(f"output tok/s with adapters / base model ({about})",
+                   times(row["lora_vs_base"])),
+                  (f"output tok/s with adapters vs HF + peft ({about})",
+                   times(row["lora_vs_hf_peft"]))]
+    return found
+
+
 HEADLINES: dict[str, Callable[[Document], list[Headline]]] = {
     "gguf": gguf_headline, "engine": engine_headline, "serve": serve_headline,
     "spec": spec_headline, "rerank": rerank_headline, "mask_cache": mask_cache_headline,
     "attention": attention_headline, "kv_cache": kv_cache_headline,
     "sampling": sampling_headline, "moe": moe_headline, "generate": generate_headline,
-    "moe_decode": moe_decode_headline,
+    "moe_decode": moe_decode_headline, "lora": lora_headline,
 }
 
 
