@@ -62,7 +62,7 @@ import fastllm
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, Timing, compare, summarize
 from fastllm.bench.workloads import (MODEL_SHAPES, DeviceCopy, parse_device,
-                                     parse_model_bench_args, random_hf_model)
+                                     parse_model_bench_args)
 from fastllm.models.pool import model_pool
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
@@ -130,6 +130,29 @@ class ModelSizes(Protocol):
 
 # The HF model type of each architecture save_random_model writes.
 HF_MODEL_TYPES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+def random_hf_model(hf_config: transformers.PretrainedConfig, seed: int,
+                    dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+    """An HF causal LM of ``hf_config`` with random weights, the benchmarks' way: norms 1, the
+    embedding std 0.02 (the LM head too when tied: logits' std about 0.6), every projection
+    (experts' ``[experts, out, in]`` too) std 1 / sqrt(fan_in), which keeps each layer's output
+    about as large as its input so that the greedy tokens vary (with std 0.02 everywhere the
+    model soon repeats one token, and a token comparison would check little)."""
+    with torch.device("meta"):  # no HF initialization: every weight is overwritten below
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave a tied lm_head its own storage
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name == "model.embed_tokens.weight":
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+    return model
 
 
 def save_random_model(config: ModelSizes, folder: Path, shape: str = MODEL) -> None:

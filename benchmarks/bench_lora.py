@@ -74,12 +74,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import fastllm
 from bench_engine import PaddedBatch, padded_batches
-from bench_generate import leading_agreement
+from bench_generate import leading_agreement, random_hf_model
 from bench_gguf import DEFAULT_CACHE_DIR
 from fastllm.bench.gguf_files import file_sha256, smollm2_gguf
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
-from fastllm.bench.workloads import random_hf_model
 from fastllm.models.pool import model_pool
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -192,7 +191,7 @@ def save_smollm2_float32(folder: Path) -> None:
 
 def save_random_smollm2(config: LoRABenchConfig, folder: Path) -> None:
     """A model of SmolLM2's family, heads and vocabulary with the config's layers, hidden and
-    MLP sizes and random float32 weights (:func:`fastllm.bench.workloads.random_hf_model`)."""
+    MLP sizes and random float32 weights (bench_generate's :func:`random_hf_model`)."""
     hf_config = AutoConfig.for_model(**dict(
         SMOLLM2_CONFIG, num_hidden_layers=config.layers, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size))

@@ -33,10 +33,11 @@ import transformers
 from transformers import AutoConfig
 
 from bench_generate import (DEFAULT_MODELS_DIR, QWEN3_BOS, QWEN3_EOS, TOKENIZER_FILES,
-                            copy_bandwidth, leading_agreement, measure_generate, random_prompt)
+                            copy_bandwidth, leading_agreement, measure_generate, random_hf_model,
+                            random_prompt)
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, summarize
-from fastllm.bench.workloads import parse_device, parse_model_bench_args, random_hf_model
+from fastllm.bench.workloads import parse_device, parse_model_bench_args
 
 COMPETITORS = {"fastllm": "fastllm", "hf": "HF"}
 MODEL = "qwen3-30b-a3b"

@@ -16,7 +16,7 @@ from fastllm.models import DecoderLM, ModelConfig
 
 __all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "DeviceCopy",
            "add_shape_arguments", "make_attention_inputs", "parse_device",
-           "parse_model_bench_args", "random_hf_model", "random_model", "repeat_kv"]
+           "parse_model_bench_args", "random_model", "repeat_kv"]
 
 
 @dataclass(frozen=True)
@@ -172,30 +172,6 @@ def random_model(shape: AttentionShape, *, num_layers: int | None = None,
     for param in model.parameters():  # small weights keep activations in range over the layers
         param.normal_(0.0, 0.02)
     return model.to(dtype=dtype, device=device)
-
-
-def random_hf_model(hf_config: Any, seed: int, dtype: torch.dtype = torch.float32) -> Any:
-    """An HF causal LM of ``hf_config`` with random weights, the benchmarks' way: norms 1, the
-    embedding std 0.02 (the LM head too when tied: logits' std about 0.6), every projection
-    (experts' ``[experts, out, in]`` too) std 1 / sqrt(fan_in), which keeps each layer's output
-    about as large as its input so that the greedy tokens vary (with std 0.02 everywhere the
-    model soon repeats one token, and a token comparison would check little)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):  # no HF initialization: every weight is overwritten below
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gave a tied lm_head its own storage
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name == "model.embed_tokens.weight":
-                param.normal_(0.0, 0.02, generator=generator)
-            else:
-                param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
-    return model
 
 
 def repeat_kv(x: Tensor, group: int) -> Tensor:
