@@ -126,10 +126,6 @@ class LoRAAdapter:
     rank: int
     layers: list[dict[str, tuple[Tensor, Tensor]]] = field(repr=False)
 
-    def nbytes(self) -> int:
-        """The bytes its A and B tensors take."""
-        return sum(t.nbytes for layer in self.layers for pair in layer.values() for t in pair)
-
 
 @dataclass(frozen=True)
 class _Module:
