@@ -81,8 +81,10 @@ constexpr const char* kSchemas[] = {
     "Tensor? logit_bias=None) -> ()",
     // x [rows, in] times a block-quantized weight transposed, plus bias. The weight is ggml's
     // blocks row by row, uint8 [out, row bytes], weight_type a ggml type id (Q4_0 2, Q4_1 3,
-    // Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). A few rows (decode) stream the
-    // blocks: integer dot products on the CPU, a GEMV decoding them in registers on CUDA.
+    // Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14), or fastllm's FP8_E4M3 blocks (2000:
+    // float8_e4m3fn codes, a float32 scale per 32). A few rows (decode) stream the blocks:
+    // integer dot products on the CPU (FP8: float32 ones), a GEMV decoding them in registers on
+    // CUDA.
     "quantized_linear(Tensor x, Tensor weight, int weight_type, Tensor? bias=None) -> Tensor",
     // Rows of such a weight as floats [rows, in] of `dtype`.
     "dequantize(Tensor weight, int weight_type, ScalarType dtype) -> Tensor",

@@ -37,9 +37,11 @@
 
 namespace fastllm {
 
-// ggml's type ids (gguf's GGMLQuantizationType), as the ops' weight_type argument.
+// ggml's type ids (gguf's GGMLQuantizationType), as the ops' weight_type argument, and
+// fastllm's FP8 blocks (kFp8E4M3, below).
 enum class BlockFormat : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kFp8E4M3 = 2000
 };
 
 // fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's, Q8_0's, Q4_K's and Q6_K's
@@ -55,6 +57,21 @@ enum class BlockFormat : int64_t {
 // them.
 constexpr int64_t kInterleavedTypes = 1000;
 constexpr int64_t kInterleavedRows = 16;
+
+// fastllm's FP8 weight type, never in a file: FP8 checkpoints' float8_e4m3fn weights kept in
+// their byte, type 2000 (BlockFormat::kFp8E4M3) on every device. A row is blocks of 32 values,
+// 36 bytes each: a little-endian float32 scale, then 32 e4m3 codes (bit 7 the sign, bits 3-6
+// the exponent, bias 7, bits 0-2 the mantissa); value j is scale * e4m3(code j). A float32 scale
+// holds a checkpoint's per-tensor, per-channel or 128 x 128 block scale (float32, bfloat16 or
+// float16) exactly. The NaN codes (0x7f, 0xff) are not values: loaders refuse them. The kernels
+// decode a code as the float16 with bits (s << 15) | (eeeemmm << 7): e4m3's value times 2^-8,
+// normal or subnormal alike (fp8_half_bits), the 2^8 applied with the scale.
+constexpr int64_t kFp8E4M3Type = int64_t(BlockFormat::kFp8E4M3);
+
+// The float16 bits of an e4m3 code times 2^-8.
+constexpr uint16_t fp8_half_bits(uint8_t code) {
+  return uint16_t((code & 0x80) << 8 | (code & 0x7f) << 7);
+}
 
 // The formats with an interleaved layout, in type order.
 constexpr BlockFormat kInterleavedFormats[] = {BlockFormat::kQ4_0, BlockFormat::kQ4_1,
@@ -90,6 +107,7 @@ constexpr BlockLayout block_layout(BlockFormat format) {
     case BlockFormat::kQ4_K: return {"Q4_K", 256, 144};
     case BlockFormat::kQ5_K: return {"Q5_K", 256, 176};
     case BlockFormat::kQ6_K: return {"Q6_K", 256, 210};
+    case BlockFormat::kFp8E4M3: return {"FP8_E4M3", 32, 36};
   }
   return {"?", 1, 1};
 }
@@ -110,7 +128,7 @@ constexpr float kZeroPoint = F == BlockFormat::kQ4_0 ? 8.f : F == BlockFormat::k
 template <BlockFormat F>
 constexpr bool kHasOffset = kHasMin<F> || kZeroPoint<F> != 0.f;
 
-// Calls fn(std::integral_constant<BlockFormat, F>()) for the runtime format.
+// Calls fn(std::integral_constant<BlockFormat, F>()) for the runtime format (FP8 too).
 template <class Fn>
 decltype(auto) visit_block_format(BlockFormat format, Fn&& fn) {
   using F = BlockFormat;
@@ -122,6 +140,7 @@ decltype(auto) visit_block_format(BlockFormat format, Fn&& fn) {
     case F::kQ8_0: return fn(std::integral_constant<F, F::kQ8_0>());
     case F::kQ4_K: return fn(std::integral_constant<F, F::kQ4_K>());
     case F::kQ5_K: return fn(std::integral_constant<F, F::kQ5_K>());
+    case F::kFp8E4M3: return fn(std::integral_constant<F, F::kFp8E4M3>());
     case F::kQ6_K: break;
   }
   return fn(std::integral_constant<F, F::kQ6_K>());
@@ -155,13 +174,16 @@ inline float half_bits_to_float(uint16_t h) {
   return f;
 }
 
-inline float read_half(const uint8_t* p) {
-  const uint16_t bits = uint16_t(p[0]) | uint16_t(p[1]) << 8;
+inline float half_to_float(uint16_t bits) {
 #if defined(__F16C__) && !defined(__CUDA_ARCH__)
   return _cvtsh_ss(bits);  // one instruction; the bit-by-bit path costs a kernel its speed
 #else
   return half_bits_to_float(bits);
 #endif
+}
+
+inline float read_half(const uint8_t* p) {
+  return half_to_float(uint16_t(p[0]) | uint16_t(p[1]) << 8);
 }
 
 inline uint32_t read_u32(const uint8_t* p) {

@@ -26,9 +26,11 @@ BlockFormat check_quantized_weight(const at::Tensor& weight, int64_t weight_type
                     ") is the CPU's decode layout; on ", weight.device(),
                     " pass the weight's ggml blocks (", block_layout(format).name, ", ",
                     int64_t(format), ")");
-  TORCH_CHECK_VALUE(is_interleaved || is_block_format(weight_type),
+  TORCH_CHECK_VALUE(is_interleaved || is_block_format(weight_type) ||
+                        weight_type == kFp8E4M3Type,
                     "weight_type must be a ggml type id of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 "
-                    "(7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), got ", weight_type,
+                    "(7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), or fastllm's FP8_E4M3 "
+                    "blocks (2000), got ", weight_type,
                     interleaved ? " (the CPU also takes " +
                                       interleaved_formats_text(kInterleavedTypes) +
                                       " with rows interleaved by 16)"

@@ -85,6 +85,16 @@ at::Tensor dequantize_composite(const at::Tensor& weight, int64_t weight_type,
       values = (f.half(208) * scales).unsqueeze(-1) * q;  // a scale per 16 values
       break;
     }
+    case BlockFormat::kFp8E4M3: {
+      // Each code as the float16 of its bits (s << 15) | (eeeemmm << 7), e4m3's value times
+      // 2^-8, with integer ops (MPS has no float8); the 2^8 is exact, scale * value one rounding.
+      const auto codes = f.bytes(4, 32);  // [R, B, 32]
+      const auto bits = at::bitwise_or(at::bitwise_left_shift(at::bitwise_and(codes, 0x80), 8),
+                                       at::bitwise_left_shift(at::bitwise_and(codes, 0x7f), 7));
+      const auto scale = f.blocks.narrow(2, 0, 4).contiguous().view(at::kFloat);  // [R, B, 1]
+      values = scale * (bits.view(at::kHalf).to(at::kFloat) * 256);
+      break;
+    }
   }
   return values.reshape({rows, in_features}).to(dtype);
 }

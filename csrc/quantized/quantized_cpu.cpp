@@ -6,7 +6,10 @@
 // and one float multiply-add. Prefill rows are compute-bound: weight rows are repacked a panel
 // at a time for a GEMM on the decode rows' byte activations (Q4_0, the K-quants; AVX2 and
 // AVX-512), or dequantized to float32 a panel at a time for the ISA's float GEMM, or to tiles
-// for oneDNN's bfloat16 GEMM (AMX, and the other formats with AVX512-BF16). The kernels
+// for oneDNN's bfloat16 GEMM (AMX, and the other formats with AVX512-BF16). FP8 weights
+// (block_formats.h: kFp8E4M3, 9 bits per value) keep the activations in float32: their decode
+// rows decode the codes in registers for float32 multiply-adds, their prefill rows take the
+// dequantized panels or tiles. The kernels
 // (quantized_cpu_kernel.h) are built once per instruction set and picked at run time
 // (common/cpu_isa.h).
 #include <ATen/ATen.h>
@@ -117,8 +120,9 @@ CpuKernels isa_kernels(BlockFormat format) {
     case CpuIsa::kAvx2: kernels = cpu_kernels_avx2(format); break;
     case CpuIsa::kScalar: kernels = cpu_kernels_scalar(format); break;
   }
-  TORCH_INTERNAL_ASSERT(kernels.decode_rows && kernels.dequantize_rows, "no ",
-                        cpu_isa_name(cpu_isa()), " kernels in this build");
+  TORCH_INTERNAL_ASSERT(
+      (kernels.decode_rows || kernels.float_decode_rows) && kernels.dequantize_rows, "no ",
+      cpu_isa_name(cpu_isa()), " kernels in this build");
   return kernels;
 }
 
@@ -189,9 +193,22 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in
       interleaved && !interleaved_kernel ? deinterleave_rows(weight_in, format) : weight_in;
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t ldw = weight.stride(0);
+  // Enough weight rows per decode task that their bytes (>= 64 KiB) dwarf its scheduling cost.
+  const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
+  if (decode && cpu.float_decode_rows) {
+    // FP8: the activations as float32, as they are (no quantization).
+    const auto x_float = x.to(at::kFloat).contiguous();
+    auto y_float = x.scalar_type() == at::kFloat ? y : at::empty({rows, n_out}, x_float.options());
+    const auto bias_float = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    const float* bias_data = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
+    const float* xp = x_float.const_data_ptr<float>();
+    float* yp = y_float.mutable_data_ptr<float>();
+    at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+      cpu.float_decode_rows(xp, rows, k_len, w, ldw, begin, end, bias_data, yp, n_out);
+    });
+    return x.scalar_type() == at::kFloat ? y : y.copy_(y_float);
+  }
   if (decode) {
-    // Enough weight rows per task that their bytes (>= 64 KiB) dwarf its scheduling cost.
-    const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, ldw));
     const DecodeRowsFn rows_fn =
         interleaved_kernel ? cpu.interleaved_decode_rows : cpu.decode_rows;
     const int64_t unit = interleaved_kernel ? kInterleavedRows : 1;

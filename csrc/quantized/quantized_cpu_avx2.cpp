@@ -180,6 +180,41 @@ struct Avx2 {
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
   }
+  // FP8: one weight row at a time, in address order, as the memory-bound formats above.
+  static constexpr int kFp8ActRows = 2, kFp8TileRows = 1;
+  // A block's values in the order vpunpcklbw/vpunpckhbw leave them: 0-7, 16-23, 8-15, 24-31
+  // (kFp8Order); fp8_dot reads the activations in the same order.
+  struct Fp8Values {
+    __m256 v[4];
+  };
+  static constexpr int kFp8Order[4] = {0, 16, 8, 24};
+  static Fp8Values fp8_values(const uint8_t* codes) {
+    const __m256i bytes = load_bytes(codes), zero = _mm256_setzero_si256();
+    // Each code in the high byte of a 16-bit lane, shifted right arithmetically by one with
+    // bit 14 (the sign's copy) cleared: (s << 15) | (eeeemmm << 7), fp8_half_bits.
+    const __m256i keep = _mm256_set1_epi16(int16_t(0xbfff));
+    const auto halves = [&](__m256i high_bytes) {
+      return _mm256_and_si256(_mm256_srai_epi16(high_bytes, 1), keep);
+    };
+    const __m256i low = halves(_mm256_unpacklo_epi8(zero, bytes));
+    const __m256i high = halves(_mm256_unpackhi_epi8(zero, bytes));
+    return {{_mm256_cvtph_ps(_mm256_castsi256_si128(low)),
+             _mm256_cvtph_ps(_mm256_extracti128_si256(low, 1)),
+             _mm256_cvtph_ps(_mm256_castsi256_si128(high)),
+             _mm256_cvtph_ps(_mm256_extracti128_si256(high, 1))}};
+  }
+  static Floats fp8_dot(const Fp8Values& w, const float* x) {
+    const __m256 a = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(x + kFp8Order[1]),
+                                     _mm256_mul_ps(w.v[0], _mm256_loadu_ps(x + kFp8Order[0])));
+    const __m256 b = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(x + kFp8Order[3]),
+                                     _mm256_mul_ps(w.v[2], _mm256_loadu_ps(x + kFp8Order[2])));
+    return _mm256_add_ps(a, b);
+  }
+  static void fp8_store(const Fp8Values& w, float scale, float* out) {
+    const __m256 s = _mm256_set1_ps(scale), two_8 = _mm256_set1_ps(256.f);
+    for (int i = 0; i < 4; ++i)
+      _mm256_storeu_ps(out + kFp8Order[i], _mm256_mul_ps(_mm256_mul_ps(w.v[i], two_8), s));
+  }
 };
 
 }  // namespace

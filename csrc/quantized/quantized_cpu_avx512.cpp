@@ -143,6 +143,32 @@ struct Avx512 {
   static Floats scale_ints(Quads ints, Floats scale, Floats acc) {
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, acc);
   }
+  static float sum(Floats v) { return _mm512_reduce_add_ps(v); }
+  // FP8: four weight rows' streams in flight, as the decode tiles above; 2 x 4 x 2
+  // accumulators of the 32 registers.
+  static constexpr int kFp8ActRows = 2, kFp8TileRows = 4;
+  struct Fp8Values {
+    __m512 low, high;  // values 0-15, 16-31
+  };
+  static Fp8Values fp8_values(const uint8_t* codes) {
+    // Each code in the high byte of a 16-bit lane, shifted right arithmetically by one with
+    // bit 14 (the sign's copy) cleared: (s << 15) | (eeeemmm << 7), fp8_half_bits.
+    const __m512i words = _mm512_slli_epi16(
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))), 8);
+    const __m512i halves =
+        _mm512_and_si512(_mm512_srai_epi16(words, 1), _mm512_set1_epi16(int16_t(0xbfff)));
+    return {_mm512_cvtph_ps(_mm512_castsi512_si256(halves)),
+            _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1))};
+  }
+  static Floats fp8_dot(const Fp8Values& w, const float* x) {
+    return _mm512_fmadd_ps(w.high, _mm512_loadu_ps(x + 16),
+                           _mm512_mul_ps(w.low, _mm512_loadu_ps(x)));
+  }
+  static void fp8_store(const Fp8Values& w, float scale, float* out) {
+    const __m512 s = _mm512_set1_ps(scale), two_8 = _mm512_set1_ps(256.f);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_mul_ps(w.low, two_8), s));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_mul_ps(w.high, two_8), s));
+  }
 };
 
 // Decode rows of the interleaved layouts (block_formats.h: kInterleavedTypes). A 64-byte chunk

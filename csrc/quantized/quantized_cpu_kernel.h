@@ -29,6 +29,13 @@
 //   Floats, kFloats             a float vector and its lanes (the prefill GEMM's)
 //   kGemmRows, kGemmVecs        the GEMM's register tile: activation rows x weight-row vectors
 //   load(p), broadcast(p), fmadd(a, b, c), store(p, v)   on Floats
+// and for FP8 (block_formats.h: kFp8E4M3), whose decode rows take float32 activations:
+//   Fp8Values, fp8_values(codes)  a block's 32 codes as float16 values (fp8_half_bits: e4m3's
+//                               times 2^-8), in float lanes
+//   fp8_dot(v, x)               Floats whose lanes sum to v . x[0..31] (in a fixed order)
+//   fp8_store(v, scale, out)    out[j] = scale * e4m3(code j), rounded once
+//   kFp8ActRows, kFp8TileRows   activation rows and weight rows of an FP8 decode tile
+//   mul(a, b), sum(v)           on Floats
 // and, where kByteGemm (the prefill byte GEMM of the formats with byte activations):
 //   Quads, kByteGemmRows        an integer vector of kFloats 32-bit lanes of 4 bytes each (a weight
 //                               row's 4 consecutive unsigned integers, or an activation row's 4
@@ -250,12 +257,13 @@ inline void gemm_tile(const float* x, int64_t ldx, int64_t k_len, const float* p
 
 // Prefill rows, compute-bound: y[m * ldy + n] = x[m] . (weight row n) (+ bias[n]) for every
 // activation row m (x: float32 [rows, k_len], dense) and weight rows n in [begin, end). A few
-// panels of kCols weight rows at a time are dequantized and laid out k-major; then, a block of
+// panels of kCols weight rows at a time are dequantized (kDequantizeRows: the format's) and
+// laid out k-major; then, a block of
 // kBlockK values of k at a time (the panels' block stays in L1 and L2), every tile of
 // activation rows adds its products to float32 sums kept for the panels' columns. Each
 // (row, weight row) sum runs over k in order whatever the tile, so a row's result does not
 // depend on the others.
-template <class Isa, BlockFormat F>
+template <class Isa, DequantizeRowsFn kDequantizeRows>
 void gemm_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, int64_t ldw,
                int64_t begin, int64_t end, const float* bias, float* y, int64_t ldy) {
   constexpr int MR = Isa::kGemmRows, kCols = Isa::kGemmVecs * Isa::kFloats;
@@ -268,8 +276,7 @@ void gemm_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, in
     const int n_panels = int((group_cols + kCols - 1) / kCols);
     for (int p = 0; p < n_panels; ++p) {
       const int64_t cols = std::min<int64_t>(kCols, group_cols - p * kCols);
-      dequantize_rows<Isa, F>(w, ldw, n0 + p * kCols, n0 + p * kCols + cols, k_len,
-                              dequantized.data());
+      kDequantizeRows(w, ldw, n0 + p * kCols, n0 + p * kCols + cols, k_len, dequantized.data());
       float* panel = panels.data() + p * kCols * k_len;
       for (int64_t k = 0; k < k_len; ++k)
         for (int j = 0; j < kCols; ++j)
@@ -411,14 +418,104 @@ void byte_gemm_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw, in
   }
 }
 
+// FP8 (block_formats.h: kFp8E4M3). Decode rows stream the weight's bytes once and take the
+// activations as they are (float32): per block, the 32 codes decoded in registers, their dot
+// product with the activations in float lanes, then one multiply-add by the block's scale into
+// one of two accumulators (even and odd blocks: two chains of multiply-adds in flight). The
+// 2^8 the codes' float16 values lack is applied to the row's sum (a power of two: exact).
+inline float fp8_block_scale(const uint8_t* block) {
+  float scale;
+  __builtin_memcpy(&scale, block, sizeof(scale));
+  return scale;
+}
+
+// out[m][r] = (activation row m: x + m * ldx) . (weight row r: w + r * ldw), for M activation
+// and R weight rows of `blocks` blocks.
+template <class Isa, int M, int R>
+inline void fp8_tile(const float* x, int64_t ldx, int64_t blocks, const uint8_t* w, int64_t ldw,
+                     float (&out)[M][R]) {
+  using Floats = typename Isa::Floats;
+  constexpr int64_t kBytes = block_layout(BlockFormat::kFp8E4M3).bytes;
+  constexpr float kZero = 0.f;
+  Floats acc[2][M][R];
+  for (int p = 0; p < 2; ++p)
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[p][m][r] = Isa::broadcast(&kZero);
+  const auto add_block = [&](int64_t b, auto parity) {
+    constexpr int P = decltype(parity)::value;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* block = w + r * ldw + b * kBytes;
+      const auto values = Isa::fp8_values(block + 4);
+      const float scale_value = fp8_block_scale(block);
+      const Floats scale = Isa::broadcast(&scale_value);
+      for (int m = 0; m < M; ++m)
+        acc[P][m][r] = Isa::fmadd(Isa::fp8_dot(values, x + m * ldx + b * kSubBlockValues), scale,
+                                  acc[P][m][r]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    add_block(b, std::integral_constant<int, 0>());
+    add_block(b + 1, std::integral_constant<int, 1>());
+  }
+  if (b < blocks) add_block(b, std::integral_constant<int, 0>());
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r)
+      out[m][r] = (Isa::sum(acc[0][m][r]) + Isa::sum(acc[1][m][r])) * 256.f;
+}
+
+// Decode rows (CpuKernels::float_decode_rows): y[m * ldy + n] = x[m] . (weight row n) (+ bias[n])
+// for every activation row m (x: float32 [rows, k_len], dense) and weight rows n in
+// [begin, end), each tile of weight rows read once for all the activation rows.
+template <class Isa>
+void fp8_decode_rows(const float* x, int64_t rows, int64_t k_len, const uint8_t* w, int64_t ldw,
+                     int64_t begin, int64_t end, const float* bias, float* y, int64_t ldy) {
+  const int64_t blocks = k_len / kSubBlockValues;
+  const auto tile = [&](auto weight_rows, int64_t n) {
+    constexpr int R = decltype(weight_rows)::value;
+    for_row_tiles<Isa::kFp8ActRows>(rows, [&](auto activation_rows, int64_t m) {
+      constexpr int M = decltype(activation_rows)::value;
+      float sums[M][R];
+      fp8_tile<Isa, M, R>(x + m * k_len, k_len, blocks, w + n * ldw, ldw, sums);
+      for (int i = 0; i < M; ++i)
+        for (int r = 0; r < R; ++r)
+          y[(m + i) * ldy + n + r] = sums[i][r] + (bias ? bias[n + r] : 0.f);
+    });
+  };
+  int64_t n = begin;
+  for (; n + Isa::kFp8TileRows <= end; n += Isa::kFp8TileRows)
+    tile(std::integral_constant<int, Isa::kFp8TileRows>(), n);
+  for (; n < end; ++n) tile(std::integral_constant<int, 1>(), n);
+}
+
+template <class Isa>
+void fp8_dequantize_rows(const uint8_t* w, int64_t ldw, int64_t begin, int64_t end,
+                         int64_t in_features, float* out) {
+  constexpr int64_t kBytes = block_layout(BlockFormat::kFp8E4M3).bytes;
+  for (int64_t n = begin; n < end; ++n) {
+    for (int64_t b = 0; b < in_features / kSubBlockValues; ++b) {
+      const uint8_t* block = w + n * ldw + b * kBytes;
+      Isa::fp8_store(Isa::fp8_values(block + 4), fp8_block_scale(block),
+                     out + (n - begin) * in_features + b * kSubBlockValues);
+    }
+  }
+}
+
 template <class Isa>
 CpuKernels cpu_kernels_for(BlockFormat format) {
   return visit_block_format(format, [](auto f) {
     constexpr BlockFormat F = decltype(f)::value;
-    DecodeRowsFn byte_gemm = nullptr;
-    if constexpr (Isa::kByteGemm && kByteActivations<F>) byte_gemm = &byte_gemm_rows<Isa, F>;
-    return CpuKernels{&decode_rows<Isa, F>, &dequantize_rows<Isa, F>, &gemm_rows<Isa, F>,
-                      byte_gemm};
+    if constexpr (F == BlockFormat::kFp8E4M3) {
+      CpuKernels kernels{nullptr, &fp8_dequantize_rows<Isa>,
+                         &gemm_rows<Isa, &fp8_dequantize_rows<Isa>>, nullptr};
+      kernels.float_decode_rows = &fp8_decode_rows<Isa>;
+      return kernels;
+    } else {
+      DecodeRowsFn byte_gemm = nullptr;
+      if constexpr (Isa::kByteGemm && kByteActivations<F>) byte_gemm = &byte_gemm_rows<Isa, F>;
+      return CpuKernels{&decode_rows<Isa, F>, &dequantize_rows<Isa, F>,
+                        &gemm_rows<Isa, &dequantize_rows<Isa, F>>, byte_gemm};
+    }
   });
 }
 

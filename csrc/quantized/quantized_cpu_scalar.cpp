@@ -46,6 +46,24 @@ struct Scalar {
   static Floats broadcast(const float* p) { return *p; }
   static Floats fmadd(Floats a, Floats b, Floats c) { return std::fma(a, b, c); }
   static void store(float* p, Floats v) { *p = v; }
+  static Floats mul(Floats a, Floats b) { return a * b; }
+  static constexpr int kFp8ActRows = 4, kFp8TileRows = 1;
+  struct Fp8Values {
+    float v[kSubBlockValues];
+  };
+  static Fp8Values fp8_values(const uint8_t* codes) {
+    Fp8Values w;
+    for (int j = 0; j < kSubBlockValues; ++j) w.v[j] = half_to_float(fp8_half_bits(codes[j]));
+    return w;
+  }
+  static Floats fp8_dot(const Fp8Values& w, const float* x) {
+    float dot = 0.f;
+    for (int j = 0; j < kSubBlockValues; ++j) dot = std::fma(w.v[j], x[j], dot);
+    return dot;
+  }
+  static void fp8_store(const Fp8Values& w, float scale, float* out) {
+    for (int j = 0; j < kSubBlockValues; ++j) out[j] = w.v[j] * 256.f * scale;
+  }
 };
 
 }  // namespace

@@ -3,13 +3,14 @@
 // prefill rows (the host then multiplies with cuBLAS).
 //
 // A format is one BlockDecoder specialization: it turns part `part` of a block (its values
-// 8 * part .. 8 * part + 7) into the small integers q the block stores, as floats, and the part's
-// affine map w = scale * q + offset; kOffset says whether the map has an offset at all. Every
-// kernel is a template over the format, and block_formats.h's visit_block_format names each one
-// once.
+// 8 * part .. 8 * part + 7) into the small integers q the block stores (FP8: its codes' values),
+// as floats, and the part's affine map w = scale * q + offset; kOffset says whether the map has
+// an offset at all. Every kernel is a template over the format, and block_formats.h's
+// visit_block_format names each one once.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -122,6 +123,26 @@ struct BlockDecoder<BlockFormat::kQ6_K> {
     for (int j = 0; j < kPartValues; ++j)
       q[j] = float((((low[j] >> (4 * (k / 2))) & 0x0f) | ((high[j] >> (2 * k)) & 3) << 4) - 32);
     return {load_half(block + 208) * float(static_cast<int8_t>(block[192 + part / 2])), 0.f};
+  }
+};
+
+// fastllm's FP8 (block_formats.h: kFp8E4M3): a float32 scale, 32 e4m3 codes; w = scale e4m3(q).
+// A code is read as the float16 of fp8_half_bits (its value times 2^-8) and the part's scale
+// is the block's times 2^8: a power of two, so scale * q is the one rounding of the exact value.
+template <>
+struct BlockDecoder<BlockFormat::kFp8E4M3> {
+  static constexpr bool kOffset = false;
+  __host__ __device__ __forceinline__ static PartAffine decode(const uint8_t* block, int part,
+                                                               float (&q)[kPartValues]) {
+    const uint8_t* codes = block + 4 + part * kPartValues;
+    for (int j = 0; j < kPartValues; ++j)
+      q[j] = __half2float(__ushort_as_half(fp8_half_bits(codes[j])));
+    // Byte by byte, as load_half: a row may start at any byte.
+    const uint32_t bits = uint32_t(block[0]) | uint32_t(block[1]) << 8 |
+                          uint32_t(block[2]) << 16 | uint32_t(block[3]) << 24;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return {scale * 256.f, 0.f};
   }
 };
 

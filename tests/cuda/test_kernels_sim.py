@@ -24,6 +24,7 @@ import torch
 
 from conftest import assert_within_twice_plain_error, blind_rows, num_threads
 from fastllm import ops
+from fastllm.models.quantized import pack_fp8
 from fastllm.ops import reference
 
 # The paged-attention and sampling test helpers live beside their own tests.
@@ -298,6 +299,21 @@ def test_quantized_linear_takes_the_gemv_up_to_8_rows(sim):
         got = sim.quantized_linear(x, weight, 8)
         assert sim.take_launch_log().tolist() == [launch]
         torch.testing.assert_close(got.double(), reference.quantized_linear(x, weight, 8),
+                                   atol=F32_TOL, rtol=F32_TOL)
+
+
+def test_fp8_linear_takes_the_gemv_up_to_8_rows(sim):
+    """fastllm's FP8 blocks as the ggml formats: up to 8 rows one GEMV launch (a warp per
+    weight row, its codes decoded in registers), more rows one dequantize launch, then ATen's
+    matmul; both against the float64 twin."""
+    codes = (8 * torch.randn(10, 64)).to(torch.float8_e4m3fn)
+    weight = pack_fp8(codes, torch.rand(10, 1) / 100, (1, 64)).data
+    for rows, launch in ((8, [3, 1, 1, 128, 1, 1, 0]), (9, [1, 1, 1, 256, 1, 1, 0])):
+        x = torch.randn(rows, 64)
+        got = sim.quantized_linear(x, weight, ops.FP8_E4M3)
+        assert sim.take_launch_log().tolist() == [launch]
+        torch.testing.assert_close(got.double(),
+                                   reference.quantized_linear(x, weight, ops.FP8_E4M3),
                                    atol=F32_TOL, rtol=F32_TOL)
 
 

@@ -80,13 +80,17 @@ def float_weights(model: DecoderLM) -> dict[str, torch.Tensor]:
     return weights
 
 
+# The CPU's interleaved types -> the ggml type of their blocks.
+INTERLEAVED_BLOCKS = {ops.INTERLEAVED_TYPES + t: t for t in ops.BLOCK_FORMATS}
+
+
 def weight_types(model: DecoderLM) -> dict[str, int | None]:
-    """Each projection's ggml type (None: float), interleaving aside."""
+    """Each projection's ggml type or ops.FP8_E4M3 (None: float), interleaving aside."""
     types = {}
     for name, module in model.named_modules():
         if name.endswith(("_proj", "lm_head")) and hasattr(module, "weight"):
             weight_type = getattr(module, "weight_type", None)
-            types[name] = None if weight_type is None else weight_type % ops.INTERLEAVED_TYPES
+            types[name] = INTERLEAVED_BLOCKS.get(weight_type, weight_type)
         for attr in ("gate_up", "down"):
             if hasattr(module, f"{attr}_type"):
                 types[f"{name}.{attr}_proj"] = getattr(module, f"{attr}_type")
@@ -239,10 +243,14 @@ CT_CASES = {
         weights=dict(num_bits=8, type="int", strategy="channel", symmetric=True),
         input_activations=dict(num_bits=8, type="int", strategy="token", symmetric=True,
                                dynamic=True)), "fp16", {}, QT.Q8_0),
+    # FP8 stays in its byte: fastllm's FP8 blocks, a float32 scale per 32 values.
     "fp8-channel-llama": ("llama", dict(
         weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True),
         input_activations=dict(num_bits=8, type="float", strategy="token", symmetric=True,
-                               dynamic=True)), "float32", {}, None),
+                               dynamic=True)), "float32", {}, ops.FP8_E4M3),
+    "fp8-tensor-qwen3": ("qwen3", dict(
+        weights=dict(num_bits=8, type="float", strategy="tensor", symmetric=True)),
+        "fp16", {}, ops.FP8_E4M3),
     # transformers dequantizes experts without zero points only.
     "w4a16-g32-qwen3-moe": ("qwen3_moe", dict(weights=dict(W4, symmetric=True, group_size=32)),
                             "fp16", MOE, QT.Q4_0),
@@ -410,7 +418,8 @@ AWQ_GEMM = dict(quant_method="awq", bits=4, group_size=32, zero_point=True, vers
 FP8_BLOCK = dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3",
                  weight_block_size=[128, 128], scale_dtype=torch.float32)
 # name -> (model_type, quantization_config (plus the writer's scale_bits / scale_dtype), config
-# overrides, the ggml type of the projections' blocks (None: dequantized to floats))
+# overrides, the ggml type or ops.FP8_E4M3 of the projections' blocks (None: dequantized to
+# floats))
 PACKED_CASES = {
     "gptq-4bit-sym-g32-llama": ("llama", GPTQ_V1, {}, QT.Q4_0),
     # Zero points: Q4_1 where the minima are fp16s, else Q8_0.
@@ -423,10 +432,14 @@ PACKED_CASES = {
     "gptq-4bit-desc-act-llama": ("llama", dict(GPTQ_V1, desc_act=True), {}, None),
     "awq-g32-qwen3": ("qwen3", dict(AWQ_GEMM, scale_bits=7), {}, QT.Q4_1),
     "awq-g64-llama": ("llama", dict(AWQ_GEMM, group_size=64), {}, QT.Q8_0),
+    # FP8 blocks wherever every 32 columns share a scale; else dequantized.
     "fp8-block-qwen3": ("qwen3", FP8_BLOCK, dict(hidden_size=128, head_dim=32,
-                                                 intermediate_size=384), None),
+                                                 intermediate_size=384), ops.FP8_E4M3),
     "fp8-tensor-bf16-scales-llama": ("llama", dict(FP8_BLOCK, weight_block_size=None,
-                                                   scale_dtype=torch.bfloat16), {}, None),
+                                                   scale_dtype=torch.bfloat16), {},
+                                     ops.FP8_E4M3),
+    "fp8-block-16-columns-llama": ("llama", dict(FP8_BLOCK, weight_block_size=[16, 16],
+                                                 scale_dtype=torch.float16), {}, None),
 }
 
 
@@ -510,14 +523,20 @@ def test_integers_become_blocks_only_where_exact(case):
 
 # ---- tensor parallelism --------------------------------------------------------------------------
 
-def test_tensor_parallel_shards_put_together_are_the_whole(ct_folders):
-    """Two ranks' shards of a W4A16 model (groups of 32): q/k/v and gate/up rows, o and down
-    columns (cut between groups), each still in Q4_0 blocks, together are the whole model."""
-    folder, _ = ct_folders("w4a16-g32-llama")
+@pytest.mark.parametrize("case", ["w4a16-g32-llama", "fp8-tensor-bf16-scales-llama"])
+def test_tensor_parallel_shards_put_together_are_the_whole(ct_folders, packed_folders, case):
+    """Two ranks' shards of a W4A16 model (groups of 32) and of an FP8 one (a scale per
+    tensor): q/k/v and gate/up rows, o and down columns (cut between groups), each still in
+    its blocks (Q4_0, FP8), together are the whole model."""
+    folder, _ = ct_folders(case) if case in CT_CASES else packed_folders(case)
+    weight_type = (CT_CASES if case in CT_CASES else PACKED_CASES)[case][-1]
     whole = float_weights(load_model(folder))
     shards = [load_model(folder, tensor_parallel=TensorParallel(rank, 2, "unused"))
               for rank in range(2)]
-    assert all(weight_types(shard)["layers.1.mlp.down_proj"] == QT.Q4_0 for shard in shards)
+    for shard in shards:
+        types = weight_types(shard)
+        assert types["layers.1.mlp.down_proj"] == types["layers.0.self_attn.qkv_proj"] == (
+            weight_type)
     parts = [float_weights(shard) for shard in shards]
     for layer in range(SHAPE["num_hidden_layers"]):
         name = f"layers.{layer}."

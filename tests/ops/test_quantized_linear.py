@@ -303,7 +303,7 @@ def test_bad_input(backend):
     weight = quantized_weight(8, 2, 2)
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match=r"weight_type must be a ggml type id .*Q6_K \(14\), "
-                                         "got 10"):
+                                         r"or fastllm's FP8_E4M3 blocks \(2000\), got 10"):
         op.quantized_linear(x, weight, 10)  # Q2_K
     with pytest.raises(TypeError, match="weight must be torch.uint8, got torch.float32"):
         op.quantized_linear(x, weight.float(), 2)

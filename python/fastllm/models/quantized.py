@@ -1,8 +1,9 @@
-"""Weights kept block-quantized (ggml's formats, :data:`fastllm.ops.BLOCK_FORMATS`) in the
-model: a linear layer and an embedding whose weight is the file's blocks, row by row, run by
-:func:`fastllm.ops.quantized_linear` and :func:`fastllm.ops.dequantize`; and
-:func:`quantize_weight`, which writes float weights as Q8_0 or Q4_1 blocks (``load_model(...,
-quantization="int8" | "int4")``).
+"""Weights kept block-quantized (ggml's formats, :data:`fastllm.ops.BLOCK_FORMATS`, and
+fastllm's FP8 blocks, :data:`fastllm.ops.FP8_E4M3`) in the model: a linear layer and an
+embedding whose weight is the blocks, row by row, run by :func:`fastllm.ops.quantized_linear`
+and :func:`fastllm.ops.dequantize`; :func:`quantize_weight`, which writes float weights as Q8_0
+or Q4_1 blocks (``load_model(..., quantization="int8" | "int4")``); and the packers of fields a
+quantized checkpoint already holds exactly, :func:`pack_blocks` and :func:`pack_fp8`.
 
 The quantizer lives here rather than in :mod:`fastllm.ops`: it is a load-time transform in
 plain PyTorch, not a device op, and its output is a :class:`QuantizedWeight`.
@@ -20,7 +21,7 @@ from fastllm import ops
 
 __all__ = ["QUANTIZATIONS", "QuantizedEmbedding", "QuantizedLinear", "QuantizedWeight",
            "Quantization", "SegmentedQuantizedLinear", "check_quantization", "pack_blocks",
-           "quantize_weight"]
+           "pack_fp8", "quantize_weight"]
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,62 @@ def pack_blocks(weight_type: int, d: Tensor, quants: Tensor,
     out = torch.empty(rows, n, block_bytes, dtype=torch.uint8, device=quants.device)
     _write_blocks(out, d.unsqueeze(-1), quants, None if m is None else m.unsqueeze(-1))
     return QuantizedWeight(out.view(rows, n * block_bytes), int(weight_type))
+
+
+# Values per FP8 block (ops.FP8_E4M3): a float32 scale and 32 codes, 36 bytes.
+_FP8_BLOCK_VALUES = 32
+_FP8_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pack_fp8(weight: Tensor, scales: Tensor, block: tuple[int, int]) -> QuantizedWeight:
+    """fastllm's FP8 blocks (:data:`fastllm.ops.FP8_E4M3`) of an FP8 checkpoint's weight, which
+    they hold exactly.
+
+    Args:
+        weight: float8_e4m3fn ``[rows, cols]``, ``cols`` a multiple of 32, no NaN codes.
+        scales: float32, bfloat16 or float16, one per ``block`` of the weight:
+            ``[ceil(rows / block rows), ceil(cols / block cols)]``; value ``weight * scale``.
+        block: ``(block rows, block cols)`` one scale covers: ``(rows, cols)`` per tensor,
+            ``(1, cols)`` per channel, ``(128, 128)`` DeepSeek's blocks. Every 32 consecutive
+            columns must share a scale: ``block cols`` a multiple of 32, or at least ``cols``.
+
+    Returns uint8 ``[rows, cols / 32 * 36]``: per 32 values of a row, their scale as a
+    little-endian float32, then their 32 codes. A TypeError names a wrong dtype, a ValueError
+    a wrong shape or a NaN code (its row and column).
+    """
+    if weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"weight must be torch.float8_e4m3fn, got {weight.dtype}")
+    if scales.dtype not in _FP8_SCALE_DTYPES:
+        raise TypeError(f"scales must be torch.float32, torch.bfloat16 or torch.float16, got "
+                        f"{scales.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [rows, cols], got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    if cols % _FP8_BLOCK_VALUES:
+        raise ValueError(f"an FP8 weight's rows must hold a multiple of {_FP8_BLOCK_VALUES} "
+                         f"values, got {cols}")
+    block_rows, block_cols = block
+    if block_rows < 1 or block_cols < 1 or (block_cols % _FP8_BLOCK_VALUES
+                                            and block_cols < cols):
+        raise ValueError(f"block must be (rows, cols) of positive ints whose cols are a multiple "
+                         f"of {_FP8_BLOCK_VALUES} or at least the weight's {cols}: every "
+                         f"{_FP8_BLOCK_VALUES} columns share a scale; got {tuple(block)}")
+    grid = (-(-rows // block_rows), -(-cols // block_cols))
+    if tuple(scales.shape) != grid:
+        raise ValueError(f"scales must be {list(grid)} for a [{rows}, {cols}] weight in blocks of "
+                         f"{tuple(block)}, got shape {tuple(scales.shape)}")
+    codes = weight.view(torch.uint8)
+    nan = (codes & 0x7F) == 0x7F  # e4m3fn's NaN codes
+    if nan.any():
+        row, col = nan.nonzero()[0].tolist()
+        raise ValueError(f"weight holds a NaN code at row {row}, column {col}")
+    n = cols // _FP8_BLOCK_VALUES
+    row_scales = scales.repeat_interleave(block_rows, dim=0)[:rows]  # [rows, grid cols]
+    block_scales = row_scales[:, torch.arange(n) * _FP8_BLOCK_VALUES // block_cols]  # [rows, n]
+    out = torch.empty(rows, n, 36, dtype=torch.uint8, device=weight.device)
+    out[..., :4] = block_scales.to(torch.float32).unsqueeze(-1).view(torch.uint8)
+    out[..., 4:] = codes.reshape(rows, n, _FP8_BLOCK_VALUES)
+    return QuantizedWeight(out.view(rows, n * 36), ops.FP8_E4M3)
 
 
 def _write_blocks(out: Tensor, d: Tensor, quants: Tensor, m: Tensor | None = None) -> None:

@@ -28,18 +28,19 @@ from fastllm.ops.linear_ops import linear
 from fastllm.ops.lora_ops import add_lora
 from fastllm.ops.moe_ops import moe
 from fastllm.ops.norm_ops import add_rms_norm, rms_norm
-from fastllm.ops.quantized_ops import (BLOCK_FORMATS, INTERLEAVED_Q4_0, INTERLEAVED_Q4_1,
-                                       INTERLEAVED_Q4_K, INTERLEAVED_Q5_0, INTERLEAVED_Q6_K,
-                                       INTERLEAVED_Q8_0, INTERLEAVED_TYPES, block_format,
-                                       cpu_decode_layout, dequantize, quantized_linear,
-                                       quantized_rows)
+from fastllm.ops.quantized_ops import (BLOCK_FORMATS, FP8_E4M3, INTERLEAVED_Q4_0,
+                                       INTERLEAVED_Q4_1, INTERLEAVED_Q4_K, INTERLEAVED_Q5_0,
+                                       INTERLEAVED_Q6_K, INTERLEAVED_Q8_0, INTERLEAVED_TYPES,
+                                       block_format, cpu_decode_layout, dequantize,
+                                       quantized_linear, quantized_rows)
 from fastllm.ops.rotary_ops import rope_cos_sin_cache, rotary_and_cache, rotary_embedding
 from fastllm.ops.sampling_ops import apply_penalties, sample, sample_with_logprobs
 from fastllm.ops.thread_flags import batch_invariant, trusted_inputs
 
 __all__ = ["BLOCK_FORMATS", "DecoderLayer", "DecoderLayers", "DecoderStep", "Experts",
-           "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_1", "INTERLEAVED_Q4_K", "INTERLEAVED_Q5_0",
-           "INTERLEAVED_Q6_K", "INTERLEAVED_Q8_0", "INTERLEAVED_TYPES", "ProjectionLoRA",
+           "FP8_E4M3", "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_1", "INTERLEAVED_Q4_K",
+           "INTERLEAVED_Q5_0", "INTERLEAVED_Q6_K", "INTERLEAVED_Q8_0", "INTERLEAVED_TYPES",
+           "ProjectionLoRA",
            "ProjectionPart",
            "add_lora", "add_rms_norm", "all_gather", "all_reduce", "apply_penalties", "attention",
            "batch_invariant", "block_format", "cpu_decode_layout", "dequantize",

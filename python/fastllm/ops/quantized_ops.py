@@ -1,6 +1,7 @@
 """The block-quantized ops (``csrc/quantized``): :func:`quantized_linear` and :func:`dequantize`,
-the ggml block formats they take (:data:`BLOCK_FORMATS`, :func:`block_format`), and the CPU's
-interleaved weight layout (:func:`cpu_decode_layout`, :func:`quantized_rows`)."""
+the ggml block formats they take (:data:`BLOCK_FORMATS`, :func:`block_format`), fastllm's FP8
+blocks (:data:`FP8_E4M3`), and the CPU's interleaved weight layout (:func:`cpu_decode_layout`,
+:func:`quantized_rows`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import Tensor
 from fastllm import _C
 from fastllm.ops.fake_kernels import check_one_device, fake_kernel
 
-__all__ = ["BLOCK_FORMATS", "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_1", "INTERLEAVED_Q4_K",
+__all__ = ["BLOCK_FORMATS", "FP8_E4M3", "INTERLEAVED_Q4_0", "INTERLEAVED_Q4_1", "INTERLEAVED_Q4_K",
            "INTERLEAVED_Q5_0", "INTERLEAVED_Q6_K", "INTERLEAVED_Q8_0", "INTERLEAVED_TYPES",
            "block_format", "cpu_decode_layout", "dequantize", "quantized_linear",
            "quantized_rows"]
@@ -30,20 +31,29 @@ INTERLEAVED_TYPES = 1000
 _INTERLEAVED = (INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q8_0,
                 INTERLEAVED_Q4_K, INTERLEAVED_Q6_K)
 _INTERLEAVED_NAMES = [f"{BLOCK_FORMATS[t - INTERLEAVED_TYPES][0]} ({t})" for t in _INTERLEAVED]
+# fastllm's FP8 weight type, never in a file (csrc/quantized/block_formats.h): an FP8
+# checkpoint's float8_e4m3fn weights kept in their byte, every 32 values of a row one 36-byte
+# block of a little-endian float32 scale and 32 e4m3 codes, value ``scale * e4m3(code)``
+# (:func:`fastllm.models.quantized.pack_fp8`). Every device's ops take it.
+FP8_E4M3 = 2000
+_FP8_FORMAT = ("FP8_E4M3", 32, 36)
 
 
 def block_format(weight_type: int) -> tuple[str, int, int]:
     """``(name, values per block, bytes per block)`` of a weight type the quantized ops take:
-    :data:`BLOCK_FORMATS`, or an interleaved one (``INTERLEAVED_*``: their blocks, each row's
-    bytes in another order). A ValueError names the types for any other."""
+    :data:`BLOCK_FORMATS`, :data:`FP8_E4M3`, or an interleaved one (``INTERLEAVED_*``: their
+    blocks, each row's bytes in another order). A ValueError names the types for any other."""
+    if weight_type == FP8_E4M3:
+        return _FP8_FORMAT
     if weight_type in _INTERLEAVED:
         name, values, block_bytes = BLOCK_FORMATS[weight_type - INTERLEAVED_TYPES]
         return f"{name} interleaved by 16", values, block_bytes
     if weight_type not in BLOCK_FORMATS:
         names = ", ".join(f"{name} ({type_id})" for type_id, (name, _, _) in BLOCK_FORMATS.items())
         interleaved = ", ".join(_INTERLEAVED_NAMES[:-1]) + " or " + _INTERLEAVED_NAMES[-1]
-        raise ValueError(f"weight_type must be a ggml type id of {names}, got {weight_type} "
-                         f"(the CPU also takes {interleaved} with rows interleaved by 16)")
+        raise ValueError(f"weight_type must be a ggml type id of {names}, or fastllm's "
+                         f"FP8_E4M3 blocks ({FP8_E4M3}), got {weight_type} (the CPU also takes "
+                         f"{interleaved} with rows interleaved by 16)")
     return BLOCK_FORMATS[weight_type]
 
 
@@ -85,9 +95,10 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
         weight: uint8 ``[out_features, row bytes]``: ggml's blocks of ``weight_type``, row by row
             (:data:`BLOCK_FORMATS`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K;
             ``in_features`` values per row, whole blocks: a multiple of 256 for the K-quants),
-            on x's device; on the CPU also in :func:`cpu_decode_layout`'s order.
-        weight_type: the ggml type id (``gguf.GGMLQuantizationType``), or on the CPU an
-            interleaved type (``INTERLEAVED_*``).
+            or fastllm's FP8 blocks (:data:`FP8_E4M3`: a multiple of 32), on x's device; on
+            the CPU also in :func:`cpu_decode_layout`'s order.
+        weight_type: the ggml type id (``gguf.GGMLQuantizationType``), :data:`FP8_E4M3`, or
+            on the CPU an interleaved type (``INTERLEAVED_*``).
         bias: ``[out_features]`` in x's dtype, or None.
 
     Returns ``[rows, out_features]`` in x's dtype. On the CPU a few rows (a decode step, up to
@@ -97,7 +108,9 @@ def quantized_linear(x: Tensor, weight: Tensor, weight_type: int,
     ``FASTLLM_CPU_ISA=amx|avx512|avx2|scalar``), streaming the weight once in its own size;
     more rows take a GEMM: with AMX, oneDNN's bfloat16 GEMM on dequantized tiles; with AVX-512
     or AVX2, Q4_0's and the K-quants' on those 8-bit activations; else on dequantized tiles of
-    the weight. On CUDA up to 8 rows run a GEMV
+    the weight. FP8 weights keep the activations in float32: decode rows decode the codes in
+    registers for float32 multiply-adds (AVX-512, AVX2 with F16C, or plain C++), prefill rows
+    take the dequantized weight as the other formats do. On CUDA up to 8 rows run a GEMV
     that decodes the blocks in registers (float32 sums); more rows dequantize the weight to x's
     dtype for cuBLAS. Within those decode rows a row's result does not depend on the others.
     """

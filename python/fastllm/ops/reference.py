@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fastllm.ops.collectives import all_reduce
 from fastllm.ops.decoder_layers import DecoderLayer, DecoderStep, ProjectionLoRA, ProjectionPart
-from fastllm.ops.quantized_ops import BLOCK_FORMATS
+from fastllm.ops.quantized_ops import BLOCK_FORMATS, FP8_E4M3
 
 
 def causal_mask(len_q: int, len_k: int, *, dtype: torch.dtype = torch.float32,
@@ -286,6 +286,11 @@ def _bits(q: Tensor, shifts: list[int], width: int) -> Tensor:
 def dequantize(weight: Tensor, weight_type: int) -> Tensor:
     """Twin of :func:`fastllm.ops.dequantize`: the rows of a block-quantized weight
     ``[out, row bytes]`` as float64 ``[out, in]`` (layouts: csrc/quantized/block_formats.h)."""
+    if weight_type == FP8_E4M3:  # a float32 scale, then 32 float8_e4m3fn codes
+        blocks = weight.reshape(weight.shape[0], -1, 36).cpu()
+        scales = blocks[..., :4].contiguous().view(torch.float32).double()  # [R, B, 1]
+        codes = blocks[..., 4:].contiguous().view(torch.float8_e4m3fn).double()  # [R, B, 32]
+        return (scales * codes).reshape(weight.shape[0], -1)
     name, values, block_bytes = BLOCK_FORMATS[weight_type]
     rows = weight.shape[0]
     blocks = weight.reshape(rows, -1, block_bytes).cpu()  # [R, B, bytes] uint8

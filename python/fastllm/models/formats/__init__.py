@@ -12,8 +12,13 @@ its format how each weight is held.
 Integer weights are repacked into ggml blocks, run by fastllm's quantized matmul, wherever the
 blocks decode to the checkpoint's values bit for bit (:mod:`fastllm.models.formats.integers`):
 symmetric int4 as Q4_0, int4 with zero points as Q4_1 (or Q8_0), int8 as Q8_0, given groups a
-multiple of 32 columns in their stored order and fp16 scales. The others, and every FP8
-weight, are dequantized at load (in float32, then the model's dtype). Layers the checkpoint
+multiple of 32 columns in their stored order and fp16 scales. FP8 weights (``fp8`` per tensor
+or per block, compressed-tensors' per tensor, channel, group or block) stay 1 byte a value in
+fastllm's FP8 blocks (:data:`fastllm.ops.FP8_E4M3`, a float32 scale per 32 values, run by the
+same matmul: :mod:`fastllm.models.formats.float8`) wherever every 32 columns share a scale:
+tensor and channel scales, blocks and groups of a multiple of 32 columns, on rows of a multiple
+of 32 values. The others are dequantized at load (in float32, then the model's dtype); so are
+a mixture of experts' FP8 experts, whose op takes ggml blocks only. Layers the checkpoint
 leaves unquantized (compressed-tensors' ``ignore``, ``modules_to_not_convert``, usually the LM
 head) are plain tensors. Any other ``quant_method`` (bitsandbytes, hqq, ...) is refused naming
 it.

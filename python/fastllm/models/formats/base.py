@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from fastllm.models.checks import brief
+from fastllm.models.formats.float8 import FP8Weight
 from fastllm.models.formats.integers import IntegerWeight
 from fastllm.models.quantized import QuantizedWeight
 from fastllm.models.tensor_parallel import TensorSlice
@@ -80,17 +81,19 @@ class StoredWeight(ABC):
         return ()
 
     @abstractmethod
-    def decode(self, get: TensorGetter) -> IntegerWeight | Tensor:
+    def decode(self, get: TensorGetter) -> IntegerWeight | FP8Weight | Tensor:
         """The weight from its tensors: integers and scales where the format stores integers,
-        else floats ``[rows, cols]`` (float32, already dequantized)."""
+        FP8 codes and scales where it stores those, else floats ``[rows, cols]`` (float32,
+        already dequantized)."""
 
     def read(self, get: TensorGetter, part: TensorSlice | None) -> Tensor | QuantizedWeight:
         """The weight, or its ``part`` (a tensor-parallel rank's rows or columns, cut where
         :meth:`check_cut` allows): ggml blocks where its integers and scales are exactly some
-        block format's (:meth:`IntegerWeight.blocks`), else float32 values. Its stored tensors
-        are read whole: the packed layouts of GPTQ and AWQ store a weight transposed."""
+        block format's (:meth:`IntegerWeight.blocks`), FP8 blocks where every 32 columns of
+        its FP8 codes share a scale (:meth:`FP8Weight.blocks`), else float32 values. Its stored
+        tensors are read whole: the packed layouts of GPTQ and AWQ store a weight transposed."""
         weight = self.decode(get)
-        if isinstance(weight, IntegerWeight):
+        if isinstance(weight, (IntegerWeight, FP8Weight)):
             weight = weight.part(part)
             blocks = weight.blocks()
             return weight.dequantize() if blocks is None else blocks

@@ -25,7 +25,10 @@ each column's group.
 Integer weights become ggml blocks where that is exact (:mod:`fastllm.models.formats.
 integers`: symmetric int4 in Q4_0, int4 with zero points in Q4_1 or Q8_0, int8 in Q8_0, from
 groups a multiple of 32 columns or per-channel scales that fp16 holds exactly), else floats.
-FP8 weights are dequantized at load: ``fp8 * scale`` in float32, then the model's dtype.
+FP8 weights stay in their byte as fastllm's FP8 blocks (:data:`fastllm.ops.FP8_E4M3`:
+:mod:`fastllm.models.formats.float8`) wherever every 32 columns share a scale (tensor and
+channel scales, groups and blocks of a multiple of 32 columns, on rows of a multiple of 32
+values), else are dequantized at load: ``fp8 * scale`` in float32, then the model's dtype.
 Activations are never quantized as the scheme's ``input_activations`` say (W8A8): fastllm's
 float path runs them in the model's dtype, its CPU integer kernels quantize them per block of
 32 values on the fly (int16, or int8 for Q4_0); a static scheme's ``input_scale`` and
@@ -49,8 +52,8 @@ from torch import Tensor
 from fastllm.models.formats.base import (FP8_DTYPES, SCALE_DTYPES, CheckpointFormat,
                                          ConfigSection, StoredTensor, StoredWeight,
                                          TensorGetter)
-from fastllm.models.formats.integers import (IntegerWeight, column_groups, expand_blocks,
-                                             unpack_codes)
+from fastllm.models.formats.float8 import FP8Weight
+from fastllm.models.formats.integers import IntegerWeight, column_groups, unpack_codes
 
 __all__ = ["CompressedTensors", "Scheme", "WeightArgs"]
 
@@ -347,18 +350,17 @@ class _IntWeight(_SchemeWeight):
 
 @dataclass(frozen=True)
 class _FloatWeight(_SchemeWeight):
-    """float-quantized FP8: ``weight`` float8_e4m3fn times its scales, dequantized."""
+    """float-quantized FP8: ``weight`` float8_e4m3fn times its scales."""
 
     @property
     def tensors(self) -> tuple[StoredTensor, ...]:
         return (*super().tensors,
                 StoredTensor(f"{self.module}.weight", FP8_DTYPES, ((self.rows, self.cols),)))
 
-    def decode(self, get: TensorGetter) -> Tensor:
+    def decode(self, get: TensorGetter) -> FP8Weight:
         scales = get(f"{self.module}.weight_scale").reshape(self.scale_shape)
-        block = self.weights.scale_block(self.rows, self.cols)
-        return get(f"{self.module}.weight").float() * expand_blocks(
-            scales.float(), block, self.rows, self.cols)
+        return FP8Weight(get(f"{self.module}.weight"), scales,
+                         self.weights.scale_block(self.rows, self.cols), f"{self.module}.weight")
 
 
 def _unsigned(values: Tensor, bits: int, name: str) -> Tensor:

@@ -6,10 +6,13 @@ weight without ``weight_block_size``: ``w = fp8 * weight_scale_inv`` (the name i
 quantizer's: it divided by the scale's inverse). Layers it leaves unquantized
 (``modules_to_not_convert``: the embedding, the LM head, norms, routers) are plain tensors.
 
-No ggml block format holds fp8 values, so these weights are dequantized at load: ``fp8 * scale``
-in float32 (exact but for one rounding), then cast to the model's dtype. Activations run in the
-model's dtype: ``activation_scheme`` must be ``"dynamic"`` (a static scheme's activation scales
-would go unused, so it is refused, as is ``fmt`` other than e4m3).
+The weights stay in their byte as fastllm's FP8 blocks (:data:`fastllm.ops.FP8_E4M3`, a float32
+scale per 32 values: :mod:`fastllm.models.formats.float8`) wherever every 32 columns share a
+scale: per tensor, and blocks of a multiple of 32 columns (DeepSeek's and Qwen3's 128), on rows
+of a multiple of 32 values. Others are dequantized at load: ``fp8 * scale`` in float32 (exact
+but for one rounding), then cast to the model's dtype. Activations run in the model's dtype:
+``activation_scheme`` must be ``"dynamic"`` (a static scheme's activation scales would go
+unused, so it is refused, as is ``fmt`` other than e4m3).
 """
 
 from __future__ import annotations
@@ -17,12 +20,10 @@ from __future__ import annotations
 from collections.abc import Container
 from dataclasses import dataclass
 
-from torch import Tensor
-
 from fastllm.models.formats.base import (FP8_DTYPES, SCALE_DTYPES, CheckpointFormat,
                                          ConfigSection, StoredTensor, StoredWeight,
                                          TensorGetter)
-from fastllm.models.formats.integers import expand_blocks
+from fastllm.models.formats.float8 import FP8Weight
 
 __all__ = ["BlockFP8"]
 
@@ -76,9 +77,9 @@ class _FP8Weight(StoredWeight):
         return (StoredTensor(f"{self.module}.weight", FP8_DTYPES, ((self.rows, self.cols),)),
                 StoredTensor(f"{self.module}.weight_scale_inv", SCALE_DTYPES, scale_shapes))
 
-    def decode(self, get: TensorGetter) -> Tensor:
+    def decode(self, get: TensorGetter) -> FP8Weight:
         rows, cols = self.scale_block
-        scales = get(f"{self.module}.weight_scale_inv").float().reshape(
+        scales = get(f"{self.module}.weight_scale_inv").reshape(
             -(-self.rows // rows), -(-self.cols // cols))
-        return get(f"{self.module}.weight").float() * expand_blocks(
-            scales, self.scale_block, self.rows, self.cols)
+        return FP8Weight(get(f"{self.module}.weight"), scales, self.scale_block,
+                         f"{self.module}.weight")
