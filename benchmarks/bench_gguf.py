@@ -71,7 +71,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -87,6 +86,7 @@ import fastllm
 from fastllm.bench.gguf_files import (LLAMA_CPP_TYPES, WRITTEN_TYPES, file_sha256,
                                       llama_cpp_quantize, rewrite_gguf, smollm2_gguf,
                                       summarize_gguf, write_random_gguf)
+from fastllm.bench.cache import cached
 from fastllm.bench.report import markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
 from fastllm.bench.workloads import MODEL_SHAPES, DeviceCopy
@@ -178,22 +178,6 @@ def _key(*parts: object) -> str:
     return hashlib.sha256(json.dumps([FILES_VERSION, *parts]).encode()).hexdigest()[:12]
 
 
-def _cached(path: Path, make: Callable[[Path], None]) -> Path:
-    """``path``, made by ``make`` into a temporary name first if it is not there yet."""
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    started = time.perf_counter()
-    try:
-        make(partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    print(f"gguf: made {path} in {time.perf_counter() - started:.0f} s", flush=True)
-    return path
-
-
 def model_file(name: str, config: GGUFBenchConfig) -> Path:
     """The GGUF file ``name`` (one of :data:`FILES`), made into the cache if it is not there."""
     model, kind = name.split(":")
@@ -204,10 +188,11 @@ def model_file(name: str, config: GGUFBenchConfig) -> Path:
             return source
         if kind in WRITTEN_TYPES:
             path = cache / f"{source.stem}.{kind}.{_key(file_sha256(source), kind)}.gguf"
-            return _cached(path, lambda dest: rewrite_gguf(source, dest, kind))
+            return cached(path, lambda dest: rewrite_gguf(source, dest, kind), "gguf")
         f16 = model_file(f"{SMOLLM2}:F16", config)
-        return _cached(cache / f"{source.stem}.{kind}.{_llama_cpp_key(f16, kind)}.gguf",
-                       lambda dest: llama_cpp_quantize(f16, dest, kind, threads=config.threads))
+        return cached(cache / f"{source.stem}.{kind}.{_llama_cpp_key(f16, kind)}.gguf",
+                      lambda dest: llama_cpp_quantize(f16, dest, kind, threads=config.threads),
+                      "gguf")
     shape = MODEL_SHAPES[model]
     tokenizer_dir = Path(config.models_dir) / "qwen3_tokenizer"
     made_from = (dataclasses.asdict(shape), config.qwen3_layers, config.seed,
@@ -221,15 +206,15 @@ def model_file(name: str, config: GGUFBenchConfig) -> Path:
                                               seed=config.seed)
 
     if kind in WRITTEN_TYPES:
-        return _cached(cache / f"{stem}.{kind}.{_key(made_from, kind)}.gguf", write(kind))
+        return cached(cache / f"{stem}.{kind}.{_key(made_from, kind)}.gguf", write(kind), "gguf")
     # The F16 file is only llama.cpp's input: made, quantized and removed.
     f16 = cache / f"{stem}.F16.{_key(made_from, 'F16')}.gguf"
     path = cache / f"{stem}.{kind}.{_key(made_from, kind, _llama_cpp_version())}.gguf"
     if not path.is_file():
         try:
-            _cached(f16, write("F16"))
-            _cached(path, lambda dest: llama_cpp_quantize(f16, dest, kind,
-                                                          threads=config.threads))
+            cached(f16, write("F16"), "gguf")
+            cached(path, lambda dest: llama_cpp_quantize(f16, dest, kind,
+                                                         threads=config.threads), "gguf")
         finally:
             f16.unlink(missing_ok=True)
     return path

@@ -58,8 +58,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -76,6 +74,7 @@ import fastllm
 from bench_engine import PaddedBatch, padded_batches
 from bench_generate import leading_agreement, random_hf_model
 from bench_gguf import DEFAULT_CACHE_DIR
+from fastllm.bench.cache import cached
 from fastllm.bench.gguf_files import file_sha256, smollm2_gguf
 from fastllm.bench.report import format_cell, markdown_table, publish
 from fastllm.bench.timer import TimerConfig, compare
@@ -156,21 +155,6 @@ def _key(*parts: object) -> str:
     return hashlib.sha256(json.dumps([FILES_VERSION, *parts]).encode()).hexdigest()[:12]
 
 
-def cached_folder(path: Path, make: Callable[[Path], None]) -> Path:
-    """The folder ``path``, made by ``make`` under a temporary name first if it is not there."""
-    if path.is_dir():
-        return path
-    partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        make(partial)
-        os.replace(partial, path)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    print(f"lora: made {path}", flush=True)
-    return path
-
-
 def save_smollm2_float32(folder: Path) -> None:
     """SmolLM2's GGUF as transformers dequantizes it, saved as float32 safetensors. The loaded
     model carries the GGUF's quantization config, under which transformers refuses to save, so
@@ -206,7 +190,7 @@ def model_folder(config: LoRABenchConfig) -> Iterator[Path]:
     if config.real_weights:
         path = Path(config.cache_dir) / f"{MODEL}.float32.{_key(file_sha256(smollm2_gguf()))}"
         path.parent.mkdir(parents=True, exist_ok=True)
-        yield cached_folder(path, save_smollm2_float32)
+        yield cached(path, save_smollm2_float32, "lora")
         return
     with tempfile.TemporaryDirectory(prefix="fastllm_bench_lora_") as tmp:
         folder = Path(tmp) / "model"
@@ -234,8 +218,8 @@ def adapter_folders(config: LoRABenchConfig, folder: Path,
     for index in range(config.adapters):
         seed = config.seed + 1 + index
         key = _key(config.rank, config.alpha, LORA_MODULES, seed)
-        paths.append(cached_folder(folder.with_name(f"{folder.name}.lora{index}.{key}"),
-                                    save(seed)))
+        paths.append(cached(folder.with_name(f"{folder.name}.lora{index}.{key}"), save(seed),
+                            "lora"))
     return paths
 
 

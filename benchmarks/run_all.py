@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TextIO
 
 import bench_attention
+import bench_checkpoints
 import bench_engine
 import bench_generate
 import bench_gguf
@@ -65,7 +66,8 @@ BENCHMARKS = {"mask_cache": bench_mask_cache.main, "attention": bench_attention.
               "moe": bench_moe.main, "moe_decode": bench_moe_decode.main,
               "generate": bench_generate.main, "engine": bench_engine.main,
               "rerank": bench_rerank.main, "gguf": bench_gguf.main, "serve": bench_serve.main,
-              "spec": bench_spec.main, "lora": bench_lora.main}
+              "spec": bench_spec.main, "lora": bench_lora.main,
+              "checkpoints": bench_checkpoints.main}
 CPU_ONLY = {"gguf", "serve", "spec"}  # their peer runs on the CPU only; batch-1 speculation
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
 QUIET_S = 60.0  # a benchmark silent this long gets a line saying it still runs

@@ -60,20 +60,6 @@ def test_adapter_groups_batch_each_adapters_requests() -> None:
     assert first.attention_mask.tolist() == [[0, 1, 1], [0, 1, 1], [1, 1, 1]]
 
 
-def test_a_cached_folder_is_made_once(tmp_path: Path) -> None:
-    made = []
-
-    def make(dest: Path) -> None:
-        made.append(dest)
-        dest.mkdir()
-        (dest / "weights").write_text("x")
-
-    path = tmp_path / "model"
-    assert bench_lora.cached_folder(path, make) == path
-    assert bench_lora.cached_folder(path, make) == path
-    assert made == [tmp_path / "model.partial"] and (path / "weights").is_file()
-
-
 def test_tiny_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
     document = bench_lora.main(["--out", str(tmp_path), *TINY_LORA])
     assert json.loads((tmp_path / "lora.json").read_text())["rows"] == document["rows"]

@@ -148,6 +148,19 @@ def test_summarize_counts_the_lm_head_not_the_lookup(random_f16: Path,
     assert summarize_gguf(random_q8_0).types == {"F32": 9, "Q8_0": 14, "F16": 2}
 
 
+def test_the_embedding_can_have_a_type_of_its_own(tmp_path: Path,
+                                                 small_tokenizer: Path) -> None:
+    path = tmp_path / "small-qwen3.Q4_0.gguf"
+    write_random_gguf(path, SMALL_QWEN3, layers=1, type_name="Q4_0", embedding_type="F16",
+                      tokenizer_dir=small_tokenizer)
+    types = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == F16 and "output.weight" not in types  # tied
+    assert types["blk.0.attn_q.weight"] == GGMLQuantizationType.Q4_0
+    with pytest.raises(ValueError, match="embedding_type must be one of .*, got 'Q4_K'"):
+        write_random_gguf(path, SMALL_QWEN3, layers=1, type_name="Q4_0", embedding_type="Q4_K",
+                          tokenizer_dir=small_tokenizer)
+
+
 def test_bad_requests_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="type_name must be one of"):
         rewrite_gguf(tmp_path / "in.gguf", tmp_path / "out.gguf", "Q4_K")

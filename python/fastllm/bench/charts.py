@@ -163,20 +163,43 @@ def draw_gguf(axes: Sequence[Axes], document: Document) -> None:
         finish(ax, f"{title}; {prompt}-token prompt, 1 + {decoded} tokens", unit)
 
 
+def serve_panels(document: Document) -> int:
+    """Two panels for the levels (where the run had them), one for data parallelism (where
+    it had it)."""
+    return (2 * bool(rows_where(document, table="levels"))
+            + bool(rows_where(document, table="data_parallel")))
+
+
 def draw_serve(axes: Sequence[Axes], document: Document) -> None:
-    """Output tokens/s and median TTFT against concurrency, per server."""
+    """Output tokens/s and median TTFT against concurrency, per server; the data-parallel
+    section's output tokens/s per workload, per server."""
     levels = rows_where(document, table="levels")
-    concurrencies = sorted({row["concurrency"] for row in levels})
-    servers = list(dict.fromkeys(row["server"] for row in levels))
-    by = {(row["server"], row["concurrency"]): row for row in levels}
-    colors = {servers[0]: FASTLLM, **{name: PEER for name in servers[1:]}}
-    for ax, metric, title, unit in (
-            (axes[0], "output_tok_s", "Output throughput (higher is better)", "tokens/s"),
-            (axes[1], "ttft_p50_ms", "Median time to first token (lower is better)", "ms")):
-        line_series(ax, concurrencies, {
-            server: [by.get((server, c), {}).get(metric) for c in concurrencies]
-            for server in servers}, colors)
-        finish(ax, title, unit, "requests in flight at most (concurrency)")
+    if levels:
+        concurrencies = sorted({row["concurrency"] for row in levels})
+        servers = list(dict.fromkeys(row["server"] for row in levels))
+        by = {(row["server"], row["concurrency"]): row for row in levels}
+        colors = {servers[0]: FASTLLM, **{name: PEER for name in servers[1:]}}
+        for ax, metric, title, unit in (
+                (axes[0], "output_tok_s", "Output throughput (higher is better)", "tokens/s"),
+                (axes[1], "ttft_p50_ms", "Median time to first token (lower is better)", "ms")):
+            line_series(ax, concurrencies, {
+                server: [by.get((server, c), {}).get(metric) for c in concurrencies]
+                for server in servers}, colors)
+            finish(ax, title, unit, "requests in flight at most (concurrency)")
+    data_parallel = rows_where(document, table="data_parallel")
+    if data_parallel:
+        ax = axes[-1]
+        workloads = list(dict.fromkeys(row["workload"] for row in data_parallel))
+        servers = list(dict.fromkeys(row["server"] for row in data_parallel))
+        by = {(row["server"], row["workload"]): row for row in data_parallel}
+        colors = {row["server"]: PEER if row["data_parallel_size"] == 1
+                  else FASTLLM if row["prefix_affinity"] else SECOND_PEER
+                  for row in data_parallel}
+        bar_groups(ax, [workload.replace("_", " ") for workload in workloads], {
+            server: [by.get((server, workload), {}).get("output_tok_s")
+                     for workload in workloads] for server in servers}, colors)
+        finish(ax, f"Data parallelism: output throughput, {data_parallel[0]['requests']} "
+                   "requests a run (higher is better)", "tokens/s")
 
 
 def draw_engine(axes: Sequence[Axes], document: Document) -> None:
@@ -404,11 +427,30 @@ def draw_lora(axes: Sequence[Axes], document: Document) -> None:
                     f"{runs[0]['adapters']} (higher is better)", "tokens/s")
 
 
+def draw_checkpoints(axes: Sequence[Axes], document: Document) -> None:
+    """Batch-1 decode tokens/s and TTFT of fastllm on the W4A16 checkpoint and on the Q4_0
+    GGUF, and of HF on the same checkpoint (in each dtype it ran)."""
+    rows = document["rows"]
+    series = {"fastllm, W4A16": "w4a16", "fastllm, Q4_0 GGUF": "q4_0_gguf",
+              "HF, same folder": "hf", "HF in float32": "hf_float32"}
+    series = {label: name for label, name in series.items()
+              if any(f"{name}_decode_tok_s" in row for row in rows)}
+    colours = dict(zip(series, (FASTLLM, SERIES[1], PEER, SECOND_PEER)))
+    labels = [f"{row['layers']} layers, {row['dtype']}" for row in rows]
+    for ax, column, title, unit in (
+            (axes[0], "decode_tok_s", "Batch-1 greedy decode (higher is better)", "tokens/s"),
+            (axes[1], "ttft_median_ms", f"TTFT, a {rows[0]['prompt_len']}-token prompt (lower "
+                                        "is better)", "ms")):
+        bar_groups(ax, labels, {label: [row.get(f"{name}_{column}") for row in rows]
+                                for label, name in series.items()}, colours)
+        finish(ax, title, unit)
+
+
 CHARTS: dict[str, Chart] = {
     "gguf": Chart("Batch-1 generation from GGUF files: fastllm against llama.cpp",
                   lambda document: 2, draw_gguf),
     "serve": Chart("Serving streamed completions: fastllm serve against llama.cpp's server",
-                   lambda document: 2, draw_serve),
+                   serve_panels, draw_serve),
     "engine": Chart("Continuous batching: fastllm.LLM against HF generate",
                     lambda document: 1 + bool(rows_where(document, section="prefix")),
                     draw_engine),
@@ -432,6 +474,9 @@ CHARTS: dict[str, Chart] = {
                         lambda document: 1, draw_moe_decode),
     "lora": Chart("Multi-LoRA serving: fastllm.LLM with adapters against the base model and "
                   "HF + peft", lambda document: 1, draw_lora),
+    "checkpoints": Chart("A W4A16 compressed-tensors checkpoint on the CPU: fastllm against "
+                         "its Q4_0 GGUF and HF transformers", lambda document: 2,
+                         draw_checkpoints),
 }
 
 

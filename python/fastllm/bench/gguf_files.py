@@ -195,9 +195,11 @@ def _add_tokenizer(writer: GGUFWriter, folder: Path, vocab_size: int, pre: str) 
 
 
 def write_random_gguf(dest: str | Path, shape: AttentionShape, *, layers: int, type_name: str,
-                      tokenizer_dir: str | Path, seed: int = 0) -> None:
+                      tokenizer_dir: str | Path, seed: int = 0,
+                      embedding_type: str | None = None) -> None:
     """Writes a model of ``shape``'s dimensions with ``layers`` layers and random weights to
-    ``dest``, its weights in ``type_name`` (a key of :data:`WRITTEN_TYPES`) and the tokenizer
+    ``dest``, its weights in ``type_name`` (a key of :data:`WRITTEN_TYPES`), the token embedding
+    (the LM head too when tied) in ``embedding_type`` (default ``type_name``), and the tokenizer
     of ``tokenizer_dir`` (an HF folder with ``tokenizer.json``).
 
     Weights as ``benchmarks/bench_generate.py`` draws them: the embedding ``N(0, 0.02)``,
@@ -208,8 +210,10 @@ def write_random_gguf(dest: str | Path, shape: AttentionShape, *, layers: int, t
     if shape.architecture not in _GGUF_ARCHITECTURES:
         raise ValueError(f"no GGUF writer for {shape.architecture}; supported: "
                          f"{', '.join(_GGUF_ARCHITECTURES)}")
-    if type_name not in WRITTEN_TYPES:
-        raise ValueError(f"type_name must be one of {', '.join(WRITTEN_TYPES)}, got {type_name!r}")
+    embedding_type = type_name if embedding_type is None else embedding_type
+    for option, value in (("type_name", type_name), ("embedding_type", embedding_type)):
+        if value not in WRITTEN_TYPES:
+            raise ValueError(f"{option} must be one of {', '.join(WRITTEN_TYPES)}, got {value!r}")
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
     wanted, file_type = WRITTEN_TYPES[type_name]
@@ -249,7 +253,10 @@ def write_random_gguf(dest: str | Path, shape: AttentionShape, *, layers: int, t
     tensors.append((name(MODEL_TENSOR.OUTPUT_NORM), (hidden,)))
     if not shape.tie_word_embeddings:
         tensors.append((name(MODEL_TENSOR.OUTPUT), (shape.vocab_size, hidden)))
-    plan = [(tensor, dims, _stored_type(dims, wanted)) for tensor, dims in tensors]
+    embedding = name(MODEL_TENSOR.TOKEN_EMBD)
+    plan = [(tensor, dims, _stored_type(dims, WRITTEN_TYPES[embedding_type][0]
+                                        if tensor == embedding else wanted))
+            for tensor, dims in tensors]
     generator = torch.Generator().manual_seed(seed)
 
     def arrays() -> Iterator[np.ndarray]:
@@ -257,7 +264,7 @@ def write_random_gguf(dest: str | Path, shape: AttentionShape, *, layers: int, t
             if len(dims) == 1:  # a norm's weight
                 yield np.ones(dims, dtype=np.float32)
                 continue
-            std = 0.02 if tensor == name(MODEL_TENSOR.TOKEN_EMBD) else dims[1] ** -0.5
+            std = 0.02 if tensor == embedding else dims[1] ** -0.5
             chunks = []
             for start in range(0, dims[0], _CHUNK_ROWS):
                 rows = torch.empty(min(_CHUNK_ROWS, dims[0] - start), dims[1])

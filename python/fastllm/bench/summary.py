@@ -98,9 +98,14 @@ def gguf_headline(document: Document) -> list[Headline]:
 
 
 def serve_headline(document: Document) -> list[Headline]:
-    """Output tokens/s against llama.cpp's server, per concurrency."""
+    """Output tokens/s against llama.cpp's server, per concurrency; output tokens/s and median
+    TTFT of data parallelism, per workload (N replicas over one, prefix affinity over none)."""
     return [(f"output tok/s vs llama.cpp, concurrency {row['concurrency']}",
-             times(row["output_tok_s_speedup"])) for row in rows_where(document, table="speedup")]
+             times(row["output_tok_s_speedup"])) for row in rows_where(document, table="speedup")
+            ] + [(f"{row['comparison']}, {row['workload'].replace('_', ' ')}",
+                  f"output tok/s {times(row['output_tok_s_speedup'])}, TTFT p50 "
+                  f"{times(row['ttft_p50_speedup'])}")
+                 for row in rows_where(document, table="data_parallel_speedup")]
 
 
 def spec_headline(document: Document) -> list[Headline]:
@@ -217,12 +222,21 @@ def lora_headline(document: Document) -> list[Headline]:
     return found
 
 
+def checkpoints_headline(document: Document) -> list[Headline]:
+    """W4A16 checkpoint decode against fastllm's Q4_0 GGUF and HF's best on the folder."""
+    return [(f"W4A16 decode vs Q4_0 GGUF ({row['dtype']})", times(row["decode_vs_q4_0"]))
+            for row in document["rows"]] + [
+        (f"W4A16 decode vs HF, same folder ({row['dtype']}; HF {row['best_hf']})",
+         times(row["decode_vs_hf"])) for row in document["rows"]]
+
+
 HEADLINES: dict[str, Callable[[Document], list[Headline]]] = {
     "gguf": gguf_headline, "engine": engine_headline, "serve": serve_headline,
     "spec": spec_headline, "rerank": rerank_headline, "mask_cache": mask_cache_headline,
     "attention": attention_headline, "kv_cache": kv_cache_headline,
     "sampling": sampling_headline, "moe": moe_headline, "generate": generate_headline,
     "moe_decode": moe_decode_headline, "lora": lora_headline,
+    "checkpoints": checkpoints_headline,
 }
 
 
