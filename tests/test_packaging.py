@@ -16,10 +16,10 @@ import fastllm
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(fastllm.__file__).resolve().parent
-# Modules only `fastllm serve` loads (and the KV-cache events it publishes for routers), and the
-# benchmarks' charts.
+# Modules only `fastllm serve` loads (and the KV-cache events it publishes for routers), the
+# Ray Serve deployment, and the benchmarks' charts.
 EXTRAS = {"entrypoints/openai/": "server", "engine/kv_events.py": "server",
-          "bench/charts.py": "bench"}
+          "entrypoints/ray_serve.py": "ray", "bench/charts.py": "bench"}
 
 
 def requirement_names(requirements: list[str]) -> set[str]:
