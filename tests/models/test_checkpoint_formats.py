@@ -22,7 +22,7 @@ from compressed_tensors.quantization import (QuantizationConfig, QuantizationSch
 from compressed_tensors.quantization.utils import calculate_qparams
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file, save_file
-from conftest import cpu_isa, find_model, prefill_logits
+from conftest import assert_within_twice_plain_error, cpu_isa, find_model, prefill_logits
 from tiny_hf import random_hf_model
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -468,6 +468,39 @@ def test_packed_checkpoints_load_as_their_float64_dequantization(packed_folders,
                    "layers.0.mlp.gate_up_proj", "layers.1.mlp.down_proj"]
     assert_loads_like(folder, twin, {**dict.fromkeys(projections, weight_type),
                                      "lm_head": None})
+
+
+# ---- bfloat16 ----------------------------------------------------------------------------------
+
+# Every block format a checkpoint becomes (and the dequantized one), Llama, Qwen3 and the MoE.
+BF16_CASES = {"ct:w4a16-g128-qwen3": QT.Q4_0, "ct:w4a16-g32-qwen3-moe": QT.Q4_0,
+              "ct:w8a16-channel-llama": QT.Q8_0, "packed:gptq-v2-4bit-g32-qwen3": QT.Q4_1,
+              "packed:fp8-block-qwen3": ops.FP8_E4M3,
+              "packed:gptq-4bit-desc-act-llama": None}
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bfloat16_errs_at_most_twice_as_much_as_hf_in_bfloat16(ct_folders, packed_folders,
+                                                                case):
+    """bfloat16's rule: against HF's float64 logits on the reference weights, fastllm's
+    bfloat16 model of the quantized folder errs at most twice as much as HF in bfloat16 on the
+    same reference, for a prompt read by the decode kernels (up to 32 rows) and one read by the
+    prefill GEMM (past 32)."""
+    kind, name = case.split(":")
+    folder, reference = (ct_folders if kind == "ct" else packed_folders)(name)
+    model = load_model(folder, dtype=torch.bfloat16)
+    assert weight_types(model)["layers.0.self_attn.o_proj"] == BF16_CASES[case]
+    # Eager experts: the grouped GEMM of HF's default takes no float64.
+    hf = {dtype: AutoModelForCausalLM.from_pretrained(reference, attn_implementation="eager",
+                                                      experts_implementation="eager",
+                                                      dtype=dtype)
+          for dtype in (torch.float64, torch.bfloat16)}
+    for tokens in (PROMPTS[0], PROMPTS[1] + PROMPTS[2]):
+        with torch.no_grad():
+            expected, plain = (hf[dtype](torch.tensor([tokens])).logits[0].double()
+                               for dtype in (torch.float64, torch.bfloat16))
+        got = prefill_logits(model, tokens).double()
+        assert_within_twice_plain_error(got, plain, expected)
 
 
 # ---- repacking integers into ggml blocks --------------------------------------------------------
