@@ -49,6 +49,8 @@ def test_summary_has_each_benchmarks_headline(capsys: pytest.CaptureFixture) -> 
     for name in charts.CHARTS:
         assert f"\n| {name} | n/a |" in table  # no run record: no times
     assert "| output tok/s vs llama.cpp, concurrency 1 |" in table
+    assert ("| fastllm serve -dp 2 over fastllm serve -dp 2, no prefix affinity, shared "
+            "prefixes | output tok/s ") in table
     assert "mask's share of a naive forward, L=" in table
 
 

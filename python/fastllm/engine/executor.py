@@ -54,7 +54,7 @@ from fastllm.models import DecoderLM, TensorParallel
 from fastllm.models.pool import load
 
 __all__ = ["Executor", "ExecutorError", "MultiprocExecutor", "ParallelConfig",
-           "UniProcExecutor", "make_worker"]
+           "UniProcExecutor", "make_worker", "start_method"]
 
 logger = logging.getLogger("fastllm")
 
@@ -239,9 +239,11 @@ def _serve(config: ParallelConfig, rank: int, groups: _Groups) -> None:
             logger.debug("rank %d: the step raised (rank 0 handles it): %s", rank, error)
 
 
-def _start_method(tensor_parallel_size: int) -> str:
-    """How to start the other ranks (see the module's docstring); with "spawn", first checks
-    that the script's rerun in each rank will not start ranks itself."""
+def start_method(option: str, process: str) -> str:
+    """How to start processes that ``option`` asks for (``tensor_parallel_size=2``'s ranks,
+    ``data_parallel_size=2``'s replicas; ``process`` names one): forked where that is safe (see
+    the module's docstring), else spawned, after checking that the script's rerun in each will
+    not start them again."""
     method = os.environ.get("FASTLLM_WORKER_MULTIPROC_METHOD")
     if method is None:
         if not sys.platform.startswith("linux"):
@@ -258,9 +260,9 @@ def _start_method(tensor_parallel_size: int) -> str:
     if unguarded is not None:
         file, line = unguarded
         raise RuntimeError(
-            f"tensor_parallel_size={tensor_parallel_size} starts its ranks with spawn here "
-            f"({why}), which runs {file} again in each rank, and line {line} would start "
-            f"ranks again: put the code that makes the LLM under `if __name__ == \"__main__\":`")
+            f"{option} starts its {process}s with spawn here ({why}), which runs {file} again "
+            f"in each {process}, and line {line} would start {process}s again: put the code "
+            f"that makes the LLM under `if __name__ == \"__main__\":`")
     return method
 
 
@@ -351,7 +353,8 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, ranks.stop)
         if rank is None:
             rank, init_method = 0, f"tcp://127.0.0.1:{_free_port()}"
-            context = mp.get_context(_start_method(config.tensor_parallel_size))
+            context = mp.get_context(start_method(
+                f"tensor_parallel_size={config.tensor_parallel_size}", "rank"))
             self._errors = context.SimpleQueue()
             # CPU ranks share this machine's cores.
             share = max(1, threads // config.tensor_parallel_size) \

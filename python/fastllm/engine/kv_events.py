@@ -3,12 +3,17 @@ routing: llm-d's KV-cache manager, NVIDIA Dynamo's KV router), in vLLM's wire fo
 
 Each engine step's changes go out as one batch on a ZMQ PUB socket: a multipart message of the
 topic, the batch's sequence number (8 bytes, big-endian) and the msgpack batch ``[timestamp,
-events]``, each event a tagged array as vLLM's msgspec structs encode them:
+events]`` (``[timestamp, events, data_parallel_rank]`` from a data-parallel rank, as vLLM's
+``KVEventBatch`` encodes it), each event a tagged array as vLLM's msgspec structs encode them:
 
 - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]``
 - ``["BlockRemoved", block_hashes, medium]``
 - ``["AllBlocksCleared"]`` (vLLM's; this engine reports each forgotten block instead, a
   reset of the prefix cache included, since blocks that requests hold stay cached)
+
+A data-parallel rank r publishes on its own endpoints, as vLLM's ranks do: a TCP endpoint's port
+plus r (``tcp://*:5557`` -> ``tcp://*:5558`` for rank 1), an ``ipc://`` or ``inproc://`` one with
+``_dp<r>`` appended (:func:`rank_endpoint`).
 
 A replay socket (ROUTER), when configured, answers ``(identity, b"", start_sequence)`` with the
 buffered batches from that sequence number on, then an empty payload with sequence -1.
@@ -33,7 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["KVEventsConfig", "KVEventPublisher", "block_hash", "prompt_block_hashes"]
+__all__ = ["KVEventsConfig", "KVEventPublisher", "block_hash", "prompt_block_hashes",
+           "rank_endpoint"]
 
 logger = logging.getLogger("fastllm")
 
@@ -46,6 +52,24 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int], lora_id: int = 0)
     (None: the prompt's first block) under LoRA adapter ``lora_id`` (0: none)."""
     return hashlib.sha256((parent or _ROOT) + struct.pack(f"<{1 + len(token_ids)}Q", lora_id,
                                                           *token_ids)).digest()
+
+
+def rank_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """``endpoint`` as data-parallel rank ``data_parallel_rank`` binds or connects it (vLLM's
+    ``offset_endpoint_port``): a TCP endpoint's port plus the rank, an ``ipc://`` or
+    ``inproc://`` one with ``_dp<rank>`` appended; rank 0's is ``endpoint`` itself."""
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    address, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} has no port to offset by data_parallel_rank="
+                         f"{data_parallel_rank}: give tcp://HOST:PORT, ipc:// or inproc://")
+    if int(port) + data_parallel_rank > 65535:
+        raise ValueError(f"endpoint {endpoint!r}: port {port} + data_parallel_rank="
+                         f"{data_parallel_rank} is past 65535")
+    return f"{address}:{int(port) + data_parallel_rank}"
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
@@ -72,6 +96,9 @@ class KVEventsConfig:
         buffer_steps: batches kept for replay.
         hwm: the PUB socket's send high-water mark (messages queued per subscriber).
         topic: the first frame of every message.
+        data_parallel_rank: fastllm's (``fastllm serve --data-parallel-rank``; vLLM passes it
+            beside the config): the endpoints become this rank's (:func:`rank_endpoint`) and
+            each batch carries it. None: a server that is no data-parallel rank.
     """
 
     enable_kv_cache_events: bool = False
@@ -81,6 +108,7 @@ class KVEventsConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     topic: str = ""
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -95,6 +123,13 @@ class KVEventsConfig:
         for name in ("endpoint", "topic"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a str, got {getattr(self, name)!r}")
+        rank = self.data_parallel_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
+                                 or rank < 0):
+            raise ValueError(f"data_parallel_rank must be None or an int >= 0, got {rank!r}")
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if rank is not None and endpoint is not None:
+                rank_endpoint(endpoint, rank)  # a bad endpoint fails here, not in the engine
 
     @classmethod
     def of(cls, value: KVEventsConfig | Mapping[str, Any] | None) -> KVEventsConfig | None:
@@ -141,11 +176,12 @@ class KVEventPublisher:
             self._socket = self._context.socket(zmq.PUB)
             self._socket.setsockopt(zmq.SNDHWM, config.hwm)
             self._socket.setsockopt(zmq.LINGER, 0)
-            self._attach(self._socket, config.endpoint)
+            rank = config.data_parallel_rank or 0
+            self._attach(self._socket, rank_endpoint(config.endpoint, rank))
             if config.replay_endpoint is not None:
                 replay = self._context.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                replay.bind(config.replay_endpoint)
+                replay.bind(rank_endpoint(config.replay_endpoint, rank))
                 # The thread owns its socket and holds the buffer, not the publisher: dropping
                 # the engine closes everything (the finalizer) without a shutdown call.
                 replay_thread = threading.Thread(
@@ -191,7 +227,10 @@ class KVEventPublisher:
             return
         import msgpack
 
-        payload = msgpack.packb([time.time(), events], use_bin_type=True)
+        batch = [time.time(), events]
+        if self.config.data_parallel_rank is not None:  # vLLM omits the field when unset
+            batch.append(self.config.data_parallel_rank)
+        payload = msgpack.packb(batch, use_bin_type=True)
         with self._lock:
             sequence = self._sequence
             self._sequence += 1

@@ -3,7 +3,7 @@
     fastllm chat Qwen/Qwen3-0.6B --system-prompt "Answer briefly."
     fastllm generate PATH --prompt "Once upon a time" --max-tokens 64 --temperature 0.7
     fastllm generate PATH --prompt "What is 2 + 2?" --chat --quantization int4
-    fastllm serve Qwen/Qwen3-0.6B [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    fastllm serve Qwen/Qwen3-0.6B [--host 127.0.0.1] [--port 8000] [--api-key KEY] [-dp 2]
     fastllm rerank PATH --query "capital of France" --docs docs.txt --top-n 3
 
 MODEL is a model folder, a .gguf file or a model on the Hugging Face Hub by name
@@ -379,6 +379,27 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                             "\"tcp://*:5557\"}'")
     group.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256"],
                        help="the block hashes KV-cache events carry (fastllm.engine.kv_events)")
+    group = parser.add_argument_group("data parallelism")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                       help="serve N replicas of the engine, each in a process of its own (and "
+                            "each with --tensor-parallel-size ranks), behind one server on "
+                            "--port: a request goes to the replica with the fewest in flight, "
+                            "or to the one that served its prompt's beginning (its prefix "
+                            "cache); CPU threads are shared out, CUDA replicas get devices of "
+                            "their own")
+    group.add_argument("--data-parallel-prefix-affinity", default=True,
+                       action=argparse.BooleanOptionalAction,
+                       help="send a request whose prompt begins as an earlier one's to the "
+                            "replica that served that one (whose prefix cache holds it) unless "
+                            "it is busier than the others by a margin; off: always the replica "
+                            "with the fewest in flight")
+    group.add_argument("--data-parallel-rank", type=int, metavar="R",
+                       help="serve alone as rank R of --data-parallel-size (one server per node "
+                            "behind a router): metrics labelled engine=\"R\", KV events on the "
+                            "--kv-events-config ports + R (default: none)")
+    # How a data-parallel router starts its replicas: where each listens, and whom it outlives.
+    group.add_argument("--data-parallel-socket", help=argparse.SUPPRESS)
+    group.add_argument("--data-parallel-parent", type=int, help=argparse.SUPPRESS)
     group = parser.add_argument_group("LoRA")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters: a request's model names one")
@@ -422,14 +443,28 @@ def _lora_modules(values: Sequence[str]) -> dict[str, str]:
     return modules
 
 
+def _check_data_parallel(args: argparse.Namespace) -> None:
+    size, rank = args.data_parallel_size, args.data_parallel_rank
+    if size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {size}")
+    if rank is not None and not 0 <= rank < size:
+        raise ValueError(f"--data-parallel-rank must be in [0, --data-parallel-size={size}), got "
+                         f"{rank}")
+    if args.data_parallel_socket is not None and rank is None:
+        raise ValueError("--data-parallel-socket needs --data-parallel-rank")
+
+
 def _serve(args: argparse.Namespace) -> None:
     from fastllm import AsyncLLM
     try:
+        from fastllm.entrypoints.openai import data_parallel
         from fastllm.entrypoints.openai.api_server import ServerConfig, build_server
     except ModuleNotFoundError as error:
         raise OSError(f"fastllm serve needs the server's packages ({error.name} is missing): "
                       "pip install 'fastllm[server]'") from None
 
+    _check_data_parallel(args)
+    rank = args.data_parallel_rank
     name = args.served_model_name or args.model
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key,
@@ -438,7 +473,7 @@ def _serve(args: argparse.Namespace) -> None:
         chat_template=(None if args.chat_template is None
                        else Path(args.chat_template).read_text(encoding="utf-8")),
         pooling=args.pooling, lora_modules=_lora_modules(args.lora_modules),
-        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating, data_parallel_rank=rank)
     if (config.lora_modules or config.allow_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     kv_events = None
@@ -447,11 +482,26 @@ def _serve(args: argparse.Namespace) -> None:
             kv_events = json.loads(args.kv_events_config)
         except ValueError as error:
             raise ValueError(f"--kv-events-config is not valid JSON: {error}") from None
+        if rank is not None and isinstance(kv_events, dict):
+            kv_events["data_parallel_rank"] = rank
+    if args.data_parallel_size > 1 and rank is None:  # the router, in front of its replicas
+        data_parallel.serve_data_parallel(
+            args.argv, data_parallel.RouterConfig(
+                args.data_parallel_size, max_body_bytes=args.max_body_bytes,
+                prefix_affinity=args.data_parallel_prefix_affinity),
+            args.host, args.port, name, args.device, args.tensor_parallel_size)
+        return
+    if args.data_parallel_parent is not None:
+        data_parallel.watch_parent(args.data_parallel_parent)
     llm = AsyncLLM(args.model, **_llm_kwargs(args), enable_lora=args.enable_lora,
                    max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, kv_events_config=kv_events)
     try:
         server = build_server(llm, config, name)
+        if args.data_parallel_socket is not None:  # a replica: its router says where it is
+            data_parallel.exit_when_engine_fails(llm)
+            server.run(sockets=[data_parallel.bind_unix(args.data_parallel_socket)])
+            return
         print(f"fastllm serve: {name} on http://{config.host}:{config.port}/v1", flush=True)
         server.run()
     finally:
@@ -471,7 +521,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                                        metavar="SUBCOMMAND")
     for add in (_add_chat, _add_generate, _add_serve, _add_rerank):
         add(subparsers)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # a data-parallel server starts its replicas with them
     command = subparsers.choices[args.command]
     if args.model_option is not None:
         if args.model is not None:

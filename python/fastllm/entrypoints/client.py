@@ -38,7 +38,7 @@ from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
 from fastllm.tokenizer.token_ids import as_token_ids
 
-__all__ = ["EngineClient", "PromptType"]
+__all__ = ["EngineClient", "PromptType", "is_one_prompt"]
 
 # A prompt: text, token ids (a list, or a 1-D integer tensor or array), vLLM's {"prompt": text} /
 # {"prompt_token_ids": ids}, or a prompt of independent chunks.
@@ -55,7 +55,22 @@ def _is_array(value: Any) -> bool:
     return hasattr(value, "tolist") and hasattr(value, "ndim")
 
 
-def _is_one_prompt(prompts: Any) -> bool:
+def per_prompt(name: str, value: Any, kind: type, count: int, items: str) -> list[Any]:
+    """The argument ``name`` of ``count`` prompts as one value each: ``value`` is one for all
+    (an instance of ``kind``, or None) or a list of one each (None items allowed; ``items``
+    names them in the error of a wrong count), as ``generate`` takes its ``sampling_params``
+    and ``lora_request``."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"{name} must be a {kind.__name__}, a list of them or None, got "
+                        f"{type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{len(value)} {items} for {count} prompts")
+    return list(value)
+
+
+def is_one_prompt(prompts: Any) -> bool:
     """Whether ``generate``'s ``prompts`` is one prompt rather than a list of them: a str, a
     dict, a ChunkedPrompt, a tensor or array, or a sequence of ints (bytes too: refused later
     as a prompt, not taken as a list of prompts)."""
@@ -256,30 +271,16 @@ class EngineClient:
         """Checked requests for prompts (one or a list), their parameters (one for all, or
         one each; default ``SamplingParams()``) and LoRA adapters (one for all, or one each;
         default none)."""
-        if _is_one_prompt(prompts):
+        if is_one_prompt(prompts):
             prompts = [prompts]
         elif not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a prompt or a list of prompts, got "
                             f"{type(prompts).__name__}")
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        elif isinstance(lora_request, Sequence) and not isinstance(lora_request, str):
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
-        else:
-            raise TypeError(f"lora_request must be a LoRARequest, a list of them (None for the "
-                            f"base model) or None, got {type(lora_request).__name__}")
-        loras = [self.check_lora(lora) for lora in loras]
+        params_list = per_prompt("sampling_params", sampling_params or SamplingParams(),
+                                 SamplingParams, len(prompts), "SamplingParams")
+        loras = [self.check_lora(lora) for lora in per_prompt(
+            "lora_request", lora_request, LoRARequest, len(prompts), "LoRA requests")]
         requests = []
         for prompt, params, lora in zip(prompts, params_list, loras):
             if not isinstance(params, SamplingParams):

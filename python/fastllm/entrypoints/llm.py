@@ -16,6 +16,7 @@ threads at once; each call steps the shared engine, which advances every request
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -23,13 +24,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.outputs import EmbeddingOutput, RequestOutput
-from fastllm.entrypoints.client import EngineClient, PromptType
+from fastllm.entrypoints.client import EngineClient, PromptType, is_one_prompt, per_prompt
+from fastllm.entrypoints.data_parallel import (LLMReplicas, assign_prompts,
+                                               check_data_parallel_size)
 from fastllm.lora import LoRARequest
 from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
 
 __all__ = ["LLM", "PromptType"]
+
+# Data parallelism: prompts whose first this many tokens agree (and their adapter) go to one
+# replica, whose prefix cache then serves them all.
+_AFFINITY_TOKENS = 64
 
 
 class LLM:
@@ -104,6 +112,18 @@ class LLM:
             vLLM's ``--kv-events-config`` (:mod:`fastllm.engine.kv_events`: ZMQ, vLLM's wire
             format, documented block hashes), e.g. ``{"enable_kv_cache_events": True,
             "endpoint": "tcp://*:5557"}``.
+        data_parallel_size: run this many replicas of the engine, each in a process of its own
+            (:mod:`fastllm.entrypoints.data_parallel`; each tensor-parallel in turn with
+            ``tensor_parallel_size``), started as the tensor-parallel ranks are. On the CPU the
+            replicas share the threads torch would use; on CUDA replica r takes its own
+            devices (``cuda:r*tp`` .. of those visible). :meth:`generate` and :meth:`chat`
+            split their prompts between the replicas (prompts with the same first tokens on the
+            same replica, for its prefix cache; the rest balanced by prompt tokens) and return
+            the outputs in order: the same tokens as one engine gives them (greedy,
+            ``batch_invariant``). :meth:`chat_prompt`, :meth:`apply_chat_template` and
+            :meth:`shutdown` work as ever; :meth:`embed` and :meth:`stream` are refused (a
+            ValueError), and ``client``, ``engine``, ``model`` and ``kv_cache`` are None: they
+            live in the replicas' processes.
     """
 
     def __init__(self, model: str | os.PathLike, *, revision: str | None = None,
@@ -121,7 +141,37 @@ class LLM:
                  tensor_parallel_size: int = 1, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None,
-                 kv_events_config: Mapping[str, Any] | None = None) -> None:
+                 kv_events_config: Mapping[str, Any] | None = None,
+                 data_parallel_size: int = 1) -> None:
+        self.data_parallel_size = check_data_parallel_size(data_parallel_size)
+        self._replicas: LLMReplicas | None = None
+        if data_parallel_size > 1:
+            # This process prepares the prompts: it holds the tokenizer, not the model.
+            if isinstance(tokenizer, Tokenizer):
+                self.tokenizer = tokenizer
+            elif tokenizer is None:  # the model's, at tokenizer_revision if given
+                self.tokenizer = Tokenizer.from_pretrained(
+                    model, revision=tokenizer_revision or revision)
+            else:
+                self.tokenizer = Tokenizer.from_pretrained(tokenizer, revision=tokenizer_revision)
+            self._replicas = LLMReplicas(model, data_parallel_size, dict(
+                revision=revision, dtype=dtype, device=device, tokenizer=tokenizer,
+                tokenizer_revision=tokenizer_revision, max_model_len=max_model_len,
+                kv_cache_memory=kv_cache_memory, block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_prefill_chunk=max_prefill_chunk, enforce_eager=enforce_eager,
+                chunk_store_memory=chunk_store_memory, quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
+                speculative=speculative, tensor_parallel_size=tensor_parallel_size,
+                enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras, kv_events_config=kv_events_config))
+            self.client = self.model = self.kv_cache = self.engine = None
+            self.device = torch.device(device)
+            self.max_model_len = self._replicas.max_model_len
+            self._model_name = str(model)
+            self._request_counter = itertools.count()
+            return
         self.client = EngineClient(
             model, revision=revision, dtype=dtype, device=device, tokenizer=tokenizer,
             tokenizer_revision=tokenizer_revision, max_model_len=max_model_len,
@@ -165,12 +215,62 @@ class LLM:
         and the exception in its output's ``error``; the other prompts complete as if it had
         not been there.
         """
+        if self._replicas is not None:
+            return self._generate_data_parallel(prompts, sampling_params, use_tqdm, lora_request)
         requests = self.client.make_requests(prompts, sampling_params, lora_request)
         states = self.client.follow(requests)
         with tqdm(total=len(requests), desc="Generating", unit="prompt",
                   disable=not use_tqdm or not requests) as progress:
             self.client.run(requests, progress.update)
         return [state.output() for state in states]
+
+    def _generate_data_parallel(self, prompts: PromptType | Sequence[PromptType],
+                                sampling_params: SamplingParams | Sequence[SamplingParams] |
+                                None, use_tqdm: bool,
+                                lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+                                ) -> list[RequestOutput]:
+        """``generate`` over the replicas: each prompt's parameters and adapter travel with it;
+        the replicas check them (every replica's share before any runs)."""
+        prompts = [prompts] if is_one_prompt(prompts) else prompts
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got "
+                            f"{type(prompts).__name__}")
+        prompts = list(prompts)
+        params = per_prompt("sampling_params", sampling_params, SamplingParams, len(prompts),
+                            "SamplingParams")
+        loras = per_prompt("lora_request", lora_request, LoRARequest, len(prompts),
+                           "LoRA requests")
+        token_ids = [self._prompt_token_ids(prompt) for prompt in prompts]
+        keys = [(lora.lora_int_id if lora is not None else 0, tuple(ids[:_AFFINITY_TOKENS]))
+                for lora, ids in zip(loras, token_ids)]
+        ranks = assign_prompts(keys, [len(ids) for ids in token_ids], self.data_parallel_size)
+        with tqdm(total=len(prompts), desc="Generating", unit="prompt",
+                  disable=not use_tqdm or not prompts) as progress:
+            outputs = self._replicas.generate(ranks, prompts, params, loras, progress.update)
+        for output in outputs:  # numbered here, as one engine numbers its requests
+            output.request_id = str(next(self._request_counter))
+        return outputs
+
+    def _prompt_token_ids(self, prompt: PromptType) -> list[int]:
+        """What this process reads of a prompt to place it: its token ids (text tokenized),
+        or none for a prompt of a kind the replica will refuse."""
+        if isinstance(prompt, Mapping):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        elif isinstance(prompt, ChunkedPrompt):
+            prompt = prompt.token_ids
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if hasattr(prompt, "tolist"):
+            prompt = prompt.tolist()
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        return []
+
+    def _refuse_data_parallel(self, method: str) -> None:
+        if self._replicas is not None:
+            raise ValueError(f"LLM.{method} does not run with data_parallel_size="
+                             f"{self.data_parallel_size}: only generate and chat share their "
+                             "prompts between the replicas (data_parallel_size=1 has it)")
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, pooling: str = "last",
               use_tqdm: bool = True,
@@ -181,6 +281,7 @@ class LLM:
         mean) and L2-normalized, as vLLM's pooling runner gives them. The prompts are
         prompt-only requests of the running batch (a last-token prompt may start from the
         prefix cache). ``lora_request`` as :meth:`generate` takes it."""
+        self._refuse_data_parallel("embed")
         requests = self.client.make_embedding_requests(prompts, pooling, lora_request)
         with tqdm(total=len(requests), desc="Embedding", unit="prompt",
                   disable=not use_tqdm or not requests) as progress:
@@ -200,6 +301,7 @@ class LLM:
         early ends the request and frees its KV. A request that fails inside a step raises its
         error here, after the deltas it had produced.
         """
+        self._refuse_data_parallel("stream")
         if isinstance(sampling_params, Sequence):
             raise TypeError("stream takes one prompt and one SamplingParams")
         client = self.client
@@ -243,6 +345,9 @@ class LLM:
         """The prompt (for ``generate`` or ``stream``) of a conversation: its chat template
         rendered with a generation prompt and tokenized without adding special tokens, since
         the template holds them."""
+        if self.client is None:  # data-parallel: the tokenizer is this process's own
+            return {"prompt_token_ids": self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **template_kwargs)}
         return self.client.chat_prompt(messages, **template_kwargs)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
@@ -253,10 +358,17 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel ranks, if any; the object generates nothing after."""
-        self.client.shutdown()
+        """Stops the tensor-parallel ranks and data-parallel replicas, if any; the object
+        generates nothing after."""
+        if self._replicas is not None:
+            self._replicas.shutdown()
+        else:
+            self.client.shutdown()
 
     def __repr__(self) -> str:
+        if self._replicas is not None:
+            return (f"LLM({self._model_name}, data_parallel_size={self.data_parallel_size}, "
+                    f"device={self.device}, max_model_len={self.max_model_len})")
         return (f"LLM({self.model.config.architecture}, dtype={self.model.dtype}"
                 f", device={self.device}, max_model_len={self.max_model_len}, "
                 f"kv_cache={self.kv_cache.num_blocks} blocks)")

@@ -72,6 +72,8 @@ class ServerConfig:
         allow_runtime_lora_updating: serve ``POST /v1/load_lora_adapter`` and
             ``/v1/unload_lora_adapter`` (vLLM's runtime updating), which load and unload
             adapters while the server runs.
+        data_parallel_rank: this server's rank among data-parallel replicas (``fastllm serve
+            --data-parallel-rank``): its metrics carry ``engine="<rank>"``. None: no rank.
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +87,7 @@ class ServerConfig:
     reasoning_parser: str | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)
     allow_runtime_lora_updating: bool = False
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in ("last", "mean"):
@@ -93,6 +96,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        rank = self.data_parallel_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)
+                                 or rank < 0):
+            raise ValueError(f"data_parallel_rank must be None or an int >= 0, got {rank!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be an int in [0, 65536), got {self.port!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -161,7 +168,7 @@ class _Guard:
             await self._handle(scope, receive, counted_send, path)
         finally:  # unknown paths share one label: a scan must not grow the metrics
             endpoint = path if path in _ENDPOINTS else "other"
-            self.metrics.http_requests.labels(endpoint, str(status["code"])).inc()
+            self.metrics.http_request(endpoint, status["code"])
 
     async def _handle(self, scope: dict, receive: Any, send: Any, path: str) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
@@ -244,7 +251,7 @@ async def _events(events: AsyncIterator[str]) -> AsyncIterator[str]:
 def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     """The FastAPI app serving ``llm`` under ``model_name``."""
     engine = llm.client.engine
-    metrics = ServerMetrics(engine, model_name)
+    metrics = ServerMetrics(engine, model_name, config.data_parallel_rank)
     serving = OpenAIServing(llm, model_name, metrics,
                             ServingLimits(max_waiting_requests=config.max_waiting_requests),
                             chat_template=config.chat_template,

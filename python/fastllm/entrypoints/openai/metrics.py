@@ -4,7 +4,9 @@ Counters and histograms are observed as requests finish; the engine's state (req
 and waiting, KV usage, prefix-cache counters, LoRA adapters) is read when the endpoint is
 scraped. The gauges a multi-replica router reads come under vLLM's names too
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
-``vllm:lora_requests_info``).
+``vllm:lora_requests_info``). A data-parallel rank's server labels every sample with
+``engine="<rank>"``, vLLM's label for its data-parallel engines, so that the ranks' metrics merge
+into one exposition (:mod:`fastllm.entrypoints.openai.data_parallel`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class _EngineCollector(Collector):
-    """The engine's live state, read at scrape time."""
+    """The engine's live state, read at scrape time; ``rank_labels``: the data-parallel rank's
+    label, or none."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: Engine, model_name: str, rank_labels: dict[str, str]) -> None:
+        self.engine, self.model_name, self.rank_labels = engine, model_name, rank_labels
 
     def collect(self) -> Iterator:
-        labels = ["model_name"]
+        labels = ["model_name", *self.rank_labels]
+        values = [self.model_name, *self.rank_labels.values()]
         router_gauges = (
             ("num_requests_running", "Requests holding KV blocks.", self.engine.num_running),
             ("num_requests_waiting", "Requests queued for the engine.", self.engine.num_waiting),
@@ -46,12 +50,12 @@ class _EngineCollector(Collector):
         for prefix in ("fastllm_", "vllm:"):
             for name, doc, value in router_gauges:
                 gauge = GaugeMetricFamily(prefix + name, doc, labels=labels)
-                gauge.add_metric([self.model_name], value)
+                gauge.add_metric(values, value)
                 yield gauge
         gauge = GaugeMetricFamily(
             "fastllm_prefix_cache_hit_rate", "Prompt blocks found in the prefix cache, over "
             "those looked up, since start.", labels=labels)
-        gauge.add_metric([self.model_name], self.engine.stats.prefix_cache_hit_rate)
+        gauge.add_metric(values, self.engine.stats.prefix_cache_hit_rate)
         yield gauge
         lora = self.engine.config.lora
         if lora is not None:  # the labels carry the state, as in vLLM's
@@ -59,9 +63,10 @@ class _EngineCollector(Collector):
             for name in ("fastllm_lora_requests_info", "vllm:lora_requests_info"):
                 info = GaugeMetricFamily(
                     name, "LoRA adapters of running and waiting requests.",
-                    labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-                info.add_metric([str(lora.max_loras), ",".join(running), ",".join(waiting)],
-                                time.time())
+                    labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters",
+                            *self.rank_labels])
+                info.add_metric([str(lora.max_loras), ",".join(running), ",".join(waiting),
+                                 *self.rank_labels.values()], time.time())
                 yield info
         for name, doc, value in (
                 ("fastllm_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
@@ -71,21 +76,26 @@ class _EngineCollector(Collector):
                 ("fastllm_num_preemptions", "Requests preempted for KV blocks.",
                  self.engine.stats.preemptions)):
             counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric([self.model_name], value)
+            counter.add_metric(values, value)
             yield counter
 
 
 class ServerMetrics:
-    """Request counts, token counts and latency histograms of one server."""
+    """Request counts, token counts and latency histograms of one server; with
+    ``data_parallel_rank``, each sample labelled ``engine="<rank>"``."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str,
+                 data_parallel_rank: int | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        self._rank = {} if data_parallel_rank is None else {"engine": str(data_parallel_rank)}
+        self._model = {"model_name": model_name, **self._rank}  # a request sample's labels
+        labels = list(self._model)
         self.requests = Counter("fastllm_request_success", "Finished requests (one per choice).",
                                 labels + ["finished_reason"], registry=self.registry)
         self.http_requests = Counter("fastllm_http_requests", "HTTP requests by status code.",
-                                     ["endpoint", "status_code"], registry=self.registry)
+                                     ["endpoint", "status_code", *self._rank],
+                                     registry=self.registry)
         self.prompt_tokens = Counter("fastllm_prompt_tokens", "Prompt tokens of finished "
                                      "requests.", labels, registry=self.registry)
         self.generation_tokens = Counter("fastllm_generation_tokens", "Generated tokens.",
@@ -97,24 +107,29 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("fastllm_e2e_request_latency_seconds", "Arrival to finish.",
                              labels, buckets=_E2E_BUCKETS, registry=self.registry)
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine, model_name, self._rank))
 
     def observe(self, output: RequestOutput) -> None:
         """Counts one finished request."""
-        metrics, name = output.metrics, self.model_name
-        self.requests.labels(name, output.outputs[0].finish_reason).inc()
-        self.prompt_tokens.labels(name).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(name).inc(len(output.outputs[0].token_ids))
+        metrics, labels = output.metrics, self._model
+        self.requests.labels(**labels, finished_reason=output.outputs[0].finish_reason).inc()
+        self.prompt_tokens.labels(**labels).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(**labels).inc(len(output.outputs[0].token_ids))
         if metrics.ttft is not None:
-            self.ttft.labels(name).observe(metrics.ttft)
+            self.ttft.labels(**labels).observe(metrics.ttft)
         if metrics.time_per_output_token is not None:
-            self.tpot.labels(name).observe(metrics.time_per_output_token)
+            self.tpot.labels(**labels).observe(metrics.time_per_output_token)
         if metrics.finished_time is not None:
-            self.e2e.labels(name).observe(metrics.finished_time - metrics.arrival_time)
+            self.e2e.labels(**labels).observe(metrics.finished_time - metrics.arrival_time)
 
     def aborted(self, count: int = 1) -> None:
         """Counts requests ended early (the client left, or another choice failed)."""
-        self.requests.labels(self.model_name, "abort").inc(count)
+        self.requests.labels(**self._model, finished_reason="abort").inc(count)
+
+    def http_request(self, endpoint: str, status_code: int) -> None:
+        """Counts one HTTP request by its endpoint and status code."""
+        self.http_requests.labels(endpoint=endpoint, status_code=str(status_code),
+                                  **self._rank).inc()
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""
