@@ -101,8 +101,8 @@ constexpr const char* kSchemas[] = {
     // A mixture-of-experts MLP block (Qwen3-MoE, Mixtral), HF's eager arithmetic: each token's
     // top_k experts by softmax(router_logits) in float32 (their weights renormalized to sum 1
     // if asked), each expert a SwiGLU MLP (gate_up: its gate rows then its up rows; down),
-    // their outputs summed with the weights. Experts float [E, rows, in], or ggml blocks uint8
-    // [E, rows, row bytes] with their type id.
+    // their outputs summed with the weights. Experts float [E, rows, in], or blocks uint8
+    // [E, rows, row bytes] with their type id (a ggml type, or FP8_E4M3 2000).
     "moe(Tensor x, Tensor router_logits, Tensor gate_up, Tensor down, int top_k, "
     "bool renormalize, *, int? gate_up_type=None, int? down_type=None) -> Tensor",
 };

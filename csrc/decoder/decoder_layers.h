@@ -67,9 +67,9 @@ at::Tensor project(const Projection& projection, const at::Tensor& x);
   REQUIRED(Projection, router, "The router: [tokens, hidden] -> [tokens, experts] logits.")      \
   REQUIRED(at::Tensor, gate_up,                                                                  \
            "Each expert's gate rows, then its up rows: [experts, 2 * intermediate, hidden], "    \
-           "floats or ggml blocks of gate_up_type.")                                             \
+           "floats or blocks of gate_up_type (ggml's or FP8_E4M3's).")                          \
   REQUIRED(at::Tensor, down,                                                                     \
-           "[experts, hidden, intermediate], floats or ggml blocks of down_type.")               \
+           "[experts, hidden, intermediate], floats or blocks of down_type.")                    \
   REQUIRED(int64_t, top_k, "The experts each token runs: its best by router score.")            \
   REQUIRED(bool, renormalize, "Whether a token's top_k softmax weights are rescaled to sum to 1.") \
   FIELD(std::optional<int64_t>, gate_up_type, std::nullopt,                                      \

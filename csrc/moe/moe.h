@@ -15,7 +15,7 @@ struct MoeShape {
 // Checks x [tokens, hidden], router_logits [tokens, num_experts], the experts' gate|up
 // projections gate_up [num_experts, 2 * intermediate, hidden] and down projections down
 // [num_experts, hidden, intermediate] (float in x's dtype, or 16-bit under float32 x; with a
-// ggml type id, uint8 blocks [num_experts, rows, row bytes]), one device, and
+// ggml type id or FP8_E4M3's, uint8 blocks [num_experts, rows, row bytes]), one device, and
 // 1 <= top_k <= num_experts; returns the sizes.
 MoeShape check_moe_inputs(const at::Tensor& x, const at::Tensor& router_logits,
                           const at::Tensor& gate_up, const at::Tensor& down, int64_t top_k,

@@ -7,16 +7,18 @@ namespace fastllm {
 namespace {
 
 // One projection of every expert, [num_experts, rows, in]: floats of x's dtype (or 16 bits
-// under float32 x, converted exactly as linear converts them), or with a type id ggml's blocks,
-// uint8 [num_experts, rows, row bytes]. Rows contiguous. Returns in, the values per row.
+// under float32 x, converted exactly as linear converts them), or with a type id ggml's blocks
+// or fastllm's FP8_E4M3 blocks, uint8 [num_experts, rows, row bytes]. Rows contiguous. Returns
+// in, the values per row.
 int64_t check_experts(const at::Tensor& w, const char* name, const char* float_layout,
                       const char* block_layout_text, const std::optional<int64_t>& type,
                       const char* type_name, const at::Tensor& x) {
   check_same_device(w, name, x, "x");
   if (type.has_value()) {
-    TORCH_CHECK_VALUE(is_block_format(*type), type_name, " must be None (float experts) or a "
-                      "ggml type id of Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K "
-                      "(12), Q5_K (13), Q6_K (14), got ", *type);
+    TORCH_CHECK_VALUE(is_block_format(*type) || *type == kFp8E4M3Type, type_name,
+                      " must be None (float experts), a ggml type id of Q4_0 (2), Q4_1 (3), "
+                      "Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14), or "
+                      "fastllm's FP8_E4M3 blocks (2000), got ", *type);
     const BlockLayout blocks = block_layout(static_cast<BlockFormat>(*type));
     TORCH_CHECK_VALUE(w.dim() == 3, name, " must be ", block_layout_text, " (", blocks.name,
                       " blocks), got shape ", w.sizes());
@@ -29,7 +31,7 @@ int64_t check_experts(const at::Tensor& w, const char* name, const char* float_l
     return w.size(2) / blocks.bytes * blocks.values;
   }
   TORCH_CHECK_VALUE(w.dim() == 3, name, " must be ", float_layout, ", got shape ", w.sizes());
-  TORCH_CHECK_TYPE(w.scalar_type() != at::kByte, name, " is torch.uint8 (ggml blocks?) but ",
+  TORCH_CHECK_TYPE(w.scalar_type() != at::kByte, name, " is torch.uint8 (ggml or FP8 blocks?) but ",
                    type_name, " is None");
   const bool upcast = x.scalar_type() == at::kFloat &&
       (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf);

@@ -56,8 +56,8 @@ at::Tensor silu_and_mul_op(const at::Tensor& x) {
   return handle.call(x);
 }
 
-// One projection of every expert: float [num_experts, out, in], or ggml blocks
-// [num_experts, out, row bytes] of ggml type `type`.
+// One projection of every expert: float [num_experts, out, in], or blocks
+// [num_experts, out, row bytes] of type `type` (a ggml type, or FP8_E4M3).
 struct Projection {
   const at::Tensor& weight;
   const std::optional<int64_t>& type;
@@ -149,19 +149,22 @@ void stream_float(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // The same for block-quantized weights: quantized_linear's decode rows (integer dot products
-// with the activations quantized per block of 32), float32 sums rounded once to y's dtype.
+// with the activations quantized per block of 32; FP8's float32 ones with the activations as
+// float32, as they are), float32 sums rounded once to y's dtype.
 void stream_quantized(const at::Tensor& x, const at::Tensor& weight, int64_t type,
                       const std::vector<int64_t>& streamed, const ExpertRows& first,
                       at::Tensor& y) {
   const auto format = static_cast<BlockFormat>(type);
   const int64_t pairs = x.size(0), k_len = x.size(1), n_out = y.size(1);
-  const auto x_c = x.contiguous();
-  const QuantizedActivations xq = FASTLLM_DISPATCH_FLOAT_TYPES(
-      x.scalar_type(), "fastllm::moe_cpu", [&] {
-        return quantize_activations(x_c.const_data_ptr<scalar_t>(), pairs, k_len,
-                                    activation_max(format));
-      });
-  const DecodeRowsFn decode_rows = isa_kernels(format).decode_rows;
+  const CpuKernels cpu = isa_kernels(format);
+  const bool float_activations = cpu.float_decode_rows != nullptr;  // FP8
+  const auto x_c = float_activations ? x.to(at::kFloat).contiguous() : x.contiguous();
+  QuantizedActivations xq;
+  if (!float_activations)
+    xq = FASTLLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "fastllm::moe_cpu", [&] {
+      return quantize_activations(x_c.const_data_ptr<scalar_t>(), pairs, k_len,
+                                  activation_max(format));
+    });
   const uint8_t* w = weight.const_data_ptr<uint8_t>();
   const int64_t expert_stride = weight.stride(0), ldw = weight.stride(1);
   const bool direct = y.scalar_type() == at::kFloat;
@@ -173,8 +176,13 @@ void stream_quantized(const at::Tensor& x, const at::Tensor& weight, int64_t typ
     scalar_t* out = y.mutable_data_ptr<scalar_t>();
     for_streamed_rows(streamed, n_out, grain, [&](int64_t e, int64_t begin, int64_t end) {
       const int64_t row = first[e], rows = first[e + 1] - row;
-      decode_rows(xq.view(row, rows), w + e * expert_stride, ldw, begin, end, nullptr,
-                  sums + row * n_out, n_out);
+      const uint8_t* expert = w + e * expert_stride;
+      if (float_activations)
+        cpu.float_decode_rows(x_c.const_data_ptr<float>() + row * k_len, rows, k_len,
+                              expert, ldw, begin, end, nullptr, sums + row * n_out, n_out);
+      else
+        cpu.decode_rows(xq.view(row, rows), expert, ldw, begin, end, nullptr,
+                        sums + row * n_out, n_out);
       if (!direct)  // this task's block of sums, rounded to y's dtype
         for (int64_t r = row; r < row + rows; ++r)
           for (int64_t j = begin; j < end; ++j) out[r * n_out + j] = scalar_t(sums[r * n_out + j]);

@@ -363,17 +363,21 @@ def test_moe_ties_go_to_the_lower_expert(sim, tokens):
     torch.testing.assert_close(got.double(), expected, atol=F32_TOL, rtol=F32_TOL)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "FP8_E4M3"])
 def test_moe_quantized_grouped_path_runs_quantized_linear(sim, type_name):
     """Past 8 tokens each expert's rows go through quantized_linear's CUDA path (its GEMV for an
     expert with up to 8 rows, dequantize + matmul past them: expert 0 has all 12 tokens)."""
-    weight_type = {"Q4_K": 12, "Q8_0": 8}[type_name]
-    values, block_bytes = ops.BLOCK_FORMATS[weight_type][1:]
-    gate_up = torch.randint(0, 256, (4, 64, 256 // values * block_bytes), dtype=torch.uint8)
-    blocks = gate_up.view(4, 64, -1, block_bytes)
-    blocks[..., 1] = 0x14  # d's high byte: a finite fp16 in [2^-10, 2^-9)
-    if type_name == "Q4_K":
-        blocks[..., 3] = 0x14  # dmin's
+    weight_type = {"Q4_K": 12, "Q8_0": 8, "FP8_E4M3": ops.FP8_E4M3}[type_name]
+    if weight_type == ops.FP8_E4M3:
+        codes = (8 * torch.randn(4 * 64, 256)).to(torch.float8_e4m3fn)
+        gate_up = pack_fp8(codes, torch.rand(4 * 64, 1) / 100, (1, 256)).data.view(4, 64, -1)
+    else:
+        values, block_bytes = ops.BLOCK_FORMATS[weight_type][1:]
+        gate_up = torch.randint(0, 256, (4, 64, 256 // values * block_bytes), dtype=torch.uint8)
+        blocks = gate_up.view(4, 64, -1, block_bytes)
+        blocks[..., 1] = 0x14  # d's high byte: a finite fp16 in [2^-10, 2^-9)
+        if type_name == "Q4_K":
+            blocks[..., 3] = 0x14  # dmin's
     x = torch.randn(12, 256)
     logits = torch.randn(12, 4)
     logits[:, 0] += 4  # expert 0 has every token (12 rows), the others a few

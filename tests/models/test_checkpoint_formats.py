@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import (QuantizationConfig, QuantizationScheme,
                                              apply_quantization_config)
@@ -206,11 +207,14 @@ def compressed_tensors_folder(folder: Path, model_type: str, scheme: dict, round
     if "num_experts" in config:
         tensors = load_file(folder / "model.safetensors")
         expert_scheme = QuantizationScheme(targets=["Linear"], **scheme)
+        # The format compressed-tensors gives the Linears: packed integers, or FP8 as it is.
+        expert_compressor = (FloatQuantizationCompressor if expert_scheme.weights.type == "float"
+                             else PackedQuantizationCompressor)
         for name in [n for n in tensors if ".experts." in n]:
             weight = tensors.pop(name)
             scale, zero_point = observed_qparams(weight, expert_scheme, rounding)
             module = name.removesuffix(".weight")
-            compressed = PackedQuantizationCompressor.compress(
+            compressed = expert_compressor.compress(
                 {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point},
                 expert_scheme)
             tensors.update({f"{module}.{key}": value for key, value in compressed.items()})
@@ -254,6 +258,11 @@ CT_CASES = {
     # transformers dequantizes experts without zero points only.
     "w4a16-g32-qwen3-moe": ("qwen3_moe", dict(weights=dict(W4, symmetric=True, group_size=32)),
                             "fp16", MOE, QT.Q4_0),
+    # FP8 experts stay FP8 too: the MoE op takes FP8_E4M3 blocks.
+    "fp8-channel-qwen3-moe": ("qwen3_moe", dict(
+        weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True),
+        input_activations=dict(num_bits=8, type="float", strategy="token", symmetric=True,
+                               dynamic=True)), "float32", MOE, ops.FP8_E4M3),
 }
 
 
@@ -281,9 +290,10 @@ def test_compressed_tensors_load_as_transformers_dequantizes_them(ct_folders, ca
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors"
     weight_type = CT_CASES[case][-1]
-    projections = ["layers.0.self_attn.qkv_proj", "layers.1.self_attn.o_proj"]
-    projections.append("layers.0.mlp.gate_up_proj" if case.endswith("moe")
-                       else "layers.1.mlp.down_proj")
+    projections = ["layers.0.self_attn.qkv_proj", "layers.1.self_attn.o_proj",
+                   "layers.1.mlp.down_proj"]  # a mixture of experts': the experts'
+    if case.endswith("moe"):
+        projections.append("layers.0.mlp.gate_up_proj")
     # The ignored LM head stays float.
     assert_loads_like(folder, reference, {**dict.fromkeys(projections, weight_type),
                                           "lm_head": None})
@@ -385,9 +395,10 @@ WRITERS = {"gptq": gptq_tensors, "awq": awq_tensors, "fp8": fp8_tensors}
 
 def packed_folder(folder: Path, twin: Path, model_type: str, config: dict, seed: int,
                   **shape) -> None:
-    """A tiny random HF model whose projections are stored in ``config``'s method
-    (``quant_method`` plus the writer's settings), in ``folder``; and in ``twin``, the same
-    model with each projection's float64 weight as float32 (the reference)."""
+    """A tiny random HF model whose projections (a mixture of experts' experts too) are stored
+    in ``config``'s method (``quant_method`` plus the writer's settings), in ``folder``; and in
+    ``twin``, the same model with each projection's float64 weight as float32 (the
+    reference)."""
     settings = {k: v for k, v in config.items() if k not in ("quant_method", "scale_bits",
                                                              "scale_dtype")}
     hf = random_hf_model(model_type, seed, **{**SHAPE, **shape})
@@ -402,6 +413,16 @@ def packed_folder(folder: Path, twin: Path, model_type: str, config: dict, seed:
                 module.weight.copy_(weight)  # float64 -> float32, rounded once
     hf.save_pretrained(twin)
     plain = load_file(twin / "model.safetensors")
+    # HF holds the experts stacked, not as Linears, but saves each expert's weights apart:
+    # those are quantized here, and the twin saved again with their float64 weights.
+    experts = [name for name in plain if ".experts." in name]
+    for name in experts:
+        stored, weight = WRITERS[config["quant_method"]](
+            name.removesuffix(".weight"), *plain[name].shape, config, generator)
+        tensors.update(stored)
+        plain[name] = weight.float()
+    if experts:
+        save_file(plain, twin / "model.safetensors", metadata={"format": "pt"})
     quantized = {name.rsplit(".", 1)[0] for name in tensors}  # their modules
     tensors.update({name: value for name, value in plain.items()
                     if name.removesuffix(".weight") not in quantized})
@@ -440,6 +461,9 @@ PACKED_CASES = {
                                      ops.FP8_E4M3),
     "fp8-block-16-columns-llama": ("llama", dict(FP8_BLOCK, weight_block_size=[16, 16],
                                                  scale_dtype=torch.float16), {}, None),
+    # The experts' too: the MoE op takes FP8_E4M3 blocks.
+    "fp8-block-qwen3-moe": ("qwen3_moe", FP8_BLOCK, dict(MOE, hidden_size=128, head_dim=32),
+                            ops.FP8_E4M3),
 }
 
 

@@ -200,6 +200,7 @@ def moe_inputs():
 
 
 _Q8_0_GATE_UP = torch.zeros(8, 64, 2 * 34, dtype=torch.uint8)  # Q8_0 rows of 64 values
+_FP8_GATE_UP = torch.zeros(8, 64, 2 * 36, dtype=torch.uint8)  # FP8_E4M3 rows of 64 values
 
 MOE_ERRORS = {
     "top_k_0": (dict(top_k=0), ValueError, r"top_k must be in \[1, num_experts=8\], got 0"),
@@ -236,11 +237,15 @@ MOE_ERRORS = {
     "gate_up_rows_strided": (dict(gate_up=torch.randn(8, 64, 64).transpose(1, 2)), ValueError,
                              "gate_up rows must be contiguous"),
     "gate_up_blocks_without_type": (dict(gate_up=_Q8_0_GATE_UP), TypeError,
-                                    r"gate_up is torch.uint8 \(ggml blocks\?\) but "
+                                    r"gate_up is torch.uint8 \(ggml or FP8 blocks\?\) but "
                                     "gate_up_type is None"),
     "gate_up_type_unknown": (dict(gate_up=_Q8_0_GATE_UP, gate_up_type=10), ValueError,
-                             r"gate_up_type must be None \(float experts\) or a ggml type id of "
-                             r"Q4_0 \(2\).*Q6_K \(14\), got 10"),
+                             r"gate_up_type must be None \(float experts\), a ggml type id of "
+                             r"Q4_0 \(2\).*Q6_K \(14\), or fastllm's FP8_E4M3 blocks \(2000\), "
+                             "got 10"),
+    "gate_up_type_interleaved": (dict(gate_up=_Q8_0_GATE_UP, gate_up_type=1008), ValueError,
+                                 r"gate_up_type must be None \(float experts\), a ggml type id"
+                                 r".*got 1008"),
     "gate_up_type_on_floats": (dict(gate_up_type=8), TypeError,
                                "gate_up must be torch.uint8, got torch.float32"),
     "gate_up_blocks_rank_2": (dict(gate_up=_Q8_0_GATE_UP[0], gate_up_type=8), ValueError,
@@ -249,6 +254,12 @@ MOE_ERRORS = {
     "gate_up_partial_block": (dict(gate_up=_Q8_0_GATE_UP[..., :50], gate_up_type=8), ValueError,
                               r"a Q8_0 gate_up row is whole blocks of 34 bytes \(32 values\), "
                               "got rows of 50 bytes"),
+    "gate_up_fp8_partial_block": (dict(gate_up=_FP8_GATE_UP[..., :50], gate_up_type=2000),
+                                  ValueError,
+                                  r"a FP8_E4M3 gate_up row is whole blocks of 36 bytes \(32 "
+                                  r"values\), got rows of 50 bytes"),
+    "gate_up_fp8_features": (dict(gate_up=_FP8_GATE_UP[..., :36], gate_up_type=2000),
+                             ValueError, "x has 64 features but gate_up's rows hold 32"),
     "gate_up_blocks_features": (dict(gate_up=_Q8_0_GATE_UP[..., :34], gate_up_type=8),
                                 ValueError, "x has 64 features but gate_up's rows hold 32"),
     "down_experts": (dict(down=torch.randn(4, 64, 32)), ValueError,
@@ -258,7 +269,7 @@ MOE_ERRORS = {
     "down_intermediate": (dict(down=torch.randn(8, 64, 16)), ValueError,
                           "down's rows hold 16 values but gate_up's intermediate size is 32"),
     "down_type_unknown": (dict(down_type=4), ValueError,
-                          r"down_type must be None \(float experts\) or a ggml type id.*got 4"),
+                          r"down_type must be None \(float experts\), a ggml type id.*got 4"),
     "down_k_quant_rows": (dict(down=torch.zeros(8, 64, 144, dtype=torch.uint8), down_type=12),
                           ValueError,
                           "down's rows hold 256 values but gate_up's intermediate size is 32"),

@@ -27,10 +27,12 @@ from conftest import assert_within_twice_plain_error
 from test_quantized_linear import quantized_weight
 
 from fastllm import ops
+from fastllm.models.quantized import pack_fp8
 from fastllm.ops import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TYPES = {name: type_id for type_id, (name, _, _) in ops.BLOCK_FORMATS.items()}
+TYPES["FP8_E4M3"] = ops.FP8_E4M3
 F32_TOL = 2e-5
 # (num_experts, top_k, renormalize)
 EXPERTS = [(8, 2, True), (8, 2, False), (16, 4, True), (16, 4, False), (4, 4, True),
@@ -48,11 +50,17 @@ def float_experts(num_experts: int, hidden: int, intermediate: int, dtype: torch
 
 def quantized_experts(num_experts: int, rows: int, columns: int, type_name: str | None,
                       dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, int | None]:
-    """An expert projection [E, rows, columns]: ggml blocks of `type_name` (uint8 [E, rows, row
-    bytes]), or floats of `dtype` where it is None."""
+    """An expert projection [E, rows, columns]: blocks of `type_name` (uint8 [E, rows, row
+    bytes]: a ggml format's, or FP8_E4M3's), or floats of `dtype` where it is None."""
     if type_name is None:
         return (torch.randn(num_experts, rows, columns) / columns**0.5).to(dtype), None
     weight_type = TYPES[type_name]
+    if weight_type == ops.FP8_E4M3:  # codes of spread 8, a scale per row: values ~ N(0, 1/cols)
+        generator = torch.Generator().manual_seed(seed)
+        codes = (8 * torch.randn(num_experts * rows, columns, generator=generator))
+        scales = (0.5 + torch.rand(num_experts * rows, 1, generator=generator)) / (8 * columns**0.5)
+        weight = pack_fp8(codes.to(torch.float8_e4m3fn), scales, (1, columns)).data
+        return weight.view(num_experts, rows, -1), weight_type
     blocks = columns // ops.BLOCK_FORMATS[weight_type][1]
     weight = quantized_weight(num_experts * rows, blocks, weight_type, seed=seed)
     if type_name not in ("Q4_K", "Q5_K", "Q6_K"):  # gguf's values are ~1: scale like floats
@@ -169,7 +177,9 @@ def composed_moe(x, logits, gate_up, down, top_k, renormalize, gate_up_type, dow
 
 # (gate_up format, down format): None is float experts.
 FORMAT_PAIRS = [("Q8_0", "Q8_0"), ("Q4_0", "Q6_K"), ("Q4_K", "Q4_1"), ("Q5_K", "Q5_0"),
-                ("Q6_K", None), (None, "Q4_K"), ("Q5_1", "Q8_0")]
+                ("Q6_K", None), (None, "Q4_K"), ("Q5_1", "Q8_0"), ("FP8_E4M3", "FP8_E4M3"),
+                ("Q4_K", "FP8_E4M3")]
+QUANTIZED_CASES = [(1, 8, 2), (3, 4, 4), (40, 4, 4)]  # (tokens, num_experts, top_k)
 BYTE_ACTIVATIONS = {"Q4_0", "Q4_K", "Q5_K", "Q6_K"}  # the CPU's int8 activations
 
 
@@ -210,18 +220,23 @@ def check_quantized_experts(backend, gate_up_name, down_name, tokens, dtype, num
 
 @pytest.mark.cpu_isas
 @pytest.mark.cuda_sim
-@covering.grid(formats=FORMAT_PAIRS, case=[(1, 8, 2), (3, 4, 4), (40, 4, 4)])
+@covering.grid(formats=FORMAT_PAIRS, case=QUANTIZED_CASES,
+               edges=[dict(backend=backend, formats=("FP8_E4M3", "FP8_E4M3"), case=case)
+                      for backend in ("cpu", "composite", "cuda_sim") for case in QUANTIZED_CASES])
 def test_quantized_experts(backend, formats, case):
     """Quantized experts (gate_up and down in different formats, or one of them float), on
     each path: 40 tokens over 4 experts give each expert 40 rows, past the CPU's few-row limit
-    of 32 and CUDA's GEMV's 8."""
+    of 32 and CUDA's GEMV's 8. FP8 experts run every path on every backend (each CPU
+    instruction set's FP8 kernels: float32 activations, unlike the ggml formats)."""
     (gate_up_name, down_name), (tokens, num_experts, top_k) = formats, case
     check_quantized_experts(backend, gate_up_name, down_name, tokens, torch.float32,
                             num_experts, top_k)
 
 
 @covering.grid(dtype=[torch.bfloat16, torch.float16], tokens=[2, 40],
-               formats=[("Q4_K", "Q8_0"), ("Q6_K", "Q4_1")])
+               formats=[("Q4_K", "Q8_0"), ("Q6_K", "Q4_1"), ("FP8_E4M3", "FP8_E4M3")],
+               edges=[dict(backend="cpu", dtype=torch.bfloat16, tokens=tokens,
+                           formats=("FP8_E4M3", "FP8_E4M3")) for tokens in (2, 40)])
 def test_quantized_experts_low_precision(backend, formats, tokens, dtype):
     check_quantized_experts(backend, *formats, tokens, dtype, 4, 4)
 

@@ -125,8 +125,8 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     Q6_K ``attn_v`` beside Q4_K q and k), a :class:`SegmentedQuantizedLinear`. The experts'
     stacked weights stay in their blocks (uint8 ``[experts, rows, row bytes]``, with the
     :class:`~fastllm.models.decoder.Experts` module's ``gate_up_type`` / ``down_type``) when
-    all their parts share one ggml format (FP8 experts are dequantized: :func:`fastllm.ops.moe`
-    takes ggml blocks). The others are cast to ``dtype``. Everything is placed on
+    all their parts share one format (a ggml format, or :data:`fastllm.ops.FP8_E4M3`). The
+    others are cast to ``dtype``. Everything is placed on
     ``device``; there a projection's or LM head's blocks (a tied embedding's too) take
     :func:`fastllm.ops.cpu_decode_layout`'s order (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K
     interleaved by 16 rows on AVX-512). On the CPU, float32 models keep 16-bit projection,
@@ -168,10 +168,8 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             tensors = [read(hf_name, shape, part) for (hf_name, shape), part in zip(parts, slices)]
         if _VOCABULARY.search(name):
             tensors = [_pad_rows(t, shard.vocab_rows) for t in tensors]
-        # The experts' op takes ggml blocks: FP8 experts are dequantized below.
         if (_EXPERTS.search(name) and all(isinstance(t, QuantizedWeight) for t in tensors)
-                and len({t.weight_type for t in tensors}) == 1
-                and tensors[0].weight_type in ops.BLOCK_FORMATS):
+                and len({t.weight_type for t in tensors}) == 1):
             blocks = torch.cat([t.data for t in tensors])  # [experts * rows, row bytes]
             state[name] = blocks.view(config.num_experts, -1, blocks.shape[-1]).to(device)
             quantized[name] = tensors[0].weight_type

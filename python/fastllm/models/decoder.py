@@ -131,8 +131,8 @@ class Experts(nn.Module):
     """A mixture-of-experts MLP (run by :func:`fastllm.ops.moe`): the ``router`` scores the
     experts, each token runs its ``num_experts_per_tok`` best. ``gate_up_proj`` ``[experts, 2 *
     intermediate, hidden]`` (each expert's gate rows, then its up rows) and ``down_proj``
-    ``[experts, hidden, intermediate]`` are floats, or ggml blocks (uint8, last dim the row's
-    bytes) of ``gate_up_type`` / ``down_type``."""
+    ``[experts, hidden, intermediate]`` are floats, or blocks (uint8, last dim the row's bytes)
+    of ``gate_up_type`` / ``down_type``: a ggml type, or :data:`fastllm.ops.FP8_E4M3`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -42,23 +42,26 @@ def moe(
         gate_up: every expert's gate rows then up rows, ``[num_experts, 2 * intermediate,
             hidden]`` in x's dtype (or bfloat16 / float16 under float32 x: converted exactly
             as :func:`linear` converts them), rows contiguous; or, with ``gate_up_type``,
-            ggml blocks uint8 ``[num_experts, 2 * intermediate, row bytes]`` as
-            :func:`quantized_linear` takes a weight (:data:`BLOCK_FORMATS`).
+            blocks uint8 ``[num_experts, 2 * intermediate, row bytes]`` as
+            :func:`quantized_linear` takes a weight (:data:`BLOCK_FORMATS`, or fastllm's FP8
+            blocks :data:`FP8_E4M3`).
         down: ``[num_experts, hidden, intermediate]``, or blocks with ``down_type``; its format
             may differ from gate_up's.
         top_k: experts per token, in ``[1, num_experts]``.
         renormalize: divide the chosen experts' probabilities by their sum.
-        gate_up_type, down_type: ggml type ids of quantized experts, None for float ones.
+        gate_up_type, down_type: ggml type ids or :data:`FP8_E4M3` of quantized experts, None
+            for float ones.
 
     Returns ``[tokens, hidden]`` in x's dtype. On the CPU the (token, expert) pairs are
     grouped by expert; an expert with few rows (every expert of a decode step: up to the
     few-row limits of :func:`linear` and :func:`quantized_linear`) streams only its own weight
     rows, once, and all of them share one parallel region; an expert with more rows runs a
-    GEMM over its rows. Under :func:`batch_invariant` a token's result does not depend on the
-    others. On CUDA up to 8 tokens (or while a CUDA graph is captured) a GEMV per (token,
-    expert) reads the chosen experts' rows without any host sync; more tokens wait once for
-    the per-expert counts and run one cuBLAS GEMM (quantized: :func:`quantized_linear`'s path)
-    per expert that has tokens.
+    GEMM over its rows. FP8 experts run as :func:`quantized_linear` runs FP8 weights (float32
+    activations; streamed codes decoded in registers). Under :func:`batch_invariant` a token's
+    result does not depend on the others. On CUDA up to 8 tokens (or while a CUDA graph is
+    captured) a GEMV per (token, expert) reads the chosen experts' rows without any host sync;
+    more tokens wait once for the per-expert counts and run one cuBLAS GEMM (quantized:
+    :func:`quantized_linear`'s path) per expert that has tokens.
     """
     return torch.ops.fastllm.moe.default(
         x, router_logits, gate_up, down, int(top_k), bool(renormalize),

@@ -17,11 +17,11 @@ or per block, compressed-tensors' per tensor, channel, group or block) stay 1 by
 fastllm's FP8 blocks (:data:`fastllm.ops.FP8_E4M3`, a float32 scale per 32 values, run by the
 same matmul: :mod:`fastllm.models.formats.float8`) wherever every 32 columns share a scale:
 tensor and channel scales, blocks and groups of a multiple of 32 columns, on rows of a multiple
-of 32 values. The others are dequantized at load (in float32, then the model's dtype); so are
-a mixture of experts' FP8 experts, whose op takes ggml blocks only. Layers the checkpoint
-leaves unquantized (compressed-tensors' ``ignore``, ``modules_to_not_convert``, usually the LM
-head) are plain tensors. Any other ``quant_method`` (bitsandbytes, hqq, ...) is refused naming
-it.
+of 32 values, a mixture of experts' experts too (:func:`fastllm.ops.moe` takes the same
+blocks). The others are dequantized at load (in float32, then the model's dtype). Layers the
+checkpoint leaves unquantized (compressed-tensors' ``ignore``, ``modules_to_not_convert``,
+usually the LM head) are plain tensors. Any other ``quant_method`` (bitsandbytes, hqq, ...) is
+refused naming it.
 """
 
 from __future__ import annotations
