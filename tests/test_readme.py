@@ -1,9 +1,10 @@
 """Every code block of README.md runs as a user runs it: a Python block saved as a file and run
 with ``python file.py`` in a fresh process, a shell block with bash (a ``fastllm serve`` block
 keeps its server up for the blocks after it in its section, a ``fastllm chat`` block gets two
-lines typed in). The hub names README uses are served by a :class:`hub_server.LocalHub`
-(``HF_ENDPOINT``) with small stand-ins: tiny random-weight Qwen3 models over the real Qwen3
-tokenizer, and a Q8_0 rewrite of the real SmolLM2-135M-Instruct GGUF, which must answer Paris.
+lines typed in), a YAML block (a Kubernetes manifest: no cluster here) parsed. The hub names
+README uses are served by a :class:`hub_server.LocalHub` (``HF_ENDPOINT``) with small
+stand-ins: tiny random-weight Qwen3 models over the real Qwen3 tokenizer, and a Q8_0 rewrite of
+the real SmolLM2-135M-Instruct GGUF, which must answer Paris.
 The set-up commands (``make``, ``pip install``) are what ``make test`` itself runs."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from hub_server import LocalHub
 from lora.peft_models import save_adapter
 from tiny_hf import tiny_qwen3_folder
@@ -79,7 +81,7 @@ def server_clients(block: Block) -> list[Block]:
     to its server."""
     port = str(_port(block.code))
     return [b for b in BLOCKS[BLOCKS.index(block) + 1:]
-            if b.section == block.section and port in b.code]
+            if b.section == block.section and b.language != "yaml" and port in b.code]
 
 
 def _port(code: str) -> int:
@@ -88,8 +90,8 @@ def _port(code: str) -> int:
 
 
 CLIENTS = {b.line for s in BLOCKS if starts_server(s) for b in server_clients(s)}
-RUN_ALONE = [b for b in BLOCKS if not is_set_up(b) and not starts_server(b)
-             and b.line not in CLIENTS]
+RUN_ALONE = [b for b in BLOCKS if b.language != "yaml" and not is_set_up(b)
+             and not starts_server(b) and b.line not in CLIENTS]
 
 
 def test_readme_is_for_users():
@@ -102,7 +104,17 @@ def test_readme_is_for_users():
     blocks = text.split("```")
     assert blocks[1].startswith("sh\nmake bench") and "make test" in blocks[1]
     for block in BLOCKS:
-        assert block.language in ("python", "sh"), block.name
+        assert block.language in ("python", "sh", "yaml"), block.name
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "yaml"],
+                         ids=lambda block: block.name)
+def test_yaml_blocks_are_kubernetes_objects(block):
+    """A YAML block is a manifest for a cluster, which no test here has: it must parse, and
+    each document name its API version, kind and object."""
+    for document in yaml.safe_load_all(block.code):
+        assert {"apiVersion", "kind", "metadata"} <= document.keys(), block.name
+        assert document["metadata"]["name"], block.name
 
 
 def test_the_set_up_commands_are_the_makefiles():
