@@ -10,20 +10,18 @@ GEMM with AMX, or AVX-512 with AVX512-BF16)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import assert_within_twice_plain_error, cpu_isa
+from conftest import assert_within_twice_plain_error
+from test_quantized_linear import (CPU_STREAM_ROWS, assert_prefill_rows_independent,
+                                   isa_takes_bfloat16_gemm)
 from fastllm import _C, ops
 from fastllm.models.quantized import pack_fp8
 from fastllm.ops import reference
 
 FP8 = ops.FP8_E4M3
-CPU_STREAM_ROWS = 32  # the CPU's decode rows (kMaxStreamRows, quantized_cpu.h)
 CUDA_GEMV_ROWS = 8  # CUDA's GEMV rows (kMaxGemvRows, quantized_kernels.cuh)
-CPU_HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
 
 
 def fp8_codes(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -60,8 +58,7 @@ def bfloat16_gemm_bound(backend_name: str, rows: int, x: torch.Tensor,
     """What the CPU's bfloat16 GEMM adds past the decode rows (x and the weights rounded to
     bfloat16, and the result: 2^-7 of the sum of |x w|); 0 on the other paths."""
     isa = backend_name.removeprefix("cpu-") if backend_name.startswith("cpu") else None
-    if rows <= CPU_STREAM_ROWS or not (isa == "amx" or (isa == "avx512"
-                                                         and CPU_HAS_AVX512_BF16)):
+    if rows <= CPU_STREAM_ROWS or isa is None or not isa_takes_bfloat16_gemm(isa, False):
         return 0.0
     return 2**-7 * (x.double().abs() @ values.abs().T)
 
@@ -168,16 +165,10 @@ def test_a_decode_row_does_not_depend_on_the_others(backend):
 @pytest.mark.parametrize("isa", _C.cpu_isas())
 def test_a_prefill_row_does_not_depend_on_the_others(isa):
     """Past the decode rows, the float32 GEMM's rows too are bitwise the same in any batch."""
-    if isa == "amx" or (isa == "avx512" and CPU_HAS_AVX512_BF16):
+    if isa_takes_bfloat16_gemm(isa, byte_activations=False):
         pytest.skip(f"{isa}'s prefill rows take oneDNN's bfloat16 GEMM, whose blocking depends "
                     "on the batch")
-    weight, _ = fp8_weight(70, 16)
-    x = torch.randn(90, 512)
-    with cpu_isa(isa):
-        together = ops.quantized_linear(x, weight, FP8)
-        for first, rows in ((0, 33), (7, 40), (45, 45)):
-            part = ops.quantized_linear(x[first:first + rows], weight, FP8)
-            assert torch.equal(part, together[first:first + rows]), (first, rows)
+    assert_prefill_rows_independent(fp8_weight(70, 16)[0], FP8, isa)
 
 
 @pytest.mark.cpu_isas

@@ -100,13 +100,30 @@ CPU_STREAM_ROWS = 32
 CPU_HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text()
 
 
+def isa_takes_bfloat16_gemm(isa: str, byte_activations: bool) -> bool:
+    """Whether the CPU ISA's prefill rows go through oneDNN's bfloat16 GEMM (not for the types
+    whose GEMM takes byte activations)."""
+    return isa == "amx" or (isa == "avx512" and CPU_HAS_AVX512_BF16 and not byte_activations)
+
+
 def takes_bfloat16_gemm(backend_name: str, weight_type: int) -> bool:
     """Whether the CPU backend's prefill rows of this type go through oneDNN's bfloat16 GEMM."""
     if not backend_name.startswith("cpu"):
         return False
     isa = backend_name.removeprefix("cpu-") if "-" in backend_name else _C.cpu_isa()
-    byte_activations = ops.BLOCK_FORMATS[weight_type][0] in K_QUANTS | {"Q4_0"}
-    return isa == "amx" or (isa == "avx512" and CPU_HAS_AVX512_BF16 and not byte_activations)
+    return isa_takes_bfloat16_gemm(isa, ops.BLOCK_FORMATS[weight_type][0] in K_QUANTS | {"Q4_0"})
+
+
+def assert_prefill_rows_independent(weight: torch.Tensor, weight_type: int, isa: str) -> None:
+    """Past the decode rows, each row's result is bitwise the same in any batch that takes it
+    (the CPU ISA's float32 or byte GEMM: its sums run over k in order whatever its tile)."""
+    _, values, block_bytes = ops.block_format(weight_type)
+    x = torch.randn(90, weight.shape[-1] // block_bytes * values)
+    with cpu_isa(isa):
+        together = ops.quantized_linear(x, weight, weight_type)
+        for first, rows in ((0, 33), (7, 40), (45, 45)):
+            part = ops.quantized_linear(x[first:first + rows], weight, weight_type)
+            assert torch.equal(part, together[first:first + rows]), (first, rows)
 
 
 def gemm_error_bound(backend, x: torch.Tensor, weight: torch.Tensor,
@@ -235,13 +252,9 @@ def test_a_prefill_row_does_not_depend_on_the_others(type_name, isa):
     if takes_bfloat16_gemm(f"cpu-{isa}", weight_type):
         pytest.skip(f"{isa}'s {type_name} prefill rows take oneDNN's bfloat16 GEMM, whose "
                     "blocking depends on the batch (ops.batch_invariant() covers that path)")
-    weight = quantized_weight(70, 512 // ops.BLOCK_FORMATS[weight_type][1], weight_type)
-    x = torch.randn(90, 512)
-    with cpu_isa(isa):
-        together = ops.quantized_linear(x, weight, weight_type)
-        for first, rows in ((0, 33), (7, 40), (45, 45)):
-            part = ops.quantized_linear(x[first:first + rows], weight, weight_type)
-            assert torch.equal(part, together[first:first + rows]), (first, rows)
+    assert_prefill_rows_independent(
+        quantized_weight(70, 512 // ops.BLOCK_FORMATS[weight_type][1], weight_type), weight_type,
+        isa)
 
 
 @pytest.mark.cuda_sim
