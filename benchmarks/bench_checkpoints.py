@@ -15,8 +15,10 @@ The GGUF: :func:`fastllm.bench.gguf_files.write_random_gguf`'s model of the same
 projections Q4_0 and its (tied) embedding F16, so that a decode step reads as many bytes as
 the checkpoint's (whose unquantized embedding and LM head are bfloat16).
 
-The systems, alternating after a warm-up call each, a ``1 + --decode-tokens`` (32) greedy
-generation after a ``--prompt-len`` (512) prompt of random ordinary tokens:
+The systems, each call a ``1 + --decode-tokens`` (32) greedy generation after a
+``--prompt-len`` (512) prompt of random ordinary tokens; fastllm's two alternate after a
+warm-up call each, then HF's two do (a fastllm call right after one of HF's runs measurably
+slower, which would tilt the pair):
 
 - w4a16: ``fastllm.LLM(folder, dtype=--dtype)``;
 - q4_0_gguf: ``fastllm.LLM(gguf, dtype=--dtype)``;
@@ -207,16 +209,17 @@ def run(config: CheckpointBenchConfig) -> list[dict[str, object]]:
     print("checkpoints: models loaded", flush=True)
     samples: dict[str, list[GenerateSample]] = {name: [] for name in config.systems}
     with torch.inference_mode():
-        calls = {"w4a16": fastllm_call(w4a16, prompt, new_tokens, samples["w4a16"]),
-                 "q4_0_gguf": fastllm_call(q4_0, prompt, new_tokens, samples["q4_0_gguf"]),
-                 **{name: hf_call(model, prompt, new_tokens, "cpu", samples[name])
-                    for name, model in hf.items()}}
-        timings = compare(calls, config.timer)
+        timings = compare({
+            "w4a16": fastllm_call(w4a16, prompt, new_tokens, samples["w4a16"]),
+            "q4_0_gguf": fastllm_call(q4_0, prompt, new_tokens, samples["q4_0_gguf"])},
+            config.timer)
+        timings |= compare({name: hf_call(model, prompt, new_tokens, "cpu", samples[name])
+                            for name, model in hf.items()}, config.timer)
     weight_types = sorted({GGMLQuantizationType(module.weight_type % ops.INTERLEAVED_TYPES).name
                            if hasattr(module, "weight_type") else "float"
                            for name, module in w4a16.model.named_modules()
                            if name.endswith("_proj")})
-    del w4a16, q4_0, hf, calls
+    del w4a16, q4_0, hf
     model_pool.clear()  # fastllm.LLM shares loaded models through the pool: let them go
     gc.collect()
 
@@ -271,7 +274,8 @@ def tables(config: CheckpointBenchConfig, rows: list[dict[str, object]]) -> dict
              f"groups of {config.group_size}, LM head bfloat16) written by compressed-tensors; "
              f"a {config.prompt_len}-token prompt, 1 + {config.decode_tokens} greedy tokens, "
              f"batch 1, activations in {config.dtype} (HF in float32 too); medians of "
-             "alternating calls. The Q4_0 GGUF has the same shape and an F16 embedding.")
+             "alternating calls (fastllm's two, then HF's two). The Q4_0 GGUF has the same "
+             "shape and an F16 embedding.")
     return {"W4A16 checkpoint on the CPU (decode / W4A16 < 1: slower than fastllm's W4A16)":
             goal_summary(config, rows) + "\n\n" + about + "\n\n" + markdown_table(systems, {
                 "system": "system", "ttft_ms": "TTFT (ms)", "decode_tok_s": "decode tok/s",
