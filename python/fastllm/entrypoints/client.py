@@ -38,7 +38,7 @@ from fastllm.sampling import SamplingParams
 from fastllm.tokenizer import Tokenizer
 from fastllm.tokenizer.token_ids import as_token_ids
 
-__all__ = ["EngineClient", "PromptType", "is_one_prompt"]
+__all__ = ["EngineClient", "PromptType", "chat_prompt", "is_one_prompt", "per_prompt"]
 
 # A prompt: text, token ids (a list, or a 1-D integer tensor or array), vLLM's {"prompt": text} /
 # {"prompt_token_ids": ids}, or a prompt of independent chunks.
@@ -68,6 +68,14 @@ def per_prompt(name: str, value: Any, kind: type, count: int, items: str) -> lis
     if len(value) != count:
         raise ValueError(f"{len(value)} {items} for {count} prompts")
     return list(value)
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                **template_kwargs: Any) -> dict[str, list[int]]:
+    """The prompt of a conversation: its chat template rendered with a generation prompt and
+    tokenized without adding special tokens, since the template holds them."""
+    return {"prompt_token_ids": tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, **template_kwargs)}
 
 
 def is_one_prompt(prompts: Any) -> bool:
@@ -216,10 +224,8 @@ class EngineClient:
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]],
                     **template_kwargs: Any) -> dict[str, list[int]]:
-        """The prompt of a conversation: its chat template rendered with a generation prompt
-        and tokenized without adding special tokens, since the template holds them."""
-        return {"prompt_token_ids": self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **template_kwargs)}
+        """The prompt of a conversation (:func:`chat_prompt`) with this client's tokenizer."""
+        return chat_prompt(self.tokenizer, messages, **template_kwargs)
 
     def shutdown(self) -> None:
         """Stops the engine's tensor-parallel ranks, if any (a later step raises)."""

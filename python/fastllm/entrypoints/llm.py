@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from fastllm.engine.chunked_prompt import ChunkedPrompt
 from fastllm.engine.outputs import EmbeddingOutput, RequestOutput
-from fastllm.entrypoints.client import EngineClient, PromptType, is_one_prompt, per_prompt
+from fastllm.entrypoints.client import (EngineClient, PromptType, chat_prompt, is_one_prompt,
+                                        per_prompt)
 from fastllm.entrypoints.data_parallel import (LLMReplicas, assign_prompts,
                                                check_data_parallel_size)
 from fastllm.lora import LoRARequest
@@ -345,10 +346,7 @@ class LLM:
         """The prompt (for ``generate`` or ``stream``) of a conversation: its chat template
         rendered with a generation prompt and tokenized without adding special tokens, since
         the template holds them."""
-        if self.client is None:  # data-parallel: the tokenizer is this process's own
-            return {"prompt_token_ids": self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **template_kwargs)}
-        return self.client.chat_prompt(messages, **template_kwargs)
+        return chat_prompt(self.tokenizer, messages, **template_kwargs)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
