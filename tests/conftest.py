@@ -89,6 +89,9 @@ CPU_TENSOR_BACKENDS = {"cpu", "composite", "cuda_sim"}
 
 
 def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # the cores are shared out among pytest-xdist's workers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     config.addinivalue_line("markers", "cuda_sim: run the test's `backend` cases on the CUDA "
                                        "simulator too")
     config.addinivalue_line("markers", "cpu_inputs: the test builds CPU tensors (bad-input "

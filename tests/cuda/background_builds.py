@@ -12,11 +12,14 @@ nice values."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 Build = Callable[[], object]
 
@@ -76,6 +79,20 @@ def result(name: str, build: Build) -> object:
     if job.error is not None:
         raise job.error
     return job.value
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: Path) -> Iterator[None]:
+    """Holds an exclusive lock on ``lock_file`` (created if missing) for the block: one process
+    at a time builds a given content (pytest-xdist's workers each start the builds), the others
+    wait and then find it built."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def run(command: Sequence[str], timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -98,10 +98,15 @@ def build() -> Path:
     flags = _flags(cuda_include)
     out = BUILDS / _key(compiler, [*flags, *map(str, PRELUDE)])
     library = out / "libfastllm_cuda_sim.so"
-    if library.exists():
-        return library
-    # Objects go to this build's own folder: a concurrent or interrupted build of the same
-    # content (another pytest process) never deletes or half-writes the objects this one links.
+    with background_builds.exclusive(BUILDS / f"{out.name}.lock"):
+        if not library.exists():
+            _compile(compiler, flags, out, library)
+    return library
+
+
+def _compile(compiler: str, flags: list[str], out: Path, library: Path) -> None:
+    # Objects go to this build's own folder: an interrupted build of the same content never
+    # leaves half-written objects for this one to link.
     work = out / f"build-{os.getpid()}-{threading.get_ident()}"
     work.mkdir(parents=True, exist_ok=True)
     prelude = work / "prelude.h"  # the compiler takes prelude.h.gch beside it in its place
@@ -132,10 +137,12 @@ def build() -> Path:
         raise RuntimeError(f"cuda sim: linking failed:\n{result.stderr[-20000:]}")
     partial.rename(library)  # only a complete library carries the final name
     for stale in BUILDS.iterdir():  # one build is kept: older contents are never loaded again
-        if stale != out:
-            shutil.rmtree(stale, ignore_errors=True)
+        if stale.name not in (out.name, f"{out.name}.lock"):
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
     shutil.rmtree(work, ignore_errors=True)
-    return library
 
 
 def load():

@@ -65,8 +65,12 @@ def compile_once(source: str, flags: list[str]) -> None:
     key = hashlib.sha256("\n".join([source_digest(), source, *flags, version,
                                     torch.__version__]).encode()).hexdigest()
     stamp = STAMPS / key
-    if stamp.exists():
-        return
+    with background_builds.exclusive(STAMPS / f"{key}.lock"):
+        if not stamp.exists():
+            _compile(source, flags, stamp)
+
+
+def _compile(source: str, flags: list[str], stamp: Path) -> None:
     with tempfile.TemporaryDirectory() as folder:
         unit, obj = Path(folder) / "check.cu", Path(folder) / "check.o"
         unit.write_text(source)
@@ -77,7 +81,6 @@ def compile_once(source: str, flags: list[str]) -> None:
         if nm:  # the instantiations and launches produced kernels, not an empty object
             symbols = subprocess.run([nm, str(obj)], capture_output=True, text=True).stdout
             assert "_kernel" in symbols
-    STAMPS.mkdir(parents=True, exist_ok=True)
     stamp.touch()
 
 
