@@ -44,15 +44,17 @@ constexpr int64_t kMaxUpcastStreamRows = 16;
 // approach the memory bandwidth. Elsewhere one row at a time, in address order: with AVX2 rows
 // interleaved in a tile draw less from memory (the quantized kernels' AVX2 tiles say more).
 constexpr int kActRows = 4;
+// The float path asks for weights ahead of the ones it reads (as the quantized kernel does),
+// into L2: a core keeps more L2 misses in flight than L1 ones, so more of the memory bandwidth
+// is drawn. With AVX-512 that is the next tile; AVX2's single rows are short, so it asks
+// further ahead, past what its hardware prefetcher already fetches.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kTileRows = 8;
+constexpr int kPrefetchRows = 8;
 #else
 constexpr int kTileRows = 1;
+constexpr int kPrefetchRows = 16;
 #endif
-// The float path asks for the next tile's weights as it reads this one's (as the quantized
-// kernel does), into L2: a core keeps more L2 misses in flight than L1 ones, so more of the
-// memory bandwidth is drawn.
-constexpr int kPrefetchRows = 8;
 constexpr int kPrefetchIntoL2 = 2;  // __builtin_prefetch's locality for _MM_HINT_T1
 
 // out[m][r] = dot(x[m], w[r]) for M activation rows and R weight rows, float32 sums.

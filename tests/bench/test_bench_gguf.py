@@ -61,9 +61,12 @@ def test_goal_summary_judges_every_file_and_dtype() -> None:
     rows = [{"file": "a", "dtype": "float32", **met},
             {"file": "a", "dtype": "bfloat16", **met, "decode_speedup": 1.29},
             {"file": "b", "dtype": "float32", **met, "ttft_speedup": 1.4},
-            {"file": "c", "dtype": "bfloat16", **met, "load_ratio": 3.1}]
+            {"file": "c", "dtype": "bfloat16", **met, "load_ratio": 3.1},
+            # 16-bit files are held to the read bandwidth too.
+            {"file": "m:F16", "dtype": "float32", **met, "fastllm_read_fraction": 0.79},
+            {"file": "m:BF16", "dtype": "bfloat16", **met, "fastllm_read_fraction": 0.8}]
     assert bench_gguf.goal_summary(config, rows).endswith(
-        "NOT met on a bfloat16, b float32, c bfloat16.")
+        "NOT met on a bfloat16, b float32, c bfloat16, m:F16 float32.")
     assert bench_gguf.goal_summary(config, rows[:1]).endswith("met on every file.")
     quick = bench_gguf.GGUFBenchConfig.quick()
     assert bench_gguf.goal_summary(quick, rows).endswith("not measured in this run (sizes "
@@ -117,7 +120,10 @@ def test_quick_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
     assert row["ttft_speedup"] == pytest.approx(row["llama_cpp_ttft_median_ms"]
                                                 / row["fastllm_ttft_median_ms"])
     assert 0 <= row["tokens_agree"] <= 8
-    assert row["copy_gbps"] > 0 and row["copy_1t_gbps"] > 0
+    assert row["copy_gbps"] > 0 and row["copy_1t_gbps"] > 0 and row["read_gbps"] > 0
+    for name in bench_gguf.COMPETITORS:
+        assert row[f"{name}_read_fraction"] == pytest.approx(row[f"{name}_weight_gbps"]
+                                                            / row["read_gbps"])
     for each in rows:  # fresh processes loaded the file
         assert each["fastllm_load_s"] > 0 and each["llama_cpp_load_s"] > 0
         assert each["load_ratio"] == pytest.approx(each["fastllm_load_s"]

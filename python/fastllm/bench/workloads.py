@@ -14,7 +14,7 @@ from torch import Tensor
 from fastllm.bench.timer import TimerConfig, Timing
 from fastllm.models import DecoderLM, ModelConfig
 
-__all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "DeviceCopy",
+__all__ = ["MODEL_SHAPES", "AttentionInputs", "AttentionShape", "DeviceCopy", "DeviceRead",
            "add_shape_arguments", "make_attention_inputs", "parse_device",
            "parse_model_bench_args", "random_model", "repeat_kv"]
 
@@ -144,6 +144,27 @@ class DeviceCopy:
     def gbps(self, timing: Timing) -> float:
         """GB/s of a copy lasting ``timing``'s median, counting bytes read plus bytes written."""
         return 2 * self.src.nbytes / timing.median_s / 1e9
+
+
+@dataclass(frozen=True)
+class DeviceRead:
+    """``src.sum()`` over one large float32 buffer: the device's attainable read bandwidth,
+    the limit of a decode step, which reads its weights and writes almost nothing."""
+
+    src: Tensor
+
+    @classmethod
+    def of_mib(cls, mib: int, device: torch.device | str) -> DeviceRead:
+        """A read of ``mib`` MiB, written first so that no read hits untouched pages."""
+        return cls(torch.ones(mib << 18, dtype=torch.float32, device=device))
+
+    def __call__(self) -> Tensor:
+        """One read: the timed call."""
+        return self.src.sum()
+
+    def gbps(self, timing: Timing) -> float:
+        """GB/s of a read lasting ``timing``'s median."""
+        return self.src.nbytes / timing.median_s / 1e9
 
 
 def parse_device(argv: list[str] | None) -> str:
