@@ -45,7 +45,8 @@ from fastllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from fastllm.entrypoints.openai.tokenization import TokenizationServing
 from fastllm.entrypoints.openai.tool_parsers import PARSERS
 
-__all__ = ["ServerConfig", "build_app", "build_server"]
+__all__ = ["ClientDisconnected", "ServerConfig", "bind", "build_app", "build_server",
+           "is_anthropic_path", "json_error", "until_disconnected"]
 
 logger = logging.getLogger("fastllm")
 T = TypeVar("T")
@@ -116,8 +117,8 @@ _ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/
               "/tokenize", "/detokenize", "/reset_prefix_cache"}
 
 
-class _ClientDisconnected(Exception):
-    pass
+class ClientDisconnected(Exception):
+    """The client went away before its reply was ready (see :func:`until_disconnected`)."""
 
 
 def _union_member(part: str | int) -> bool:
@@ -127,20 +128,22 @@ def _union_member(part: str | int) -> bool:
                                        or part[:1].isupper())
 
 
-def _anthropic(path: str) -> bool:
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is one of the Anthropic Messages API's (its errors take that shape)."""
     return path.startswith("/v1/messages")
 
 
 def _error_body(path: str, error: APIError) -> dict[str, Any]:
     """The error in the shape of the API ``path`` belongs to."""
-    if _anthropic(path):
+    if is_anthropic_path(path):
         return protocol_messages.error_body(error.status, error.message, error.param)
     return error.body()
 
 
-def _json_error(status: int, message: str, type: str, param: str | None = None,
-                code: str | None = None, headers: dict[str, str] | None = None,
-                path: str = "") -> JSONResponse:
+def json_error(status: int, message: str, type: str, param: str | None = None,
+               code: str | None = None, headers: dict[str, str] | None = None,
+               path: str = "") -> JSONResponse:
+    """An error response in the shape of the API ``path`` belongs to."""
     error = APIError(status, message, param=param, type=type, code=code)
     return JSONResponse(_error_body(path, error), status_code=status, headers=headers)
 
@@ -177,15 +180,15 @@ class _Guard:
         guarded = path.startswith("/v1") or path in ("/rerank", "/reset_prefix_cache")
         if key is not None and guarded:
             if headers.get("authorization") != f"Bearer {key}" and not (
-                    _anthropic(path) and headers.get("x-api-key") == key):
-                also = " or 'x-api-key: KEY'" if _anthropic(path) else ""
-                await _json_error(401, f"Incorrect or missing API key: send 'Authorization: "
-                                       f"Bearer KEY'{also}", "invalid_request_error",
+                    is_anthropic_path(path) and headers.get("x-api-key") == key):
+                also = " or 'x-api-key: KEY'" if is_anthropic_path(path) else ""
+                await json_error(401, f"Incorrect or missing API key: send 'Authorization: "
+                                      f"Bearer KEY'{also}", "invalid_request_error",
                                   code="invalid_api_key", path=path)(scope, receive, send)
                 return
         limit = self.config.max_body_bytes
-        too_large = _json_error(413, f"the request body exceeds {limit} bytes",
-                                "invalid_request_error", code="request_too_large", path=path)
+        too_large = json_error(413, f"the request body exceeds {limit} bytes",
+                               "invalid_request_error", code="request_too_large", path=path)
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await too_large(scope, receive, send)
@@ -214,9 +217,9 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
-async def _until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     """``awaitable``'s result, or, when the client disconnects first, cancels it (aborting its
-    engine requests) and raises _ClientDisconnected."""
+    engine requests) and raises ClientDisconnected."""
     work = asyncio.ensure_future(awaitable)
 
     async def disconnected() -> None:
@@ -233,7 +236,7 @@ async def _until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
     if work.cancelled():
-        raise _ClientDisconnected()
+        raise ClientDisconnected()
     return work.result()
 
 
@@ -282,30 +285,30 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
         loc = [str(part) for part in first.get("loc", ())
                if part != "body" and not _union_member(part)]
         if first.get("type") == "json_invalid":
-            return _json_error(400, f"the body is not valid JSON: {first.get('msg')} "
-                                    f"(at character {loc[-1] if loc else '?'})",
+            return json_error(400, f"the body is not valid JSON: {first.get('msg')} "
+                                   f"(at character {loc[-1] if loc else '?'})",
                                "invalid_request_error", path=request.url.path)
         param = ".".join(loc) or None
-        return _json_error(400, f"{param or 'body'}: {first.get('msg')}",
-                           "invalid_request_error", param=param, path=request.url.path)
+        return json_error(400, f"{param or 'body'}: {first.get('msg')}",
+                          "invalid_request_error", param=param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _json_error(error.status_code, str(error.detail), "invalid_request_error",
-                           path=request.url.path)
+        return json_error(error.status_code, str(error.detail), "invalid_request_error",
+                          path=request.url.path)
 
-    @app.exception_handler(_ClientDisconnected)
-    async def gone(_: Request, __: _ClientDisconnected) -> Response:
+    @app.exception_handler(ClientDisconnected)
+    async def gone(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(Exception)
     async def failed(request: Request, error: Exception) -> JSONResponse:
         path = request.url.path
         if isinstance(error, ValueError):  # a request the engine refused or failed alone
-            return _json_error(400, str(error), "invalid_request_error", path=path)
+            return json_error(400, str(error), "invalid_request_error", path=path)
         logger.exception("request failed")
-        return _json_error(500, f"{type(error).__name__}: {error}", "internal_server_error",
-                           path=path)
+        return json_error(500, f"{type(error).__name__}: {error}", "internal_server_error",
+                          path=path)
 
     def respond(result: Any) -> Response:
         if isinstance(result, BaseModel):
@@ -316,7 +319,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if llm.failed:
-            return _json_error(503, "the engine thread failed", "internal_server_error")
+            return json_error(503, "the engine thread failed", "internal_server_error")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -363,27 +366,27 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         return respond(await serving.completions(
-            body, lambda work: _until_disconnected(request, work)))
+            body, lambda work: until_disconnected(request, work)))
 
     @app.post("/v1/chat/completions")
     async def chat(body: api.ChatCompletionRequest, request: Request) -> Response:
         return respond(await serving.chat(
-            body, lambda work: _until_disconnected(request, work)))
+            body, lambda work: until_disconnected(request, work)))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: api.EmbeddingRequest, request: Request
                          ) -> api.EmbeddingResponse:
-        return await _until_disconnected(request, embedding.embed(body))
+        return await until_disconnected(request, embedding.embed(body))
 
     @app.post("/v1/responses")
     async def responses(body: protocol_responses.ResponsesRequest, request: Request) -> Response:
         return respond(await responding.create(
-            body, lambda work: _until_disconnected(request, work)))
+            body, lambda work: until_disconnected(request, work)))
 
     @app.post("/v1/messages")
     async def messages(body: protocol_messages.MessagesRequest, request: Request) -> Response:
         return respond(await messaging.create(
-            body, lambda work: _until_disconnected(request, work)))
+            body, lambda work: until_disconnected(request, work)))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: protocol_messages.CountTokensRequest
@@ -393,7 +396,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig, model_name: str) -> FastAPI:
     @app.post("/v1/rerank")
     @app.post("/rerank")
     async def rerank(body: api.RerankRequest, request: Request) -> api.RerankResponse:
-        return await _until_disconnected(request, reranking.rerank(body))
+        return await until_disconnected(request, reranking.rerank(body))
 
     app.add_middleware(_Guard, config=config, metrics=metrics)
     return app

@@ -57,8 +57,8 @@ from fastllm.entrypoints.data_parallel import (check_data_parallel_size, replica
                                                replica_threads)
 from fastllm.entrypoints.openai import protocol_messages
 # The server's own error shapes and disconnect handling: the router answers as a replica would.
-from fastllm.entrypoints.openai.api_server import (_anthropic, _ClientDisconnected, _json_error,
-                                                   _until_disconnected, bind)
+from fastllm.entrypoints.openai.api_server import (ClientDisconnected, bind, is_anthropic_path,
+                                                   json_error, until_disconnected)
 from fastllm.entrypoints.openai.serving import APIError, named_event
 
 __all__ = ["Replica", "RouterConfig", "affinity_key", "build_router_app",
@@ -230,7 +230,7 @@ class _Relayed(StreamingResponse):
 
 def _stream_error(path: str, message: str) -> bytes:
     """An error event in the stream format of the API ``path`` belongs to."""
-    if _anthropic(path):
+    if is_anthropic_path(path):
         return named_event("error", {"error": protocol_messages.error_body(
             502, message)["error"]}).encode()
     if path == "/v1/responses":
@@ -295,15 +295,15 @@ def build_router_app(replicas: Sequence[Replica], config: RouterConfig) -> FastA
         return b"".join(chunks)
 
     def too_large(path: str) -> JSONResponse:
-        return _json_error(413, f"the request body exceeds {config.max_body_bytes} bytes",
-                           "invalid_request_error", code="request_too_large", path=path)
+        return json_error(413, f"the request body exceeds {config.max_body_bytes} bytes",
+                          "invalid_request_error", code="request_too_large", path=path)
 
     def none_serving(path: str) -> JSONResponse:
         states = ", ".join(f"rank {r.rank} unreachable" if r.exit_code is None
                            else f"rank {r.rank} exited with code {r.exit_code}"
                            for r in router.replicas)
-        return _json_error(503, f"no data-parallel replica is serving ({states})",
-                           "internal_server_error", path=path, headers={"Retry-After": "1"})
+        return json_error(503, f"no data-parallel replica is serving ({states})",
+                          "internal_server_error", path=path, headers={"Retry-After": "1"})
 
     async def exchange(replica: Replica, request: Request, body: bytes
                        ) -> tuple[httpx.Response, bytes | None]:
@@ -404,7 +404,7 @@ def build_router_app(replicas: Sequence[Replica], config: RouterConfig) -> FastA
         answers = await asyncio.gather(*(one(replica) for replica in live))
         for replica, upstream, content in answers:
             if isinstance(upstream, str):
-                return _json_error(502, upstream, "internal_server_error", path=path)
+                return json_error(502, upstream, "internal_server_error", path=path)
             if upstream.status_code >= 400:
                 return Response(content, upstream.status_code,
                                 response_headers(upstream, str(replica.rank)))
@@ -431,7 +431,7 @@ def build_router_app(replicas: Sequence[Replica], config: RouterConfig) -> FastA
             replica.in_flight += 1
             relayed = False
             try:
-                upstream, content = await _until_disconnected(
+                upstream, content = await until_disconnected(
                     request, exchange(replica, request, body))
                 if content is not None:
                     return Response(content, upstream.status_code,
@@ -445,13 +445,13 @@ def build_router_app(replicas: Sequence[Replica], config: RouterConfig) -> FastA
                 return _Relayed(relay(replica, upstream, path), close,
                                 status_code=upstream.status_code,
                                 headers=response_headers(upstream, str(replica.rank)))
-            except _ClientDisconnected:
+            except ClientDisconnected:
                 return Response(status_code=499)  # nginx's "client closed request"
             except httpx.ConnectError:
                 unreachable.add(replica.rank)
             except httpx.HTTPError as error:
-                return _json_error(502, await replica.failure(error), "internal_server_error",
-                                   path=path)
+                return json_error(502, await replica.failure(error), "internal_server_error",
+                                  path=path)
             finally:
                 if not relayed:
                     replica.in_flight -= 1
