@@ -139,7 +139,7 @@ def events_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, events_port) -> Iterator[Server]:
-    """The server of the module's tests, the last of which kills it."""
+    """The server the module's tests share."""
     config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events_port}",
               "topic": "kv"}
     with serve(*serve_args(tiny_qwen3, "--data-parallel-size", "2", "--kv-events-config",
@@ -313,8 +313,14 @@ def test_a_rank_served_alone_labels_its_metrics_with_it(model_path):
 # ---- failures ------------------------------------------------------------------------------------
 
 def test_a_killed_replica_fails_only_its_requests_and_a_killed_router_leaves_no_replica(
-        server):
-    """The last of the server's tests: it kills the server."""
+        tiny_qwen3):
+    """On a server of its own, which it kills: pytest-xdist may run the module's tests in any
+    order, so none may depend on coming last."""
+    with serve(*serve_args(tiny_qwen3, "--data-parallel-size", "2")) as server:
+        kill_a_replica_then_the_router(server)
+
+
+def kill_a_replica_then_the_router(server: Server) -> None:
     pids = server.replica_pids()
     started = threading.Barrier(5)
     results: dict[int, tuple[str, list[dict]]] = {}
