@@ -148,11 +148,14 @@ class Replica:
 
     def open(self) -> None:
         """Makes the client (no limit on connections: the replica's own queue limit
-        answers)."""
+        answers). An idle connection is dropped before the replica's server would close it
+        (uvicorn's keep-alive timeout, 5 s): reused at the moment the replica closes it, a
+        request fails without an answer."""
         self.client = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=str(self.socket_path)),
             base_url="http://replica", timeout=httpx.Timeout(None, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                keepalive_expiry=2.0))
 
     async def failure(self, error: Exception) -> str:
         """What a request that ``error`` ended on this replica is told: the process's exit
