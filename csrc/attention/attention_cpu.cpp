@@ -167,14 +167,36 @@ inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
   };
   return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
 }
+
+// out[c] = the sum of the W floats at vectors + c * W, for c < W.
+inline void store_vector_sums(const float* vectors, float* out) {
+  __m512 a[16];
+  for (int c = 0; c < 16; ++c) a[c] = _mm512_loadu_ps(vectors + c * 16);
+  _mm512_storeu_ps(out, sum_lanes_16(a));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// out[c] = the sum of the W floats at vectors + c * W, for c < W: horizontal adds of pairs,
+// then of pairs of pairs (each 128-bit half's sums), then the halves added.
+inline void store_vector_sums(const float* vectors, float* out) {
+  __m256 a[8];
+  for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(vectors + c * 8);
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                                      _mm256_permute2f128_ps(low, high, 0x31)));
+}
 #endif
 
-#if defined(CPU_CAPABILITY_AVX512)
-// scores_direct with AVX-512. Keys in address order (a key's heads, then the next key's), the
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Whether scores_by_key keeps a converted head row of V vectors in registers beside a row's
+// products (AVX-512's 32 registers hold 16, AVX2's 16 hold 8).
+constexpr int kMaxKeyVectors = VecF::size() == 16 ? 16 : 8;
+
+// scores_direct with SIMD. Keys in address order (a key's heads, then the next key's), the
 // key kPrefetchRows ahead fetched as each is read. With V > 0 (head_dim = V vectors) a head's K
 // row is converted once, into registers, for its group's rows; with V = 0 each row converts it.
-// 16 keys at a time, each row's 16 products are summed at once (sum_lanes_16) into s's columns
-// (lds is whole vectors: keys past nk score 0, and the softmax clears them).
+// W keys at a time, each row's W products are summed at once (store_vector_sums) into s's
+// columns (lds is whole vectors: keys past nk score 0, and the softmax clears them).
 template <int V, typename scalar_t>
 void scores_by_key(const Problem& pb, const Tile& t, const float* qf,
                    const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
@@ -215,11 +237,7 @@ void scores_by_key(const Problem& pb, const Tile& t, const float* qf,
     }
     for (int64_t c = n; c < W; ++c)
       for (int64_t r = 0; r < rows; ++r) VecF(0.f).store(partial + (r * W + c) * W);
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512 products[16];
-      for (int64_t c = 0; c < W; ++c) products[c] = _mm512_loadu_ps(partial + (r * W + c) * W);
-      _mm512_storeu_ps(s + r * lds + c0, sum_lanes_16(products));
-    }
+    for (int64_t r = 0; r < rows; ++r) store_vector_sums(partial + r * W * W, s + r * lds + c0);
   }
 }
 #endif
@@ -231,11 +249,12 @@ void scores_direct(const Problem& pb, const Tile& t, const float* qf,
                    int64_t lds, [[maybe_unused]] float* work) {
   constexpr int64_t W = VecF::size();
   const int64_t D = pb.head_dim;
-#if defined(CPU_CAPABILITY_AVX512)
-  // (A converted head row in registers beside the products: up to 16 vectors.)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  // (A converted head row in registers beside the products.)
   if (D == 4 * W) return scores_by_key<4>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
   if (D == 8 * W) return scores_by_key<8>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
-  if (D == 16 * W) return scores_by_key<16>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  if constexpr (kMaxKeyVectors >= 16)
+    if (D == 16 * W) return scores_by_key<16>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
   scores_by_key<0>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
 #else
   for_each_key_row(pb, t, k_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
@@ -257,31 +276,30 @@ void scores_direct(const Problem& pb, const Tile& t, const float* qf,
 // the registers (32 with AVX-512, 16 with AVX2).
 constexpr int kOutputVectors = VecF::size() == 16 ? 16 : 8;
 
-// o[r, :] += sum_c p[r, c] * v_c for rows [r0, r0 + rows) (rows <= R) of one kv head, whose
-// value rows are v_rows[c] + head_offset, V vectors each: the rows' outputs stay in registers
-// over the keys, each value row converted once for them.
+// o[r, :] += sum_c p[r, c] * v_c for rows [r0, r0 + R) of one kv head, whose value rows are
+// v_rows[c] + head_offset, V vectors each: the rows' outputs stay in registers over the keys,
+// each value row converted once for them. Every key is added, a zero probability too (no
+// branch per row and key): v_c is a finite cached value.
 template <int V, int R, typename scalar_t>
 inline void pv_rows(const scalar_t* const* v_rows, int64_t head_offset, int64_t c_begin,
                     int64_t c_end, int64_t nk, const float* p, int64_t ldp, int64_t r0,
-                    int64_t rows, float* o, int64_t ldo) {
+                    float* o, int64_t ldo) {
   constexpr int64_t W = VecF::size();
   VecF acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V && r < rows; ++v) acc[r][v] = VecF::loadu(o + (r0 + r) * ldo + v * W);
+    for (int v = 0; v < V; ++v) acc[r][v] = VecF::loadu(o + (r0 + r) * ldo + v * W);
   for (int64_t c = c_begin; c < c_end; ++c) {
     if (c + kPrefetchRows < nk) prefetch_row(v_rows[c + kPrefetchRows] + head_offset, V * W);
     const scalar_t* vc = v_rows[c] + head_offset;
     VecF values[V];
     for (int v = 0; v < V; ++v) values[v] = load_as_float(vc + v * W);
-    for (int r = 0; r < R && r < rows; ++r) {
-      const float pc = p[(r0 + r) * ldp + c];
-      if (pc == 0.f) continue;  // masked or underflowed: nothing to add
-      const VecF pv(pc);
+    for (int r = 0; r < R; ++r) {
+      const VecF pv(p[(r0 + r) * ldp + c]);
       for (int v = 0; v < V; ++v) acc[r][v] = at::vec::fmadd(pv, values[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V && r < rows; ++v) acc[r][v].store(o + (r0 + r) * ldo + v * W);
+    for (int v = 0; v < V; ++v) acc[r][v].store(o + (r0 + r) * ldo + v * W);
 }
 
 // o[r, :] += sum_c p[r, c] * v_c for a direct tile, value rows read in place.
@@ -291,21 +309,39 @@ void pv_direct(const Problem& pb, const Tile& t, const float* p, int64_t ldp,
                int64_t ldo) {
   constexpr int64_t W = VecF::size();
   const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
-  // Each kv head's rows, as many at a time as their outputs fit in kOutputVectors, over
-  // kPrefetchRows keys at a time: the keys' rows of every head are read before the next keys'.
-  const auto by_head = [&]<int V>() {
-    constexpr int R = std::max(1, kOutputVectors / V);
-    for (int64_t c0 = 0; c0 < nk; c0 += kPrefetchRows)
+  // Each kv head's rows, up to R at a time, against slices of V vectors of the value rows (the
+  // whole row, or as many slices as it takes), over kPrefetchRows keys at a time: the keys'
+  // rows of every head are read before the next keys'. Each output element adds its keys'
+  // products in key order whatever the slicing.
+  const auto by_head = [&]<int V, int R>() {
+    const int64_t slices = D / (V * W);
+    for (int64_t c0 = 0; c0 < nk; c0 += kPrefetchRows) {
+      const int64_t c1 = std::min(nk, c0 + kPrefetchRows);
       for (int64_t i = 0; i < t.n_pos; ++i)
         for (int64_t j = 0; j < t.n_kv; ++j)
-          for (int64_t g = 0; g < G; g += R)
-            pv_rows<V, R>(v_rows, j * head_stride, c0, std::min(nk, c0 + kPrefetchRows), nk, p,
-                          ldp, i * hp + j * G + g, std::min<int64_t>(R, G - g), o, ldo);
+          for (int64_t g = 0; g < G; g += R) {
+            const int64_t r0 = i * hp + j * G + g;
+            for (int64_t d0 = 0; d0 < slices * V * W; d0 += V * W) {
+              const int64_t offset = j * head_stride + d0;
+              if (G - g >= R)
+                pv_rows<V, R>(v_rows, offset, c0, c1, nk, p, ldp, r0, o + d0, ldo);
+              else  // the group's last rows, fewer than R
+                [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
+                  ((G - g == kRows + 1
+                        ? pv_rows<V, kRows + 1>(v_rows, offset, c0, c1, nk, p, ldp, r0, o + d0, ldo)
+                        : void()),
+                   ...);
+                }(std::make_integer_sequence<int, R - 1>());
+            }
+          }
+    }
   };
-  // (The outputs and a value row in registers: up to 8 vectors a row with AVX-512's 32.)
-  if (D == 4 * W) return by_head.template operator()<4>();
+  // The outputs and a value slice in registers: R * V + V of the registers.
+  if (D == 4 * W) return by_head.template operator()<4, kOutputVectors / 4>();
   if constexpr (kOutputVectors >= 16)
-    if (D == 8 * W) return by_head.template operator()<8>();
+    if (D == 8 * W) return by_head.template operator()<8, 2>();
+  constexpr int kSliceVectors = kOutputVectors / 4;
+  if (D % (kSliceVectors * W) == 0) return by_head.template operator()<kSliceVectors, 4>();
   for_each_key_row(pb, t, v_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* vc) {
     const float pc = p[r * ldp + c];
     if (pc == 0.f) return;  // masked or underflowed: nothing to add
