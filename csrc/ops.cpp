@@ -15,6 +15,7 @@
 #include "kv_cache/kv_cache_bindings.h"
 #include "mask_cache/mask_cache.h"
 #include "quantized/quantized.h"
+#include "quantized/quantized_cpu.h"
 #include "sampling/philox.h"
 
 namespace {
@@ -219,6 +220,17 @@ that raises ValueError. Safe to use from several threads.)doc")
       py::arg("name"),
       "Runs the per-ISA CPU kernels with instruction set `name` (one of cpu_isas()) from now on, "
       "on every thread; returns the previous one.");
+  m.def(
+      "cpu_interleaved_types",
+      [] {
+        std::vector<int64_t> types;
+        for (const auto format : fastllm::kInterleavedFormats)
+          if (fastllm::isa_kernels(format).interleaved_decode_rows)
+            types.push_back(int64_t(format));
+        return types;
+      },
+      "The ggml weight types whose interleaved layout (interleave_rows) the CPU kernels of the "
+      "instruction set in use decode as it is; the others' rows are put back in order.");
   m.def(
       "interleave_rows",
       [](const at::Tensor& weight, int64_t weight_type) {

@@ -217,9 +217,153 @@ struct Avx2 {
   }
 };
 
+// Decode rows of the interleaved layouts of Q4_0, Q4_1 and Q5_0 (block_formats.h:
+// kInterleavedTypes). A 64-byte run holds 4 bytes of each of a group's 16 rows, its two 32-byte
+// halves rows 0-7 and 8-15: one vpmaddubsw multiplies 4 values of 8 rows (a run's low nibbles,
+// or its high ones) with 4 activation bytes broadcast to every lane, and the rows' sums stay in
+// the lanes. Per 32 values, 8 rows and an activation row of bytes: 8 vpmaddubsw, 7 additions of
+// their int16 pairs and one vpmaddwd, where the row-major kernel takes an unpacking, two integer
+// and two float instructions a row besides its scales' decoding. The sums are the AVX-512
+// interleaved kernel's (vpdpbusd): the same int32 per 4 values, the same float operations.
+//
+// Each group is one stream of bytes, fetched this far ahead (into L1) of the block in use.
+constexpr int64_t kInterleavedPrefetchBytes = 4608;
+
+template <int64_t kBlockBytes>
+inline void prefetch_interleaved(const uint8_t* block) {
+  for (int64_t line = 0; line < kBlockBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kInterleavedPrefetchBytes + line),
+                 _MM_HINT_T0);
+}
+
+// Half h (rows 8h .. 8h + 7) of a block's 4 runs of nibbles: run q's low nibbles (values
+// 4q .. 4q + 3 of each row, lanes of 4 bytes) and high nibbles (16 + 4q ..); Q5_0's fifth bits
+// added from each row's 32-bit word of them.
+template <BlockFormat F>
+struct HalfRuns {
+  __m256i low[4], high[4];
+
+  HalfRuns(const uint8_t* runs, const uint8_t* fifth_bits) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    for (int q = 0; q < 4; ++q) {
+      const __m256i run = load_bytes(runs + 64 * q);
+      low[q] = _mm256_and_si256(run, mask);
+      high[q] = _mm256_and_si256(_mm256_srli_epi16(run, 4), mask);
+    }
+    if constexpr (F == BlockFormat::kQ5_0) {
+      // Byte b of each lane's word copied to the lane's 4 bytes (vpshufb), then byte k's bit
+      // 4 (q % 2) + k tested: 16 where set.
+      const __m256i bits = load_bytes(fifth_bits), sixteen = _mm256_set1_epi8(16);
+      // vpshufb's index of each lane's first byte, within its 128-bit half.
+      const __m256i lanes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0,
+                                              0x04040404, 0x08080808, 0x0c0c0c0c);
+      for (int q = 0; q < 4; ++q) {
+        const __m256i pick = _mm256_set1_epi32(0x08040201 << (4 * (q % 2)));
+        for (int half = 0; half < 2; ++half) {
+          const int byte = 2 * half + q / 2;  // of the lane's word
+          const __m256i copies =
+              _mm256_shuffle_epi8(bits, _mm256_add_epi8(lanes, _mm256_set1_epi8(char(byte))));
+          const __m256i fifth = _mm256_and_si256(
+              _mm256_cmpeq_epi8(_mm256_and_si256(copies, pick), pick), sixteen);
+          (half ? high : low)[q] = _mm256_or_si256((half ? high : low)[q], fifth);
+        }
+      }
+    }
+  }
+  // The runs' products with one sub-block's 32 activation bytes x, as int32 per row. A pair of
+  // products is at most 2 * 15 * 128 (Q5_0: 31): int16 sums of 8 pairs (Q5_0: 4) never wrap.
+  __m256i dot(const uint8_t* x) const {
+    const auto word = [&](int at) { return _mm256_set1_epi32(int(read_u32(x + at))); };
+    __m256i low_pairs = _mm256_setzero_si256(), high_pairs = _mm256_setzero_si256();
+    for (int q = 0; q < 4; ++q) {
+      low_pairs = _mm256_add_epi16(low_pairs, _mm256_maddubs_epi16(low[q], word(4 * q)));
+      high_pairs = _mm256_add_epi16(high_pairs, _mm256_maddubs_epi16(high[q], word(16 + 4 * q)));
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (F == BlockFormat::kQ5_0)
+      return _mm256_add_epi32(_mm256_madd_epi16(low_pairs, ones),
+                              _mm256_madd_epi16(high_pairs, ones));
+    else
+      return _mm256_madd_epi16(_mm256_add_epi16(low_pairs, high_pairs), ones);
+  }
+};
+
+inline const uint8_t* activation_bytes(const int8_t* bytes, int64_t i) {
+  return reinterpret_cast<const uint8_t*>(bytes + i * kSubBlockValues);
+}
+
+inline __m256 float16s(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Rows row0 .. row0 + M - 1 against a group of Q4_0, Q4_1 or Q5_0 blocks: per block, the 16
+// scales; Q4_1's 16 minimums, Q5_0's 16 words of fifth bits; then 4 runs of nibbles.
+template <BlockFormat F, int M>
+inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
+                                     const uint8_t* group, const float* bias, float* y,
+                                     int64_t ldy) {
+  constexpr int64_t kRowBytes = block_layout(F).bytes, kBlockBytes = kInterleavedRows * kRowBytes;
+  constexpr int64_t kRuns = kBlockBytes - 64 * 4;  // the runs end the block
+  constexpr int64_t kSecond = 2 * kInterleavedRows;  // Q4_1's minimums, Q5_0's fifth bits
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = group + b * kBlockBytes;
+    prefetch_interleaved<kBlockBytes>(block);
+    for (int h = 0; h < 2; ++h) {
+      const HalfRuns<F> runs(block + kRuns + 32 * h, block + kSecond + 32 * h);
+      const __m256 scales = float16s(block + 16 * h);
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (row0 + m) * x.blocks + b;
+        __m256i ints;
+        if constexpr (kByteActivations<F>) {
+          ints = runs.dot(activation_bytes(x.low, i));
+        } else {  // x = 256 high + low: at most 32 * 31 * 32767
+          ints = _mm256_add_epi32(_mm256_slli_epi32(runs.dot(activation_bytes(x.high, i)), 8),
+                                  runs.dot(activation_bytes(x.low, i)));
+        }
+        // d (s u.x - z s sum x): the block's sum with the zero point z, times each row's scale;
+        // Q4_1's minimums m (s sum x) apart.
+        const __m256 dots =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(x.scales[i]),
+                            _mm256_set1_ps(-kZeroPoint<F> * x.sums[i]));
+        acc[m][h] = _mm256_fmadd_ps(dots, scales, acc[m][h]);
+        if constexpr (F == BlockFormat::kQ4_1)
+          acc[m][h] = _mm256_fmadd_ps(float16s(block + kSecond + 16 * h),
+                                      _mm256_set1_ps(x.sums[i]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sums =
+          bias ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + 8 * h)) : acc[m][h];
+      _mm256_storeu_ps(y + (row0 + m) * ldy + 8 * h, sums);
+    }
+}
+
+template <BlockFormat F>
+void interleaved_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
+                             int64_t begin, int64_t end, const float* bias, float* y,
+                             int64_t ldy) {
+  for (int64_t n = begin; n < end; n += kInterleavedRows)
+    for_row_tiles<Avx2::kActRows>(x.rows, [&](auto rows, int64_t m) {
+      interleaved_block32_tile<F, decltype(rows)::value>(x, m, w + n * ldw,
+                                                         bias ? bias + n : nullptr, y + n, ldy);
+    });
+}
+
 }  // namespace
 
-CpuKernels cpu_kernels_avx2(BlockFormat format) { return cpu_kernels_for<Avx2>(format); }
+CpuKernels cpu_kernels_avx2(BlockFormat format) {
+  CpuKernels kernels = cpu_kernels_for<Avx2>(format);
+  visit_block_format(format, [&](auto f) {
+    constexpr BlockFormat F = decltype(f)::value;
+    if constexpr (F == BlockFormat::kQ4_0 || F == BlockFormat::kQ4_1 || F == BlockFormat::kQ5_0)
+      kernels.interleaved_decode_rows = &interleaved_decode_rows<F>;
+  });
+  return kernels;
+}
 
 }  // namespace fastllm
 #else

@@ -581,15 +581,15 @@ def mapped_file(address: int) -> str | None:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="no /proc/self/maps")
 def test_kept_blocks_are_mapped_from_the_file(hf_models, tmp_path):
     """A weight kept in its blocks as stored is the file's pages, not a copy; a fused one is a
-    copy, and so is one in the CPU's interleaved decode layout (ops.cpu_decode_layout: AVX-512
-    kernels). The mapping is copy-on-write: writing the weight changes the model, not the file."""
+    copy, and so is one in the CPU's interleaved decode layout (ops.cpu_decode_layout: Q8_0 with
+    AVX-512). The mapping is copy-on-write: writing the weight changes the model, not the file."""
     tensors, _ = gguf_tensors(hf_models["qwen3"], "qwen3", "Q8_0")
     path = write_gguf(tmp_path / "model.gguf", "qwen3", hf_models["qwen3"].config, tensors)
     stored = path.read_bytes()
     model = load_model(path)
     down, gate_up = model.layers[0].mlp.down_proj.weight, model.layers[0].mlp.gate_up_proj.weight
     interleaved = model.layers[0].mlp.down_proj.weight_type == ops.INTERLEAVED_Q8_0
-    assert interleaved == (_C.cpu_isa() in ("amx", "avx512"))
+    assert interleaved == (QT.Q8_0 in _C.cpu_interleaved_types())
     assert mapped_file(gate_up.data_ptr()) != str(path)
     assert (mapped_file(down.data_ptr()) == str(path)) != interleaved
     with cpu_isa("scalar"):  # kernels without an interleaved layout: the blocks as stored

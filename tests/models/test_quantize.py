@@ -223,12 +223,14 @@ def test_every_projection_is_quantized_and_sized_as_its_blocks(qwen2_folder, qua
     model = load_model(qwen2_folder, dtype=torch.bfloat16, quantization=quantization)
     kept = {name: module for name, module in model.named_modules()
             if isinstance(module, (QuantizedLinear, QuantizedEmbedding))}
-    # Where the CPU kernels run AVX-512 the projections and the head (every weight here is
-    # whole groups of 16 rows) are interleaved for them; the untied embedding keeps its rows.
-    interleave = _C.cpu_isa() in ("amx", "avx512")
+    # Where the CPU kernels have an interleaved kernel for a type, its projections and the head
+    # (every weight here is whole groups of 16 rows) are interleaved for them; the untied
+    # embedding keeps its rows.
     for name, module in kept.items():
         interleaved = module.weight_type >= ops.INTERLEAVED_TYPES
-        assert interleaved == (interleave and name != "embed_tokens"), name
+        ggml = module.weight_type - ops.INTERLEAVED_TYPES if interleaved else module.weight_type
+        assert interleaved == (ggml in _C.cpu_interleaved_types()
+                               and name != "embed_tokens"), name
     types = {name: ggml_type(module.weight_type) for name, module in kept.items()}
     # The untied input embedding is a lookup, quantized as the projections are; the LM head
     # keeps 8 bits, as in llama.cpp's 4-bit files.

@@ -424,8 +424,9 @@ def test_interleaved_weight_is_the_same_weight(type_name, rows, dtype, isa):
         for out_dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(ops.dequantize(interleaved, interleaved_type, out_dtype),
                                ops.dequantize(weight, weight_type, out_dtype))
+        own_kernel = weight_type in _C.cpu_interleaved_types()
     assert got.shape == plain.shape and got.dtype == dtype
-    if isa not in ("amx", "avx512") or rows > CPU_STREAM_ROWS:
+    if not own_kernel or rows > CPU_STREAM_ROWS:
         assert torch.equal(got, plain)
     exact = reference.quantized_linear(x.float(), weight, weight_type, bias.float())
     bound = (activation_error_bound(x.float(), weight, weight_type, "cpu")
@@ -458,15 +459,21 @@ def test_interleaved_row_does_not_depend_on_the_others(type_name, isa):
 
 def test_cpu_decode_layout():
     """Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with whole groups of 16 rows are interleaved where
-    the CPU kernels run AVX-512; anything else (another type, other row counts, another
-    instruction set) is kept as it is."""
+    the CPU kernels run AVX-512, Q4_0, Q4_1 and Q5_0 where they run AVX2; anything else
+    (another type, other row counts, another instruction set) is kept as it is."""
+    own_kernels = {"amx": set(INTERLEAVED), "avx512": set(INTERLEAVED),
+                   "avx2": {"Q4_0", "Q4_1", "Q5_0"}, "scalar": set()}
+    for isa in _C.cpu_isas():
+        with cpu_isa(isa):
+            assert _C.cpu_interleaved_types() == [TYPES[name] for name in INTERLEAVED
+                                                  if name in own_kernels[isa]]
     for type_name, (interleaved_type, blocks) in INTERLEAVED.items():
         weight_type = TYPES[type_name]
         weight = quantized_weight(INTERLEAVED_ROWS, blocks, weight_type)
         for isa in _C.cpu_isas():
             with cpu_isa(isa):
                 data, layout_type = ops.cpu_decode_layout(weight, weight_type)
-                if isa in ("amx", "avx512"):
+                if type_name in own_kernels[isa]:
                     assert layout_type == interleaved_type
                     assert torch.equal(data, _C.interleave_rows(weight, weight_type))
                 else:
