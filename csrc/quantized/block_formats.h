@@ -46,7 +46,7 @@ enum class BlockFormat : int64_t {
 
 // fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's, Q8_0's, Q4_K's and Q6_K's
 // blocks with the rows of each group of kInterleavedRows interleaved, the layout of the AVX-512
-// decode kernels (quantized_cpu_avx512.cpp; AVX2's for Q4_0, Q4_1 and Q5_0), type
+// decode kernels (quantized_cpu_avx512.cpp; AVX2's for Q4_0, Q4_1, Q5_0 and Q8_0), type
 // kInterleavedTypes + the ggml type. Group g
 // (rows 16 g .. 16 g + 15) keeps their bytes, block after block; each field of a group's block
 // holds the 16 rows' bytes of that field in chunks: chunk c of every row, row after row, then

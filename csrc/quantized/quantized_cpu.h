@@ -70,7 +70,7 @@ struct CpuKernels {
   DecodeRowsFn byte_gemm_rows;
   // Decode rows of the interleaved layout (block_formats.h: kInterleavedTypes; begin and end
   // whole groups of rows), where the instruction set has them (AVX-512: Q4_0, Q4_1, Q5_0,
-  // Q8_0, Q4_K, Q6_K; AVX2: Q4_0, Q4_1, Q5_0); else null.
+  // Q8_0, Q4_K, Q6_K; AVX2: Q4_0, Q4_1, Q5_0, Q8_0); else null.
   DecodeRowsFn interleaved_decode_rows = nullptr;
   // FP8's decode rows (block_formats.h: kFp8E4M3), from float32 activations as they are: its
   // kernels set this and no decode_rows.

@@ -342,14 +342,71 @@ inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
     }
 }
 
+// Rows row0 .. row0 + M - 1 against a group of Q8_0 blocks: per block, the 16 scales, then 8
+// runs of the rows' int8 values, 4 of each row. vpmaddubsw's pairs of a byte and a signed byte
+// would overflow int16 here, so a half-run's 16-byte quarters (4 rows each) are widened to
+// int16 and meet the activations' int16 in vpmaddwd: lanes of 2 values, a row's 4 values in
+// two lanes, added across the runs (at most 32 * 128 * 32767: an int32) and pairwise at the
+// block's end.
+template <int M>
+inline void interleaved_q8_0_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* group,
+                                  const float* bias, float* y, int64_t ldy) {
+  constexpr int64_t kBlockBytes = kInterleavedRows * block_layout(BlockFormat::kQ8_0).bytes;
+  constexpr int64_t kRuns = 2 * kInterleavedRows;  // after the scales
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = group + b * kBlockBytes;
+    prefetch_interleaved<kBlockBytes>(block);
+    for (int h = 0; h < 2; ++h) {
+      __m256i quarters[M][2];  // rows 8h .. 8h + 3 and 8h + 4 .. 8h + 7
+      for (int m = 0; m < M; ++m) quarters[m][0] = quarters[m][1] = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) {
+        const uint8_t* run = block + kRuns + 64 * q + 32 * h;
+        const __m256i first = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
+        const __m256i second = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16)));
+        for (int m = 0; m < M; ++m) {
+          int64_t values;  // activation values 4q .. 4q + 3 of this row's sub-block
+          __builtin_memcpy(&values, x.values + ((row0 + m) * x.blocks + b) * kSubBlockValues +
+                                        4 * q, sizeof(values));
+          const __m256i xs = _mm256_set1_epi64x(values);
+          quarters[m][0] = _mm256_add_epi32(quarters[m][0], _mm256_madd_epi16(first, xs));
+          quarters[m][1] = _mm256_add_epi32(quarters[m][1], _mm256_madd_epi16(second, xs));
+        }
+      }
+      const __m256 scales = float16s(block + 16 * h);
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (row0 + m) * x.blocks + b;
+        // vphaddd leaves rows 0, 1, 4, 5 | 2, 3, 6, 7: 64-bit units 0, 2, 1, 3 put them in order.
+        const __m256i ints = _mm256_permute4x64_epi64(
+            _mm256_hadd_epi32(quarters[m][0], quarters[m][1]), 0xd8);
+        const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(x.scales[i]));
+        acc[m][h] = _mm256_fmadd_ps(dots, scales, acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sums =
+          bias ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + 8 * h)) : acc[m][h];
+      _mm256_storeu_ps(y + (row0 + m) * ldy + 8 * h, sums);
+    }
+}
+
 template <BlockFormat F>
 void interleaved_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_t ldw,
                              int64_t begin, int64_t end, const float* bias, float* y,
                              int64_t ldy) {
   for (int64_t n = begin; n < end; n += kInterleavedRows)
     for_row_tiles<Avx2::kActRows>(x.rows, [&](auto rows, int64_t m) {
-      interleaved_block32_tile<F, decltype(rows)::value>(x, m, w + n * ldw,
-                                                         bias ? bias + n : nullptr, y + n, ldy);
+      constexpr int M = decltype(rows)::value;
+      const float* group_bias = bias ? bias + n : nullptr;
+      if constexpr (F == BlockFormat::kQ8_0)
+        interleaved_q8_0_tile<M>(x, m, w + n * ldw, group_bias, y + n, ldy);
+      else
+        interleaved_block32_tile<F, M>(x, m, w + n * ldw, group_bias, y + n, ldy);
     });
 }
 
@@ -359,7 +416,8 @@ CpuKernels cpu_kernels_avx2(BlockFormat format) {
   CpuKernels kernels = cpu_kernels_for<Avx2>(format);
   visit_block_format(format, [&](auto f) {
     constexpr BlockFormat F = decltype(f)::value;
-    if constexpr (F == BlockFormat::kQ4_0 || F == BlockFormat::kQ4_1 || F == BlockFormat::kQ5_0)
+    if constexpr (F == BlockFormat::kQ4_0 || F == BlockFormat::kQ4_1 ||
+                  F == BlockFormat::kQ5_0 || F == BlockFormat::kQ8_0)
       kernels.interleaved_decode_rows = &interleaved_decode_rows<F>;
   });
   return kernels;

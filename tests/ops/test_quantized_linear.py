@@ -459,10 +459,10 @@ def test_interleaved_row_does_not_depend_on_the_others(type_name, isa):
 
 def test_cpu_decode_layout():
     """Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with whole groups of 16 rows are interleaved where
-    the CPU kernels run AVX-512, Q4_0, Q4_1 and Q5_0 where they run AVX2; anything else
+    the CPU kernels run AVX-512, Q4_0, Q4_1, Q5_0 and Q8_0 where they run AVX2; anything else
     (another type, other row counts, another instruction set) is kept as it is."""
     own_kernels = {"amx": set(INTERLEAVED), "avx512": set(INTERLEAVED),
-                   "avx2": {"Q4_0", "Q4_1", "Q5_0"}, "scalar": set()}
+                   "avx2": {"Q4_0", "Q4_1", "Q5_0", "Q8_0"}, "scalar": set()}
     for isa in _C.cpu_isas():
         with cpu_isa(isa):
             assert _C.cpu_interleaved_types() == [TYPES[name] for name in INTERLEAVED

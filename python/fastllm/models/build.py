@@ -129,10 +129,10 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     others are cast to ``dtype``. Everything is placed on
     ``device``; there a projection's or LM head's blocks (a tied embedding's too) take
     :func:`fastllm.ops.cpu_decode_layout`'s order (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K
-    interleaved by 16 rows on AVX-512; Q4_0, Q4_1 and Q5_0 on AVX2). On the CPU, float32 models keep 16-bit projection,
-    embedding and LM-head weights (a float16 GGUF, a bfloat16 checkpoint) in 16 bits: the linear
-    op converts them exactly as it reads them, so the sums are the upcast weights' from half the
-    bytes.
+    interleaved by 16 rows on AVX-512; Q4_0, Q4_1, Q5_0 and Q8_0 on AVX2). On the CPU, float32
+    models keep 16-bit projection, embedding and LM-head weights (a float16 GGUF, a bfloat16
+    checkpoint) in 16 bits: the linear op converts them exactly as it reads them, so the sums
+    are the upcast weights' from half the bytes.
 
     ``quantization`` ("int8", "int4"; see :data:`~fastllm.models.quantized.QUANTIZATIONS`)
     quantizes the float weights of every projection (the experts' too, but not their router),

@@ -23,8 +23,8 @@ BLOCK_FORMATS = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 # fastllm's own weight types, never in a file: Q4_0's, Q4_1's, Q5_0's, Q8_0's, Q4_K's and Q6_K's
 # blocks with each group of 16 rows interleaved, the layout of the CPU's AVX-512 decode kernels
-# (and AVX2's for Q4_0, Q4_1 and Q5_0: :func:`cpu_decode_layout`): ``INTERLEAVED_TYPES +`` the ggml type. The CPU ops take them;
-# other devices take the ggml blocks.
+# (and AVX2's for Q4_0, Q4_1, Q5_0 and Q8_0: :func:`cpu_decode_layout`): ``INTERLEAVED_TYPES +``
+# the ggml type. The CPU ops take them; other devices take the ggml blocks.
 INTERLEAVED_TYPES = 1000
 (INTERLEAVED_Q4_0, INTERLEAVED_Q4_1, INTERLEAVED_Q5_0, INTERLEAVED_Q8_0, INTERLEAVED_Q4_K,
  INTERLEAVED_Q6_K) = (INTERLEAVED_TYPES + t for t in (2, 3, 6, 8, 12, 14))
@@ -62,9 +62,9 @@ def cpu_decode_layout(weight: Tensor, weight_type: int) -> tuple[Tensor, int]:
     weight of :func:`quantized_linear` kept on this CPU: a weight with a multiple of 16 rows
     whose type has an interleaved kernel in the instruction set in use
     (``fastllm._C.cpu_interleaved_types()``: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K with AVX-512
-    or AMX; Q4_0, Q4_1 and Q5_0 with AVX2) becomes its interleaved type
+    or AMX; Q4_0, Q4_1, Q5_0 and Q8_0 with AVX2) becomes its interleaved type
     (``INTERLEAVED_TYPES + weight_type``, a copy): one 64-byte load then holds 4 values of each
-    of 16 rows, and one 8-bit multiply-add serves 8 or 16 of them. Anything else is returned as
+    of 16 rows, and one integer multiply-add serves several rows. Anything else is returned as
     it is. The result is the same weight to :func:`quantized_linear` and :func:`dequantize` on
     the CPU (decode rows' last bits aside: other sums in another order); with another
     instruction set chosen later (``fastllm._C.set_cpu_isa``) they put its rows back in order at
