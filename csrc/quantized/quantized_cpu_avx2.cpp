@@ -217,7 +217,7 @@ struct Avx2 {
   }
 };
 
-// Decode rows of the interleaved layouts of Q4_0, Q4_1 and Q5_0 (block_formats.h:
+// Decode rows of the interleaved layouts of Q4_0, Q4_1, Q5_0 (and Q8_0 below; block_formats.h:
 // kInterleavedTypes). A 64-byte run holds 4 bytes of each of a group's 16 rows, its two 32-byte
 // halves rows 0-7 and 8-15: one vpmaddubsw multiplies 4 values of 8 rows (a run's low nibbles,
 // or its high ones) with 4 activation bytes broadcast to every lane, and the rows' sums stay in
@@ -225,16 +225,6 @@ struct Avx2 {
 // their int16 pairs and one vpmaddwd, where the row-major kernel takes an unpacking, two integer
 // and two float instructions a row besides its scales' decoding. The sums are the AVX-512
 // interleaved kernel's (vpdpbusd): the same int32 per 4 values, the same float operations.
-//
-// Each group is one stream of bytes, fetched this far ahead (into L1) of the block in use.
-constexpr int64_t kInterleavedPrefetchBytes = 4608;
-
-template <int64_t kBlockBytes>
-inline void prefetch_interleaved(const uint8_t* block) {
-  for (int64_t line = 0; line < kBlockBytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(block + kInterleavedPrefetchBytes + line),
-                 _MM_HINT_T0);
-}
 
 // Half h (rows 8h .. 8h + 7) of a block's 4 runs of nibbles: run q's low nibbles (values
 // 4q .. 4q + 3 of each row, lanes of 4 bytes) and high nibbles (16 + 4q ..); Q5_0's fifth bits
@@ -296,27 +286,74 @@ inline __m256 float16s(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Rows row0 .. row0 + M - 1 against a group of Q4_0, Q4_1 or Q5_0 blocks: per block, the 16
-// scales; Q4_1's 16 minimums, Q5_0's 16 words of fifth bits; then 4 runs of nibbles.
+// A group's 16 sums (two halves of 8) for activation rows row0 .., plus the bias.
+template <int M>
+inline void store_rows(const __m256 (&acc)[M][2], int64_t row0, const float* bias, float* y,
+                       int64_t ldy) {
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sums =
+          bias ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + 8 * h)) : acc[m][h];
+      _mm256_storeu_ps(y + (row0 + m) * ldy + 8 * h, sums);
+    }
+}
+
+// Half h (rows 8h .. 8h + 7) of a Q8_0 block's 8 runs of the rows' int8 values, 4 of each row.
+// vpmaddubsw's pairs of a byte and a signed byte would overflow int16 here, so each run's two
+// 16-byte quarters (4 rows each) are widened to int16 and meet the activations' int16 in
+// vpmaddwd: lanes of 2 values, a row's 4 values in two lanes, added across the runs (at most
+// 32 * 128 * 32767: an int32) and pairwise at the end.
+struct Q8_0HalfRuns {
+  const uint8_t* runs;
+
+  Q8_0HalfRuns(const uint8_t* runs, const uint8_t*) : runs(runs) {}
+
+  // The runs' products with one sub-block's 32 activation values, as int32 per row.
+  __m256i dot(const int16_t* x) const {
+    __m256i quarters[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int q = 0; q < 8; ++q) {
+      int64_t values;  // activation values 4q .. 4q + 3
+      __builtin_memcpy(&values, x + 4 * q, sizeof(values));
+      const __m256i xs = _mm256_set1_epi64x(values);
+      for (int k = 0; k < 2; ++k) {
+        const __m256i w = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(runs + 64 * q + 16 * k)));
+        quarters[k] = _mm256_add_epi32(quarters[k], _mm256_madd_epi16(w, xs));
+      }
+    }
+    // vphaddd leaves rows 0, 1, 4, 5 | 2, 3, 6, 7: 64-bit units 0, 2, 1, 3 put them in order.
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(quarters[0], quarters[1]), 0xd8);
+  }
+};
+
+// Rows row0 .. row0 + M - 1 against a group of Q4_0, Q4_1, Q5_0 or Q8_0 blocks: per block, the
+// 16 scales; Q4_1's 16 minimums, Q5_0's 16 words of fifth bits; then 4 runs of nibbles (Q8_0: 8
+// of bytes).
 template <BlockFormat F, int M>
 inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
                                      const uint8_t* group, const float* bias, float* y,
                                      int64_t ldy) {
+  constexpr bool kQ8_0 = F == BlockFormat::kQ8_0;
   constexpr int64_t kRowBytes = block_layout(F).bytes, kBlockBytes = kInterleavedRows * kRowBytes;
-  constexpr int64_t kRuns = kBlockBytes - 64 * 4;  // the runs end the block
+  constexpr int64_t kRuns = kBlockBytes - 64 * (kQ8_0 ? 8 : 4);  // the runs end the block
   constexpr int64_t kSecond = 2 * kInterleavedRows;  // Q4_1's minimums, Q5_0's fifth bits
+  // Q8_0's integers are signed as stored: no zero point.
+  constexpr float kZero = kQ8_0 ? 0.f : kZeroPoint<F>;
   __m256 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* block = group + b * kBlockBytes;
     prefetch_interleaved<kBlockBytes>(block);
     for (int h = 0; h < 2; ++h) {
-      const HalfRuns<F> runs(block + kRuns + 32 * h, block + kSecond + 32 * h);
+      const std::conditional_t<kQ8_0, Q8_0HalfRuns, HalfRuns<F>> runs(block + kRuns + 32 * h,
+                                                                      block + kSecond + 32 * h);
       const __m256 scales = float16s(block + 16 * h);
       for (int m = 0; m < M; ++m) {
         const int64_t i = (row0 + m) * x.blocks + b;
         __m256i ints;
-        if constexpr (kByteActivations<F>) {
+        if constexpr (kQ8_0) {
+          ints = runs.dot(x.values + i * kSubBlockValues);
+        } else if constexpr (kByteActivations<F>) {
           ints = runs.dot(activation_bytes(x.low, i));
         } else {  // x = 256 high + low: at most 32 * 31 * 32767
           ints = _mm256_add_epi32(_mm256_slli_epi32(runs.dot(activation_bytes(x.high, i)), 8),
@@ -326,7 +363,7 @@ inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
         // Q4_1's minimums m (s sum x) apart.
         const __m256 dots =
             _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(x.scales[i]),
-                            _mm256_set1_ps(-kZeroPoint<F> * x.sums[i]));
+                            _mm256_set1_ps(-kZero * x.sums[i]));
         acc[m][h] = _mm256_fmadd_ps(dots, scales, acc[m][h]);
         if constexpr (F == BlockFormat::kQ4_1)
           acc[m][h] = _mm256_fmadd_ps(float16s(block + kSecond + 16 * h),
@@ -334,65 +371,7 @@ inline void interleaved_block32_tile(const ActivationBlocks& x, int64_t row0,
       }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sums =
-          bias ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + 8 * h)) : acc[m][h];
-      _mm256_storeu_ps(y + (row0 + m) * ldy + 8 * h, sums);
-    }
-}
-
-// Rows row0 .. row0 + M - 1 against a group of Q8_0 blocks: per block, the 16 scales, then 8
-// runs of the rows' int8 values, 4 of each row. vpmaddubsw's pairs of a byte and a signed byte
-// would overflow int16 here, so a half-run's 16-byte quarters (4 rows each) are widened to
-// int16 and meet the activations' int16 in vpmaddwd: lanes of 2 values, a row's 4 values in
-// two lanes, added across the runs (at most 32 * 128 * 32767: an int32) and pairwise at the
-// block's end.
-template <int M>
-inline void interleaved_q8_0_tile(const ActivationBlocks& x, int64_t row0, const uint8_t* group,
-                                  const float* bias, float* y, int64_t ldy) {
-  constexpr int64_t kBlockBytes = kInterleavedRows * block_layout(BlockFormat::kQ8_0).bytes;
-  constexpr int64_t kRuns = 2 * kInterleavedRows;  // after the scales
-  __m256 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* block = group + b * kBlockBytes;
-    prefetch_interleaved<kBlockBytes>(block);
-    for (int h = 0; h < 2; ++h) {
-      __m256i quarters[M][2];  // rows 8h .. 8h + 3 and 8h + 4 .. 8h + 7
-      for (int m = 0; m < M; ++m) quarters[m][0] = quarters[m][1] = _mm256_setzero_si256();
-      for (int q = 0; q < 8; ++q) {
-        const uint8_t* run = block + kRuns + 64 * q + 32 * h;
-        const __m256i first = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
-        const __m256i second = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(run + 16)));
-        for (int m = 0; m < M; ++m) {
-          int64_t values;  // activation values 4q .. 4q + 3 of this row's sub-block
-          __builtin_memcpy(&values, x.values + ((row0 + m) * x.blocks + b) * kSubBlockValues +
-                                        4 * q, sizeof(values));
-          const __m256i xs = _mm256_set1_epi64x(values);
-          quarters[m][0] = _mm256_add_epi32(quarters[m][0], _mm256_madd_epi16(first, xs));
-          quarters[m][1] = _mm256_add_epi32(quarters[m][1], _mm256_madd_epi16(second, xs));
-        }
-      }
-      const __m256 scales = float16s(block + 16 * h);
-      for (int m = 0; m < M; ++m) {
-        const int64_t i = (row0 + m) * x.blocks + b;
-        // vphaddd leaves rows 0, 1, 4, 5 | 2, 3, 6, 7: 64-bit units 0, 2, 1, 3 put them in order.
-        const __m256i ints = _mm256_permute4x64_epi64(
-            _mm256_hadd_epi32(quarters[m][0], quarters[m][1]), 0xd8);
-        const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(x.scales[i]));
-        acc[m][h] = _mm256_fmadd_ps(dots, scales, acc[m][h]);
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sums =
-          bias ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + 8 * h)) : acc[m][h];
-      _mm256_storeu_ps(y + (row0 + m) * ldy + 8 * h, sums);
-    }
+  store_rows(acc, row0, bias, y, ldy);
 }
 
 template <BlockFormat F>
@@ -401,12 +380,8 @@ void interleaved_decode_rows(const ActivationBlocks& x, const uint8_t* w, int64_
                              int64_t ldy) {
   for (int64_t n = begin; n < end; n += kInterleavedRows)
     for_row_tiles<Avx2::kActRows>(x.rows, [&](auto rows, int64_t m) {
-      constexpr int M = decltype(rows)::value;
-      const float* group_bias = bias ? bias + n : nullptr;
-      if constexpr (F == BlockFormat::kQ8_0)
-        interleaved_q8_0_tile<M>(x, m, w + n * ldw, group_bias, y + n, ldy);
-      else
-        interleaved_block32_tile<F, M>(x, m, w + n * ldw, group_bias, y + n, ldy);
+      interleaved_block32_tile<F, decltype(rows)::value>(x, m, w + n * ldw,
+                                                         bias ? bias + n : nullptr, y + n, ldy);
     });
 }
 

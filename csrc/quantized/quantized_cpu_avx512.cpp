@@ -177,17 +177,6 @@ struct Avx512 {
 // the lanes. Per 32 values and activation row that is 8 vpdpbusd and a float multiply-add or
 // two for all 16 rows, where the row-major kernel takes 2 and 1 a row, and sums its lanes at
 // the end: a third of the instructions, so the product streams at the memory's speed.
-//
-// Each group is one stream of bytes, fetched this far ahead (into L1) of the block in use:
-// far enough to hide the memory's latency, which nearer distances do not.
-constexpr int64_t kInterleavedPrefetchBytes = 4608;
-
-template <int64_t kBlockBytes>
-inline void prefetch_interleaved(const uint8_t* block) {
-  for (int64_t line = 0; line < kBlockBytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(block + kInterleavedPrefetchBytes + line),
-                 _MM_HINT_T0);
-}
 
 // A block's runs of nibbles as the 16 rows' integers, lanes of 4: run q's low nibbles (low[q])
 // and its high nibbles (high[q]); and their products with an activation row's bytes.

@@ -96,6 +96,17 @@ constexpr int kUnit = 8;
 constexpr int kPrefetchRows = 8;
 constexpr int kPrefetchIntoL2 = 2;  // __builtin_prefetch's locality for _MM_HINT_T1
 
+// The interleaved layouts' kernels (block_formats.h: kInterleavedTypes): each group of rows is
+// one stream of bytes, fetched this far ahead (into L1) of the block in use: far enough to hide
+// the memory's latency, which nearer distances do not.
+constexpr int64_t kInterleavedPrefetchBytes = 4608;
+
+template <int64_t kBlockBytes>
+inline void prefetch_interleaved(const uint8_t* block) {
+  for (int64_t line = 0; line < kBlockBytes; line += 64)
+    __builtin_prefetch(block + kInterleavedPrefetchBytes + line, 0, 3);  // _MM_HINT_T0
+}
+
 // Adds sub-blocks [first, first + U) of activation rows row0.. and weight rows 0..R - 1 to the
 // accumulators and, per position in the unit, to the offset sums.
 template <class Isa, BlockFormat F, int M, int R, int U>
