@@ -49,7 +49,8 @@ both engines; fastllm's own bytes per token count its weights as loaded (a type 
 keep in blocks is dequantized to the row's dtype). Beside them, the memory bandwidth of this
 machine, measured in the same run on ``--copy-mib`` MiB: ``dst.copy_(src)``, bytes read +
 written, at 1 thread and at ``--threads``, and the read bandwidth (``src.sum()``, bytes read, at
-``--threads``), with each engine's GB/s as a fraction of it. Tokens agree: how many leading tokens of the first ``--agree-tokens`` (32) both
+``--threads``), timed in turn with the engines' calls (a shared machine's bandwidth moves by
+half within minutes), with each engine's GB/s as a fraction of it. Tokens agree: how many leading tokens of the first ``--agree-tokens`` (32) both
 engines share, a sanity check (the engines round differently, so they may part after a while).
 
 Load time: seconds from the call to a ready model, ``fastllm.LLM(path, ...)`` and
@@ -326,18 +327,13 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def memory_bandwidths(config: GGUFBenchConfig) -> dict[str, float]:
-    """``dst.copy_(src)`` GB/s (read + written) at 1 thread and at ``threads``; ``src.sum()``
-    GB/s (read) at ``threads``."""
+def copy_bandwidths(config: GGUFBenchConfig) -> dict[str, float]:
+    """``dst.copy_(src)`` GB/s (read + written) at 1 thread and at ``threads``."""
     copy = DeviceCopy.of_mib(config.copy_mib, "cpu")
     found = {}
     for key, threads in (("copy_1t_gbps", 1), ("copy_gbps", config.threads)):
         with torch_threads(threads):
             found[key] = copy.gbps(compare({"copy": copy}, config.copy_timer)["copy"])
-    del copy
-    read = DeviceRead.of_mib(config.copy_mib, "cpu")
-    with torch_threads(config.threads):
-        found["read_gbps"] = read.gbps(compare({"read": read}, config.copy_timer)["read"])
     return found
 
 
@@ -422,7 +418,7 @@ def file_rows(name: str, config: GGUFBenchConfig, text: str) -> list[dict[str, o
                                "prompt_len": config.prompt_len,
                                "decode_tokens": config.decode_tokens,
                                "llama_cpp_load_s": loads["llama_cpp"]}
-    base.update(memory_bandwidths(config))
+    base.update(copy_bandwidths(config))
     llms = {dtype: fastllm.LLM(path, **fastllm_options(config, dtype))
             for dtype in config.dtypes}
     tokenizer = llms[config.dtypes[0]].tokenizer
@@ -439,7 +435,11 @@ def file_rows(name: str, config: GGUFBenchConfig, text: str) -> list[dict[str, o
         calls = {dtype: fastllm_call(llm, prompt, new_tokens, samples[dtype])
                  for dtype, llm in llms.items()}
         calls["llama_cpp"] = llama_cpp_call(peer, prompt, new_tokens, samples["llama_cpp"])
+        read = DeviceRead.of_mib(config.copy_mib, "cpu")
+        calls["read"] = read  # at --threads, as the whole run
         timings = compare(calls, config.timer)
+        base["read_gbps"] = read.gbps(timings.pop("read"))
+        del read
         # Each competitor's columns, TTFT and decode summaries (the dtypes' as fastllm's).
         stats = {key: generate_columns("llama_cpp" if key == "llama_cpp" else "fastllm",
                                        timing, samples[key]) for key, timing in timings.items()}
@@ -543,8 +543,9 @@ def tables(config: GGUFBenchConfig, rows: list[dict[str, object]]) -> dict[str, 
                  "embedding lookup, plus the LM head); GB/s: that x decode tokens/s. fastllm's "
                  "own: its weights as loaded (types it does not keep in blocks are "
                  "dequantized to the row's dtype). Copy: bytes read + written by a "
-                 f"{config.copy_mib} MiB copy; read: bytes read by a {config.copy_mib} MiB sum; "
-                 "/ read: an engine's GB/s over the read bandwidth.")
+                 f"{config.copy_mib} MiB copy; read: bytes read by a {config.copy_mib} MiB sum, "
+                 "timed in turn with the engines' calls; / read: an engine's GB/s over the read "
+                 "bandwidth.")
     parts = [*STEP_PARTS, "other ops", "Python and framework"]
     steps = [{"file": row["file"], "dtype": row["dtype"],
               "step_ms": sum(row["fastllm_step_ms"].values()),
