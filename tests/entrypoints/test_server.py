@@ -445,12 +445,21 @@ def test_the_api_key_and_the_body_limit(server):
     assert_error(post(server, "/v1/completions", {"prompt": "x" * (70 << 10)}), 413)
 
 
-def test_a_full_queue_answers_503(folder):
+def test_a_full_queue_answers_503(folder, monkeypatch):
     llm = AsyncLLM(folder, max_model_len=256, max_num_seqs=1)
+    # stories260K's 200 tokens take a few milliseconds, less than two HTTP requests on a loaded
+    # machine: slowed steps keep the first request in its slot for seconds.
+    engine_step = llm.client.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return engine_step()
+
+    monkeypatch.setattr(llm.client.engine, "step", slow_step)
     try:
         with running_server(llm, "stories", max_waiting_requests=1) as running:
-            # The first request holds the one sequence slot while a second waits; the first
-            # may finish before the second arrives, or before the third does: then try again.
+            # The first request holds the one sequence slot while a second waits; should the
+            # first still finish before the second arrives, or before the third does, try again.
             for _ in range(5):
                 if fills_the_queue(running, llm):
                     break
