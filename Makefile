@@ -47,8 +47,11 @@ $(PEERS_STAMP): $(DEPS_STAMP) requirements-bench.txt
 	  $(PIP) install --no-cache-dir --no-binary llama-cpp-python -r requirements-bench.txt
 	touch $@
 
+# PYTHONDONTWRITEBYTECODE emptied: pytest keeps its assertion-rewritten test modules (and Python
+# the benchmarks' modules the tests import) in __pycache__, which a set value would make every
+# worker and every run compile again.
 test: build
-	$(PY) -m pytest -q
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q
 
 # First the tests that run llama.cpp (make test leaves them out), under CI=true so that none
 # skips.

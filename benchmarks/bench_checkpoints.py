@@ -51,10 +51,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
-                                             QuantizationScheme, apply_quantization_config)
-from compressed_tensors.quantization.utils import calculate_qparams
 from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -141,6 +137,12 @@ def save_w4a16(config: CheckpointBenchConfig, dest: Path) -> None:
     """The random model in bfloat16, quantized by compressed-tensors (W4A16: int4 symmetric
     groups of ``group_size`` from each group's min-max, every Linear but the LM head) and saved
     packed to ``dest`` with the Qwen3 tokenizer files."""
+    # Imported here: compressed-tensors takes seconds to import, and only this writer needs it.
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,
+                                                 QuantizationScheme, apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
     with tempfile.TemporaryDirectory(prefix="fastllm_bench_checkpoints_") as tmp:
         save_random_model(config, Path(tmp))
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16)

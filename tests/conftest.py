@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import types
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -293,6 +294,15 @@ def missing(message: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def anthropic() -> types.ModuleType:
+    """The anthropic SDK, imported by the first test that asks for it: it takes seconds to
+    import, and a pytest-xdist worker that runs none of its tests never does."""
+    import anthropic
+
+    return anthropic
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ The set-up commands (``make``, ``pip install``) are what ``make test`` itself ru
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import signal
@@ -18,8 +19,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
+import background_builds
 import httpx
 import pytest
 import yaml
@@ -28,7 +31,9 @@ from lora.peft_models import save_adapter
 from tiny_hf import tiny_qwen3_folder
 from transformers import AutoModelForCausalLM
 
-from fastllm.bench.gguf_files import rewrite_gguf
+from fastllm.bench import gguf_files
+from fastllm.bench.cache import cached
+from fastllm.bench.gguf_files import file_sha256, rewrite_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -124,6 +129,16 @@ def test_the_set_up_commands_are_the_makefiles():
     assert "--no-build-isolation" in (ROOT / "Makefile").read_text()
 
 
+def smollm2_q8_0(smollm2: Path) -> Path:
+    """The Q8_0 rewrite of ``smollm2`` (seconds to make), kept under ``build/test-cache`` keyed
+    by the source file and the rewriting code, made by one pytest-xdist worker at a time."""
+    key = hashlib.sha256("\n".join([file_sha256(smollm2), version("gguf"),
+                                     Path(gguf_files.__file__).read_text()]).encode())
+    path = ROOT / "build" / "test-cache" / f"SmolLM2-135M-Instruct-Q8_0-{key.hexdigest()}.gguf"
+    with background_builds.exclusive(path.with_name(path.name + ".lock")):
+        return cached(path, lambda partial: rewrite_gguf(smollm2, partial, "Q8_0"), "test_readme")
+
+
 @pytest.fixture(scope="module")
 def hub_env(tmp_path_factory, model_path, smollm2_path):
     """The environment the blocks run in: ``HF_ENDPOINT`` pointed at a LocalHub holding the
@@ -143,9 +158,9 @@ def hub_env(tmp_path_factory, model_path, smollm2_path):
                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
         hub.add("Nishef/Qwen3-0.6B-Full_KTO_20251225_102050",
                 {p.name: p for p in adapter.iterdir() if p.is_file()})
-        q8 = folder / "SmolLM2-135M-Instruct-Q8_0.gguf"
-        rewrite_gguf(smollm2_path, q8, "Q8_0")
-        hub.add("bartowski/SmolLM2-135M-Instruct-GGUF", {q8.name: q8, "README.md": b"# SmolLM2"})
+        hub.add("bartowski/SmolLM2-135M-Instruct-GGUF",
+                {"SmolLM2-135M-Instruct-Q8_0.gguf": smollm2_q8_0(smollm2_path),
+                 "README.md": b"# SmolLM2"})
         # The blocks run in another folder: a PYTHONPATH of this checkout's sources as given.
         python_path = os.pathsep.join(str(Path(p).resolve()) for p in
                                       os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)

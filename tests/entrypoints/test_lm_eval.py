@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 
-import lm_eval
-import lm_eval.api.registry
-import lm_eval.tasks
 import pytest
 from openai_server import running_server
 from tiny_hf import tiny_qwen3_folder
@@ -47,6 +44,11 @@ def folder(tmp_path_factory, model_path):
 
 
 def test_multiple_choice_scores_are_the_prompt_logprobs(folder, tmp_path):
+    # Imported here: lm-eval (with datasets, pandas and scipy) takes seconds to import.
+    import lm_eval
+    import lm_eval.api.registry
+    import lm_eval.tasks
+
     data = tmp_path / "tiny_mc.jsonl"
     data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     (tmp_path / "tiny_mc.yaml").write_text(TASK.format(data=data))

@@ -12,7 +12,6 @@ import json
 import socket
 import time
 
-import anthropic
 import httpx
 import jsonschema
 import openai
@@ -49,7 +48,7 @@ def gpt(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
+def claude(server, anthropic) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, max_retries=0)
 
 
@@ -169,7 +168,7 @@ def test_a_completed_response_through_the_sdks_stream_helper(smollm2_server):
         {"role": "user", "content": "And of Germany?"}], 40).choices[0].message.content
 
 
-def test_json_schema_output_in_both_apis_validates(smollm2_server):
+def test_json_schema_output_in_both_apis_validates(smollm2_server, anthropic):
     client = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
     got = client.responses.create(
         model="smollm2", input="Describe a person as JSON.", max_output_tokens=60, **GREEDY,
@@ -237,7 +236,7 @@ def test_stop_sequences_end_the_message_and_are_named(claude):
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
 
 
-def test_a_message_that_ends_its_turn(smollm2_server):
+def test_a_message_that_ends_its_turn(smollm2_server, anthropic):
     claude = anthropic.Anthropic(base_url=smollm2_server.base_url, api_key="none",
                                  max_retries=0)
     gpt = openai.OpenAI(base_url=smollm2_server.v1, api_key="none", max_retries=0)
@@ -303,7 +302,7 @@ def test_bad_messages_requests_name_the_field_in_anthropics_shape(server, body, 
     assert got["error"]["message"].startswith(f"{field}: "), got
 
 
-def test_an_unknown_model_and_the_api_key_in_each_apis_shape(server, claude):
+def test_an_unknown_model_and_the_api_key_in_each_apis_shape(server, claude, anthropic):
     with pytest.raises(anthropic.NotFoundError) as caught:
         claude.messages.create(model="claude-x", max_tokens=5,
                                messages=[{"role": "user", "content": "x"}])

@@ -452,7 +452,7 @@ def test_a_full_queue_answers_503(folder, monkeypatch):
     engine_step = llm.client.engine.step
 
     def slow_step():
-        time.sleep(0.02)
+        time.sleep(0.01)
         return engine_step()
 
     monkeypatch.setattr(llm.client.engine, "step", slow_step)
@@ -473,10 +473,11 @@ def test_a_full_queue_answers_503(folder, monkeypatch):
 def fills_the_queue(running, llm: AsyncLLM) -> bool:
     """One running and one waiting request, then a third: a 503 (False when the first request
     finished before the second was queued, or before the third came)."""
-    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    body = {"prompt": PROMPT, "max_tokens": 1}
     with httpx.Client(timeout=30) as http, \
             http.stream("POST", running.v1 + "/completions",
-                        json={**body, "stream": True}) as first:
+                        json={**body, "max_tokens": 200, "ignore_eos": True,
+                              "stream": True}) as first:
         lines = first.iter_lines()
         next(lines)  # running: it holds the one sequence slot
         with ThreadPoolExecutor(1) as pool:

@@ -18,7 +18,6 @@ import json
 
 from typing import Literal
 
-import anthropic
 import httpx
 import jsonschema
 import openai
@@ -82,7 +81,7 @@ def server(folder, template):
 
 
 @pytest.fixture(scope="module")
-def claude(server) -> anthropic.Anthropic:
+def claude(server, anthropic) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0)
 
 
@@ -187,7 +186,7 @@ def test_a_tool_result_round_trip_renders_as_hf(claude, hf_tokenizer, template):
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
      "messages.0.content.0.tool_use_id"),
 ])
-def test_bad_tools_name_the_field(claude, body, field):
+def test_bad_tools_name_the_field(claude, body, field, anthropic):
     body = {"model": MODEL, "max_tokens": 5, "messages": QUESTION, **body}
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude.post("/v1/messages", body=body, cast_to=object)
@@ -198,7 +197,7 @@ def test_bad_tools_name_the_field(claude, body, field):
     assert claude.messages.create(model=MODEL, max_tokens=2, messages=QUESTION).content
 
 
-def test_a_template_without_tools_calls_through_the_generic_format(smollm2_server):
+def test_a_template_without_tools_calls_through_the_generic_format(smollm2_server, anthropic):
     claude = anthropic.Anthropic(base_url=smollm2_server.base_url, api_key="none",
                                  max_retries=0)
     kwargs = dict(model="smollm2", max_tokens=100, tools=[WEATHER], extra_body=GREEDY,

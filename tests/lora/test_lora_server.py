@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -75,7 +74,7 @@ def test_the_model_field_picks_the_adapter(client, server, models):
     assert expected_text(models, server, "a") != expected_text(models, server, None)
 
 
-def test_chat_responses_and_messages_take_the_adapter(client, server, models):
+def test_chat_responses_and_messages_take_the_adapter(client, server, models, anthropic):
     text = "Once upon a time"
     prompt = server.llm.client.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=True, chat_template=TEMPLATE)
