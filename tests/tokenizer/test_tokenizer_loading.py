@@ -58,6 +58,34 @@ def test_missing_and_bad_paths(tmp_path):
         Tokenizer.from_pretrained(tmp_path / "broken.model")
 
 
+def test_a_tokenizer_json_is_parsed_once_for_its_bytes_and_added_tokens(tmp_path):
+    """Copies of one tokenizer.json share its parsed vocabulary; other bytes, or a config that
+    adds other tokens, parse anew; each Tokenizer keeps its own attributes."""
+    text = model_file(f"{QWEN3}/tokenizer.json").read_text(encoding="utf-8")
+    config = json.loads(model_file(f"{QWEN3}/tokenizer_config.json").read_text(encoding="utf-8"))
+    folders = []
+    for name, tokenizer_json, extra in (("a", text, None), ("b", text, None),
+                                        ("c", text.replace('"<|im_end|>"', '"<|im_stop|>"'), None),
+                                        ("d", text, ["<|my_token|>"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {**config, "additional_special_tokens": extra} if extra else config))
+        folders.append(folder)
+    a, b, other_bytes, more_tokens = (Tokenizer.from_pretrained(f) for f in folders)
+    assert a._backend.tk is b._backend.tk
+    assert other_bytes._backend.tk is not a._backend.tk
+    assert other_bytes.convert_tokens_to_ids("<|im_stop|>") is not None
+    assert more_tokens._backend.tk is not a._backend.tk
+    assert more_tokens.convert_tokens_to_ids("<|my_token|>") == len(a)
+    assert a.convert_tokens_to_ids("<|my_token|>") is None
+    a.chat_template = "{{ messages[0]['content'] }}"
+    assert b.chat_template == load(QWEN3).chat_template != a.chat_template
+    assert a.encode("Hello world") == b.encode("Hello world") == hf_tokenizer(QWEN3).encode(
+        "Hello world")
+
+
 def _write_gguf(path, **metadata):
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in metadata.items():

@@ -18,8 +18,11 @@ sentencepiece model adds BOS unless told not to, as llama.cpp does).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,71 @@ def _ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _load_tokenizer_json(text: str, path: Path, config: dict) -> tokenizers.Tokenizer:
+    """``tokenizers.Tokenizer`` of a tokenizer.json's ``text``, with the tokens HF adds on load:
+    the config's added tokens and the special tokens the file lacks."""
+    try:
+        tk = tokenizers.Tokenizer.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
+    added = {t.content for t in tk.get_added_tokens_decoder().values()}
+    new = []
+    for entry in (config.get("added_tokens_decoder") or {}).values():
+        if entry["content"] not in added:
+            new.append(AddedToken(entry["content"], single_word=entry.get("single_word", False),
+                                  lstrip=entry.get("lstrip", False),
+                                  rstrip=entry.get("rstrip", False),
+                                  normalized=entry.get("normalized", False),
+                                  special=entry.get("special", True)))
+            added.add(entry["content"])
+    names = [_token_str(config.get(a)) for a in _SPECIAL_TOKEN_ATTRS]
+    names += [_token_str(t) for t in config.get("additional_special_tokens") or []]
+    for name in names:
+        if name is not None and name not in added:
+            new.append(AddedToken(name, special=True, normalized=False))
+            added.add(name)
+    if new:
+        tk.add_special_tokens(new)
+    return tk
+
+
+class _TokenizerJsonCache:
+    """The ``max_entries`` most recently loaded tokenizer.json vocabularies, keyed by the file's
+    bytes and the config entries that add tokens: a large vocabulary takes a noticeable part of
+    a second to parse, and every ``LLM`` of a model (or of a copy of its files) loads the same
+    one. Entries are never changed after loading, so the ``Tokenizer`` objects built on one
+    share it; each keeps its own attributes (chat template, BOS/EOS flags)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, str], tokenizers.Tokenizer] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def load(self, path: Path, config: dict) -> tokenizers.Tokenizer:
+        data = path.read_bytes()
+        adding = json.dumps([config.get("added_tokens_decoder"),
+                             [config.get(a) for a in _SPECIAL_TOKEN_ATTRS],
+                             config.get("additional_special_tokens")], sort_keys=True)
+        key = (hashlib.sha256(data).hexdigest(), adding)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
+        tk = _load_tokenizer_json(text, path, config)
+        with self._lock:
+            self._entries[key] = tk
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return tk
+
+
+_TOKENIZER_JSON_CACHE = _TokenizerJsonCache(max_entries=4)
 
 
 class Tokenizer:
@@ -142,29 +210,7 @@ class Tokenizer:
 
     @classmethod
     def _from_tokenizer_json(cls, path, config, gen_config, model_config):
-        try:
-            tk = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception
-            raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
-        added = {t.content for t in tk.get_added_tokens_decoder().values()}
-        # What HF adds on load: the config's added tokens and special tokens it lacks.
-        new = []
-        for entry in (config.get("added_tokens_decoder") or {}).values():
-            if entry["content"] not in added:
-                new.append(AddedToken(entry["content"], single_word=entry.get("single_word", False),
-                                      lstrip=entry.get("lstrip", False),
-                                      rstrip=entry.get("rstrip", False),
-                                      normalized=entry.get("normalized", False),
-                                      special=entry.get("special", True)))
-                added.add(entry["content"])
-        names = [_token_str(config.get(a)) for a in _SPECIAL_TOKEN_ATTRS]
-        names += [_token_str(t) for t in config.get("additional_special_tokens") or []]
-        for name in names:
-            if name is not None and name not in added:
-                new.append(AddedToken(name, special=True, normalized=False))
-                added.add(name)
-        if new:
-            tk.add_special_tokens(new)
+        tk = _TOKENIZER_JSON_CACHE.load(path, config)
         special = {a: _token_str(config.get(a)) for a in _SPECIAL_TOKEN_ATTRS}
         # BOS/EOS come from tokenizer.json's post-processor alone: transformers 5 drops the
         # config's add_bos_token / add_eos_token when there is a tokenizer.json.
