@@ -331,6 +331,9 @@ class _Ranks:
                 except Exception:  # they are gone already
                     pass
             dist.destroy_process_group()
+        # The groups' C++ objects go now: left to the interpreter's exit, gloo's threads may
+        # free what they hold after Python can no longer take it back (an abort).
+        self.groups = None
         torch.set_num_threads(self.threads)
 
 
