@@ -24,14 +24,6 @@ from conftest import missing, num_threads
 import fastllm
 from fastllm import LLM, SamplingParams
 
-try:
-    with warnings.catch_warnings():  # Ray's own pydantic models use deprecated Field extras
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import ray
-        from ray import serve
-except ImportError:  # CI installs it (requirements.txt): there a missing ray fails
-    ray = None
-
 APP = "fastllm"
 MODEL = "tiny-qwen3"
 ENGINE_KWARGS = {"max_model_len": 256, "batch_invariant": True}
@@ -42,10 +34,14 @@ MESSAGES = [{"role": "user", "content": "Name a color."}]
 
 @pytest.fixture(scope="module")
 def ray_serve():
-    if ray is None:
+    """fastllm.entrypoints.ray_serve, imported (with Ray) by the first test that asks for it:
+    Ray takes a second to import, and a pytest-xdist worker that runs none of these never does."""
+    try:
+        with warnings.catch_warnings():  # Ray's own pydantic models use deprecated Field extras
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from fastllm.entrypoints import ray_serve
+    except ImportError:  # CI installs it (requirements.txt): there a missing ray fails
         missing("ray[serve] is not installed: pip install -r requirements.txt")
-    from fastllm.entrypoints import ray_serve
-
     return ray_serve
 
 
@@ -58,6 +54,8 @@ def free_port() -> int:
 def wait_running(name: str, seconds: float) -> None:
     """Until Serve reports application ``name`` RUNNING; fails on DEPLOY_FAILED or after
     ``seconds``, with Serve's message."""
+    from ray import serve
+
     deadline = time.monotonic() + seconds
     while True:
         status = serve.status().applications.get(name)
@@ -73,6 +71,9 @@ def wait_running(name: str, seconds: float) -> None:
 @pytest.fixture(scope="module")
 def base_url(ray_serve, tiny_qwen3):
     """Serve's proxy in front of 2 replicas of ``tiny_qwen3``; Ray shut down at the end."""
+    import ray
+    from ray import serve
+
     port = free_port()
     # The replicas import fastllm from where this process does (a checkout on PYTHONPATH).
     package_root = str(Path(fastllm.__file__).resolve().parents[1])
