@@ -90,6 +90,19 @@ def test_a_conversation_is_the_chat_of_all_its_turns(qwen3, reference):
     assert chat.exitstatus == 0
 
 
+def threads_and_signals(pid: int) -> list[str]:
+    """Each thread of process ``pid``: its name, where it waits, and its pending, blocked and
+    caught signals (what tells which thread a SIGINT went to)."""
+    found = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        status = dict(line.split(":\t", 1) for line in
+                      (task / "status").read_text().splitlines() if ":\t" in line)
+        found.append(" ".join([status["Name"], (task / "wchan").read_text()]
+                              + [f"{key}={status[key]}" for key in ("SigPnd", "ShdPnd",
+                                                                    "SigBlk", "SigCgt")]))
+    return found
+
+
 def test_ctrl_c_stops_a_reply_and_keeps_the_program(qwen3, reference):
     chat = spawn(qwen3, "--max-tokens", "120")
     # At the prompt, Ctrl-C only says how to exit. CPython's readline notices a SIGINT when it
@@ -102,7 +115,8 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_program(qwen3, reference):
                              timeout=10) == 0:
             break
     else:
-        raise AssertionError(f"Ctrl-C at the prompt got no answer: {chat.before!r}")
+        raise AssertionError(f"Ctrl-C at the prompt got no answer: {chat.before!r}; the "
+                             f"program's threads: {threads_and_signals(chat.pid)}")
     assert "Unknown command '/what'." in answer(chat, "/what")
 
     # This model's replies run to --max-tokens; Ctrl-C once the reply shows.
