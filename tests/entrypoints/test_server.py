@@ -514,9 +514,17 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     assert finished(server)["abort"] - before["abort"] == 4
 
 
-def test_a_non_streaming_client_that_disconnects_aborts_its_request(server):
+def test_a_non_streaming_client_that_disconnects_aborts_its_request(server, monkeypatch):
     llm = server.llm
-    # 16 x 240 tokens outlast the read timeout below: the client leaves mid-request.
+    # stories260K's 16 x 240 tokens can take less than the read timeout below: slowed steps make
+    # them outlast it by seconds, so the client leaves mid-request and no choice finishes.
+    engine_step = llm.client.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return engine_step()
+
+    monkeypatch.setattr(llm.client.engine, "step", slow_step)
     body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "n": 16}
     computed = llm.client.engine.stats.scheduled_tokens
     before = finished(server)
