@@ -7,6 +7,7 @@ keeps the program)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -34,11 +35,14 @@ def reference(qwen3) -> LLM:
 def spawn(folder: Path, *options: str) -> pexpect.spawn:
     """``fastllm chat folder`` (greedy, batch-invariant) on a pseudo-terminal, at its first
     prompt."""
-    # TERM=dumb: readline writes no escape sequences around what it echoes.
+    # TERM=dumb: readline writes no escape sequences around what it echoes. SIGINT at its
+    # default, as a terminal's shell starts a program: pytest started in the background of a
+    # script inherits it ignored, and an ignored SIGINT stays ignored across exec.
     chat = pexpect.spawn(sys.executable, ["-m", "fastllm", "chat", str(folder), "--temperature",
                                           "0", "--batch-invariant", *options],
                          env={**os.environ, "TERM": "dumb"}, encoding="utf-8", timeout=60,
-                         dimensions=(24, 500))
+                         dimensions=(24, 500),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     chat.expect_exact(PROMPT)
     return chat
 
@@ -91,15 +95,16 @@ def test_a_conversation_is_the_chat_of_all_its_turns(qwen3, reference):
 
 
 def threads_and_signals(pid: int) -> list[str]:
-    """Each thread of process ``pid``: its name, where it waits, and its pending, blocked and
-    caught signals (what tells which thread a SIGINT went to)."""
+    """Each thread of process ``pid``: its name, where it waits, and its pending, blocked,
+    ignored and caught signals (what tells which thread a SIGINT went to, if any)."""
     found = []
     for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
         status = dict(line.split(":\t", 1) for line in
                       (task / "status").read_text().splitlines() if ":\t" in line)
         found.append(" ".join([status["Name"], (task / "wchan").read_text()]
                               + [f"{key}={status[key]}" for key in ("SigPnd", "ShdPnd",
-                                                                    "SigBlk", "SigCgt")]))
+                                                                    "SigBlk", "SigIgn",
+                                                                    "SigCgt")]))
     return found
 
 
