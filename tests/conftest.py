@@ -167,14 +167,13 @@ def pytest_collection_modifyitems(config, items):
     import cuda_sim
     import nvcc_checks
 
+    check_of_test = {"test_host_files_compile_against_torch": nvcc_checks.HOST_FILES_CHECK,
+                     "test_kernel_templates_compile": nvcc_checks.KERNEL_TEMPLATES_CHECK}
+
     def check_name(item) -> str | None:
         if item.path.name != "test_kernels_compile.py" or nvcc_checks.NVCC is None:
             return None
-        if item.originalname == "test_host_files_compile_against_torch":
-            return nvcc_checks.HOST_FILES_CHECK
-        if item.originalname == "test_kernels_compile_for_every_architecture":
-            return nvcc_checks.header_check_name(item.callspec.params["header"])
-        return None
+        return check_of_test.get(item.originalname)
 
     checks = {item: check_name(item) for item in items}
     items.sort(key=lambda item: 2 if checks[item] else 1 if _uses_the_simulator(item) else 0)
