@@ -39,118 +39,123 @@ inline int64_t max_stream_rows(at::ScalarType dtype) {
 // activation rows, so they switch to GEMM (on an upcast copy) earlier.
 constexpr int64_t kMaxUpcastStreamRows = 16;
 
-// A tile: kActRows activation rows x kTileRows weight rows of float32 sums. With AVX-512,
-// eight weight rows keep eight streams in flight, which the hardware prefetchers need to
-// approach the memory bandwidth. Elsewhere one row at a time, in address order: with AVX2 rows
-// interleaved in a tile draw less from memory (the quantized kernels' AVX2 tiles say more).
+// Each weight row is read whole and in address order, for kActRows activation rows at a time:
+// the hardware prefetchers follow one stream far better than the short interleaved ones that a
+// tile of several rows about 1 KB apart makes, which draw less from memory.
 constexpr int kActRows = 4;
 // The float path asks for weights ahead of the ones it reads (as the quantized kernel does),
 // into L2: a core keeps more L2 misses in flight than L1 ones, so more of the memory bandwidth
-// is drawn. With AVX-512 that is the next tile; AVX2's single rows are short, so it asks
-// further ahead, past what its hardware prefetcher already fetches.
+// is drawn. Rows are short (a few KiB), so it asks several rows ahead, past what the hardware
+// prefetcher already fetches.
 #if defined(CPU_CAPABILITY_AVX512)
-constexpr int kTileRows = 8;
 constexpr int kPrefetchRows = 8;
 #else
-constexpr int kTileRows = 1;
 constexpr int kPrefetchRows = 16;
 #endif
 constexpr int kPrefetchIntoL2 = 2;  // __builtin_prefetch's locality for _MM_HINT_T1
+constexpr int64_t kCacheLine = 64;
 
-// out[m][r] = dot(x[m], w[r]) for M activation rows and R weight rows, float32 sums.
-template <int M, int R, typename scalar_t>
-inline void dot_tile(const float* x, const scalar_t* w, int64_t ldw, int64_t k_len,
-                     float (&out)[M][R]) {
+// Prefetches the `bytes` from p on into L2, a cache line at a time.
+template <int64_t bytes>
+inline void prefetch_lines(const void* p) {
+  for (int64_t offset = 0; offset < bytes; offset += kCacheLine)
+    __builtin_prefetch(static_cast<const char*>(p) + offset, 0, kPrefetchIntoL2);
+}
+
+// out[m] = dot(x[m], w) for M activation rows and one weight row, float32 sums. Vectors of the
+// row alternate between two sums per activation row: one chain of dependent multiply-adds
+// would bound a long row by their latency. A row's sum takes the same steps whatever M.
+template <int M, typename scalar_t>
+inline void dot_row(const float* x, const scalar_t* w, int64_t ldw, int64_t k_len,
+                    float (&out)[M]) {
   constexpr int64_t W = VecF::size();
-  VecF acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = VecF(0.f);
+  VecF even[M], odd[M];
+  for (int m = 0; m < M; ++m) even[m] = odd[m] = VecF(0.f);
   int64_t k = 0;
-  for (; k + W <= k_len; k += W) {
-    VecF wv[R];
-    for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(w + (r + kPrefetchRows) * ldw + k, 0, kPrefetchIntoL2);
-      wv[r] = load_as_float(w + r * ldw + k);
-    }
+  for (; k + 2 * W <= k_len; k += 2 * W) {
+    prefetch_lines<2 * W * sizeof(scalar_t)>(w + kPrefetchRows * ldw + k);
+    const VecF w0 = load_as_float(w + k), w1 = load_as_float(w + k + W);
     for (int m = 0; m < M; ++m) {
-      const VecF xv = VecF::loadu(x + m * k_len + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = at::vec::fmadd(xv, wv[r], acc[m][r]);
+      even[m] = at::vec::fmadd(VecF::loadu(x + m * k_len + k), w0, even[m]);
+      odd[m] = at::vec::fmadd(VecF::loadu(x + m * k_len + k + W), w1, odd[m]);
     }
   }
+  if (k + W <= k_len) {
+    const VecF w0 = load_as_float(w + k);
+    for (int m = 0; m < M; ++m)
+      even[m] = at::vec::fmadd(VecF::loadu(x + m * k_len + k), w0, even[m]);
+    k += W;
+  }
   for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float sum = at::vec::vec_reduce_all<float>(
-          [](const VecF& a, const VecF& b) { return a + b; }, acc[m][r]);
-      // An explicit fused multiply-add: left to the compiler, tiles of other heights could be
-      // contracted differently, and a row's result would depend on the rows beside it.
-      for (int64_t j = k; j < k_len; ++j)
-        sum = std::fma(x[m * k_len + j], float(w[r * ldw + j]), sum);
-      out[m][r] = sum;
-    }
+    float sum = at::vec::vec_reduce_all<float>(
+        [](const VecF& a, const VecF& b) { return a + b; }, even[m] + odd[m]);
+    // An explicit fused multiply-add: left to the compiler, the tail could be contracted
+    // differently in each instantiation, and a row's result would depend on M.
+    for (int64_t j = k; j < k_len; ++j) sum = std::fma(x[m * k_len + j], float(w[j]), sum);
+    out[m] = sum;
   }
 }
 
 #ifdef FASTLLM_BF16_DOT
 // bfloat16 activations and weights: AVX512-BF16 multiplies bf16 pairs exactly and sums them in
 // float32, 32 elements (one cache line) per instruction, with no conversion of the weights.
-template <int M, int R>
-inline void dot_tile(const c10::BFloat16* x, const c10::BFloat16* w, int64_t ldw, int64_t k_len,
-                     float (&out)[M][R]) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+template <int M>
+inline void dot_row(const c10::BFloat16* x, const c10::BFloat16* w, int64_t ldw, int64_t k_len,
+                    float (&out)[M]) {
+  constexpr int64_t W = 32;
+  const auto load = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  __m512 even[M], odd[M];
+  for (int m = 0; m < M; ++m) even[m] = odd[m] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= k_len; k += 32) {
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) {
-      __builtin_prefetch(w + (r + kPrefetchRows) * ldw + k, 0, kPrefetchIntoL2);
-      wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
-    }
+  for (; k + 2 * W <= k_len; k += 2 * W) {
+    prefetch_lines<2 * W * sizeof(c10::BFloat16)>(w + kPrefetchRows * ldw + k);
+    const __m512bh w0 = load(w + k), w1 = load(w + k + W);
     for (int m = 0; m < M; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * k_len + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      even[m] = _mm512_dpbf16_ps(even[m], load(x + m * k_len + k), w0);
+      odd[m] = _mm512_dpbf16_ps(odd[m], load(x + m * k_len + k + W), w1);
     }
   }
+  if (k + W <= k_len) {
+    const __m512bh w0 = load(w + k);
+    for (int m = 0; m < M; ++m)
+      even[m] = _mm512_dpbf16_ps(even[m], load(x + m * k_len + k), w0);
+    k += W;
+  }
   for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float sum = _mm512_reduce_add_ps(acc[m][r]);
-      for (int64_t j = k; j < k_len; ++j)
-        sum = std::fma(float(x[m * k_len + j]), float(w[r * ldw + j]), sum);
-      out[m][r] = sum;
-    }
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
+    for (int64_t j = k; j < k_len; ++j)
+      sum = std::fma(float(x[m * k_len + j]), float(w[j]), sum);
+    out[m] = sum;
   }
 }
 #endif
 
-template <int M, int R, typename out_t>
-inline void store_tile(const float (&sums)[M][R], const out_t* bias, out_t* y, int64_t ldy,
-                       int64_t n) {
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r)
-      y[m * ldy + n + r] = out_t(sums[m][r] + (bias ? float(bias[n + r]) : 0.f));
+template <int M, typename out_t>
+inline void store_row(const float (&sums)[M], const out_t* bias, out_t* y, int64_t ldy,
+                      int64_t n) {
+  for (int m = 0; m < M; ++m) y[m * ldy + n] = out_t(sums[m] + (bias ? float(bias[n]) : 0.f));
 }
 
-// y[rows, R tile at n] for every activation row, kActRows rows at a time: the tile's weights
-// come from memory for the first group and from L1/L2 for the others.
-template <int R, typename x_t, typename w_t, typename out_t>
-inline void tile_all_rows(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
-                          const out_t* bias, out_t* y, int64_t ldy, int64_t n,
-                          int64_t k_len) {
+// y[rows, n] for every activation row, kActRows rows at a time: the weight row comes from
+// memory for the first group and from L1 for the others.
+template <typename x_t, typename w_t, typename out_t>
+inline void row_all_rows(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
+                         const out_t* bias, out_t* y, int64_t ldy, int64_t n, int64_t k_len) {
   int64_t m = 0;
   for (; m + kActRows <= rows; m += kActRows) {
-    float sums[kActRows][R];
-    dot_tile<kActRows, R>(x + m * k_len, w, ldw, k_len, sums);
-    store_tile<kActRows, R>(sums, bias, y + m * ldy, ldy, n);
+    float sums[kActRows];
+    dot_row<kActRows>(x + m * k_len, w, ldw, k_len, sums);
+    store_row<kActRows>(sums, bias, y + m * ldy, ldy, n);
   }
   const x_t* xm = x + m * k_len;
   out_t* ym = y + m * ldy;
   switch (rows - m) {
-    case 3: { float sums[3][R]; dot_tile<3, R>(xm, w, ldw, k_len, sums);
-              store_tile<3, R>(sums, bias, ym, ldy, n); break; }
-    case 2: { float sums[2][R]; dot_tile<2, R>(xm, w, ldw, k_len, sums);
-              store_tile<2, R>(sums, bias, ym, ldy, n); break; }
-    case 1: { float sums[1][R]; dot_tile<1, R>(xm, w, ldw, k_len, sums);
-              store_tile<1, R>(sums, bias, ym, ldy, n); break; }
+    case 3: { float sums[3]; dot_row<3>(xm, w, ldw, k_len, sums);
+              store_row<3>(sums, bias, ym, ldy, n); break; }
+    case 2: { float sums[2]; dot_row<2>(xm, w, ldw, k_len, sums);
+              store_row<2>(sums, bias, ym, ldy, n); break; }
+    case 1: { float sums[1]; dot_row<1>(xm, w, ldw, k_len, sums);
+              store_row<1>(sums, bias, ym, ldy, n); break; }
     default: break;
   }
 }
@@ -161,10 +166,8 @@ template <typename x_t, typename w_t, typename out_t>
 inline void stream_weight_rows(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
                                const out_t* bias, out_t* y, int64_t ldy, int64_t begin,
                                int64_t end, int64_t k_len) {
-  int64_t n = begin;
-  for (; n + kTileRows <= end; n += kTileRows)
-    tile_all_rows<kTileRows>(x, rows, w + n * ldw, ldw, bias, y, ldy, n, k_len);
-  for (; n < end; ++n) tile_all_rows<1>(x, rows, w + n * ldw, ldw, bias, y, ldy, n, k_len);
+  for (int64_t n = begin; n < end; ++n)
+    row_all_rows(x, rows, w + n * ldw, ldw, bias, y, ldy, n, k_len);
 }
 
 // Many activation rows against 16-bit weights (compute-bound): y[m * ldy + n] = x[m] . w[n]
@@ -272,8 +275,7 @@ void gemm_weight_panels(const float* x_tiles, int64_t rows, int64_t k_len, const
 // Weight rows per parallel task: enough that a task's weights (>= 64 KiB) dwarf its
 // scheduling cost.
 inline int64_t stream_grain(int64_t k_len, int64_t weight_element_bytes) {
-  return std::max<int64_t>(kTileRows,
-                          (64 << 10) / std::max<int64_t>(1, k_len * weight_element_bytes));
+  return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, k_len * weight_element_bytes));
 }
 
 }  // namespace

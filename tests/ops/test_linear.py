@@ -49,7 +49,7 @@ BIAS_IDS = {"with_bias": lambda with_bias: "bias" if with_bias else "no_bias"}
 
 @pytest.mark.cuda_sim
 @covering.grid(dtype=DTYPES, rows=[0, 1, 2, 3, 4, 5, 7, 8, 9, 13, 64, 65],
-               shape=[(64, 24), (1, 9), (7, 3), (33, 17), (1029, 70)],
+               shape=[(64, 24), (1, 9), (7, 3), (33, 17), (1077, 70)],
                with_bias=[False, True], ids=BIAS_IDS,
                edges=[*(dict(backend="cpu", dtype=dtype, rows=rows)
                         for dtype, rows in CPU_SWITCHES),
@@ -64,7 +64,7 @@ def test_matches_float64(backend, dtype, rows, shape, with_bias):
 
 
 @covering.grid(weight_dtype=[torch.bfloat16, torch.float16], rows=[0, 1, 3, 4, 5, 16, 17, 40],
-               shape=[(64, 24), (7, 3), (1029, 70)],
+               shape=[(64, 24), (7, 3), (1077, 70)],
                edges=[dict(backend="cpu", weight_dtype=weight_dtype, rows=rows)
                       for weight_dtype in (torch.bfloat16, torch.float16) for rows in (16, 17)])
 def test_16_bit_weights_under_float32(backend, weight_dtype, rows, shape):
@@ -143,7 +143,7 @@ def test_bad_inputs_raise(backend):
 @pytest.mark.parametrize("x_dtype, weight_dtype", [
     *[(dtype, dtype) for dtype in DTYPES], (torch.float32, torch.bfloat16),
     (torch.float32, torch.float16)], ids=str)
-@pytest.mark.parametrize("in_features", [64, 1029])
+@pytest.mark.parametrize("in_features", [64, 1077])
 def test_batch_invariant_rows_equal_each_row_alone(x_dtype, weight_dtype, in_features):
     """Under ops.batch_invariant() a row's result is bit for bit its result alone, for more rows
     than the op otherwise streams (it would switch to ATen's GEMM); still float64-close."""
