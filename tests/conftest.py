@@ -6,7 +6,9 @@ a block of code calls."""
 
 import contextlib
 import importlib.util
+import itertools
 import os
+import socket
 import sys
 import types
 import zlib
@@ -272,6 +274,42 @@ def assert_within_twice_plain_error(got, plain, expected) -> None:
     assert err <= 2 * plain_err + LOW_PRECISION_SLACK, (
         f"max error {err:.3g} vs the float64 reference exceeds 2x the plain composition's "
         f"{plain_err:.3g}")
+
+
+# Ports for the servers tests start: below 32768, where the kernel's ephemeral ports begin
+# (every outgoing connection, Ray's included, takes its local port there, so a port bound to 0
+# and given back may be taken again before the server binds it), and above Ray's worker ports
+# (10002 to 19999); a block for each pytest-xdist worker, handed out in turn, PORT_RUN at a
+# time: a server may take the ports after its own (data-parallel ranks publish KV events on
+# consecutive ports).
+FIRST_PORT, EPHEMERAL_PORTS, PORT_RUN = 20000, 32768, 8
+_PORTS_PER_WORKER = ((EPHEMERAL_PORTS - FIRST_PORT)
+                     // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+_FIRST_WORKER_PORT = (FIRST_PORT + _PORTS_PER_WORKER
+                      * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")))
+_worker_ports = itertools.cycle(range(_FIRST_WORKER_PORT,
+                                      _FIRST_WORKER_PORT + _PORTS_PER_WORKER - PORT_RUN + 1,
+                                      PORT_RUN))
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:  # held by a server an earlier test started, or by another program
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that no process holds, nor the PORT_RUN - 1 after it, from this
+    worker's block."""
+    for _ in range(_PORTS_PER_WORKER // PORT_RUN):
+        port = next(_worker_ports)
+        if all(_is_free(port + i) for i in range(PORT_RUN)):
+            return port
+    raise RuntimeError(f"no {PORT_RUN} free ports in a row in {_FIRST_WORKER_PORT}..."
+                       f"{_FIRST_WORKER_PORT + _PORTS_PER_WORKER - 1}")
 
 
 MODELS_DIR = Path(os.environ.get("FASTLLM_MODELS_DIR",

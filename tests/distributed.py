@@ -17,7 +17,6 @@ import atexit
 import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -61,7 +60,10 @@ class _Group:
         self.size = size
         self.tasks = [context.Queue() for _ in range(size)]
         self.results = context.Queue()
-        port = _free_port()
+        # Imported here, not by the module, which every spawned rank imports again.
+        from conftest import free_port
+
+        port = free_port()
         self.processes = [context.Process(target=_rank_main, name=f"test-rank-{rank}",
                                           args=(rank, size, port, self.tasks[rank], self.results),
                                           daemon=True)
@@ -118,12 +120,6 @@ _groups: dict[int, _Group] = {}
 def _stop_groups() -> None:
     while _groups:
         _groups.popitem()[1].stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(rank: int, size: int, port: int, tasks: Any, results: Any) -> None:

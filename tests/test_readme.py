@@ -14,7 +14,6 @@ import hashlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import background_builds
 import httpx
 import pytest
 import yaml
+from conftest import free_port
 from hub_server import LocalHub
 from lora.peft_models import save_adapter
 from tiny_hf import tiny_qwen3_folder
@@ -196,12 +196,6 @@ def test_block_runs_as_a_file(block, hub_env, tmp_path):
     if stdin is not None:  # a reply, then the prompt that read /exit
         assert run.stdout.startswith("fastllm chat:") and run.stdout.endswith(">>> "), \
             run.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if starts_server(b)],

@@ -10,7 +10,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import time
 
 import pytest
 import torch
+from conftest import free_port
 from tiny_hf import random_hf_model, save_hf_model
 
 from fastllm import LLM, SamplingParams
@@ -163,9 +163,7 @@ def test_torchrun_starts_the_ranks(model_path, tmp_path):
     batch = prompts(512)[:3]
     script = tmp_path / "generate.py"
     script.write_text(TORCHRUN_SCRIPT)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                           "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                           str(script), str(folder), json.dumps(batch)],

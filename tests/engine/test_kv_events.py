@@ -6,24 +6,18 @@ batches from a sequence number on."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import msgpack
 import pytest
 import zmq
+from conftest import free_port
 
 from fastllm import LLM, SamplingParams
 from fastllm.engine.kv_events import KVEventsConfig, block_hash, prompt_block_hashes
 
 BLOCK = 16
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

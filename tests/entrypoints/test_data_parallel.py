@@ -11,7 +11,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
+from conftest import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from openai_server import running_server
@@ -67,12 +67,6 @@ class Server:
                                         if k != "model_name")): sample.value
                 for family in text_string_to_metric_families(text)
                 for sample in family.samples}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def running(pid: int) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import socket
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from conftest import missing, num_threads
+from conftest import free_port, missing, num_threads
 
 import fastllm
 from fastllm import LLM, SamplingParams
@@ -43,12 +42,6 @@ def ray_serve():
     except ImportError:  # CI installs it (requirements.txt): there a missing ray fails
         missing("ray[serve] is not installed: pip install -r requirements.txt")
     return ray_serve
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_running(name: str, seconds: float) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import per_device
+from conftest import free_port, per_device
 from hub_server import LocalHub
 from openai_server import finished, running_server, wait_idle
 
@@ -587,9 +586,7 @@ def serve_command(model, *args: str, env: dict[str, str] | None = None):
     """``fastllm serve model *args`` on a free port of 127.0.0.1 (in ``env``, default this
     process's environment), stopped (SIGTERM) at the end; yields (port, process) once it answers
     /health."""
-    with socket.socket() as sock:  # a free port, given back for the server to take
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "fastllm", "serve", str(model), "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
