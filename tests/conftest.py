@@ -95,6 +95,10 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:  # the cores are shared out among pytest-xdist's workers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        # The processes tests start (servers, ranks, README's scripts) run OpenMP threads on
+        # every core while the other workers' tests run there too: a thread waiting at a
+        # barrier sleeps rather than spins, which would take a core from a process with work.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config.addinivalue_line("markers", "cuda_sim: run the test's `backend` cases on the CUDA "
                                        "simulator too")
     config.addinivalue_line("markers", "cpu_inputs: the test builds CPU tensors (bad-input "
