@@ -139,8 +139,9 @@ inline void store_row(const float (&sums)[M], const out_t* bias, out_t* y, int64
 // y[rows, n] for every activation row, kActRows rows at a time: the weight row comes from
 // memory for the first group and from L1 for the others.
 template <typename x_t, typename w_t, typename out_t>
-inline void row_all_rows(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
-                         const out_t* bias, out_t* y, int64_t ldy, int64_t n, int64_t k_len) {
+inline void stream_weight_row(const x_t* x, int64_t rows, const w_t* w, int64_t ldw,
+                              const out_t* bias, out_t* y, int64_t ldy, int64_t n,
+                              int64_t k_len) {
   int64_t m = 0;
   for (; m + kActRows <= rows; m += kActRows) {
     float sums[kActRows];
@@ -167,7 +168,7 @@ inline void stream_weight_rows(const x_t* x, int64_t rows, const w_t* w, int64_t
                                const out_t* bias, out_t* y, int64_t ldy, int64_t begin,
                                int64_t end, int64_t k_len) {
   for (int64_t n = begin; n < end; ++n)
-    row_all_rows(x, rows, w + n * ldw, ldw, bias, y, ldy, n, k_len);
+    stream_weight_row(x, rows, w + n * ldw, ldw, bias, y, ldy, n, k_len);
 }
 
 // Many activation rows against 16-bit weights (compute-bound): y[m * ldy + n] = x[m] . w[n]
