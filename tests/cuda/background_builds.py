@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import re
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 Build = Callable[[], object]
@@ -93,6 +95,37 @@ def exclusive(lock_file: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
+
+
+def sources_digest(units: Iterable[Path], include_dirs: Sequence[Path], text: str = "") -> str:
+    """SHA-256 over the files ``units`` and ``text`` (a unit's own code) include with quotes,
+    transitively, and the units themselves: what a build of them reads besides the system's and
+    torch's headers, which a build's key takes by version. An include is looked up beside the
+    file that includes it and in ``include_dirs``; every file found counts (the one the
+    compiler takes among them included), so a CPU kernel's header, which no CUDA unit includes,
+    leaves the CUDA builds' keys alone."""
+    seen: dict[Path, bytes] = {}
+    pending = [(None, name) for name in _QUOTED_INCLUDE.findall(text)]
+    pending += [(None, str(unit)) for unit in units]
+    while pending:
+        includer, name = pending.pop()
+        folders = [includer.parent] if includer is not None else []
+        for path in [Path(name)] if Path(name).is_absolute() else [
+                folder / name for folder in [*folders, *include_dirs]]:
+            path = path.resolve()
+            if path in seen or not path.is_file():
+                continue
+            seen[path] = path.read_bytes()
+            pending += [(path, found) for found in
+                        _QUOTED_INCLUDE.findall(seen[path].decode(errors="replace"))]
+    digest = hashlib.sha256(text.encode())
+    for path in sorted(seen):
+        digest.update(str(path).encode())
+        digest.update(seen[path])
+    return digest.hexdigest()
 
 
 def run(command: Sequence[str], timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -8,9 +8,9 @@ key splits, pipelines and barriers, checked against the same references as the C
 it cannot check is the hardware: timing, registers, and the PTX instructions, which it does as the
 PTX ISA describes them (``sim/include/common/cuda_ptx.cuh``).
 
-The library is built once per content (csrc, the simulator, the flags, compiler and torch
-versions) under ``build/cuda-sim/<key>``, replacing the build of any older content; a warm run
-loads it."""
+The library is built once per content (the units and the csrc and simulator files they include,
+the flags, compiler and torch versions) under ``build/cuda-sim/<key>``, replacing the build of
+any older content; a warm run loads it."""
 
 from __future__ import annotations
 
@@ -76,15 +76,12 @@ def _flags(cuda_include: Path) -> list[str]:
 
 
 def _key(compiler: str, flags: list[str]) -> str:
-    digest = hashlib.sha256()
-    for tree in (CSRC, SIM):
-        for path in sorted(tree.rglob("*")):
-            if path.is_file():
-                digest.update(str(path.relative_to(ROOT)).encode())
-                digest.update(path.read_bytes())
+    sources = background_builds.sources_digest(
+        [*UNITS, *(header for header in PRELUDE if isinstance(header, Path))],
+        [SIM / "include", CSRC])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest.update("\n".join([*flags, version, torch.__version__]).encode())
-    return digest.hexdigest()[:24]
+    return hashlib.sha256("\n".join([sources, *flags, version, torch.__version__])
+                          .encode()).hexdigest()[:24]
 
 
 SIMULATOR_BUILD = "the CUDA simulator"

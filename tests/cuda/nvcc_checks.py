@@ -54,21 +54,12 @@ def gencode(arch: str) -> list[str]:
     return ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
 
 
-def source_digest() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(CSRC.rglob("*")):
-        if path.is_file():
-            digest.update(path.relative_to(CSRC).as_posix().encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 def compile_once(source: str, flags: list[str], symbols: list[str]) -> None:
     """nvcc -c of a unit holding ``source``, unless this exact compile already passed; checks
     that the object defines each of ``symbols``."""
     version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([source_digest(), source, *flags, version,
-                                    torch.__version__]).encode()).hexdigest()
+    key = hashlib.sha256("\n".join([background_builds.sources_digest([], [CSRC], source),
+                                    *flags, version, torch.__version__]).encode()).hexdigest()
     stamp = STAMPS / key
     with background_builds.exclusive(STAMPS / f"{key}.lock"):
         if not stamp.exists():
