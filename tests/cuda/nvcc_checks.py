@@ -13,8 +13,9 @@ each (``background_builds``: a cold checkout starts them ahead of the tests):
   PTX for the newest target architecture (the templates already go to SASS).
 
 A compile takes up to a few minutes; a passing one is remembered under
-``build/cuda-compile-check``, keyed by everything that can change its outcome (all of csrc, the
-command, nvcc's and torch's versions), so a warm ``make test`` skips it."""
+``build/cuda-compile-check``, keyed by everything that can change its outcome (the unit and the
+csrc files it includes, the command, nvcc's and torch's versions), so a warm ``make test``
+skips it, and so does one after a change to CPU code alone."""
 
 from __future__ import annotations
 
