@@ -4,7 +4,8 @@
 // heads of those kv heads' GQA groups stacked under each position, so each K/V row read serves
 // the whole group (GQA by index, no copies). Prefill tiles take one kv head and many positions
 // and run two small GEMMs per key block on packed K/V; decode-like tiles (few rows per kv head)
-// take every kv head and read K/V rows in place, so memory is streamed in order. The causal
+// take every kv head and read K/V rows in place, a block of keys at a time, each kv head's query
+// rows held in registers while its key rows stream past. The causal
 // (bottom-right) and sliding-window masks are computed from positions; key blocks no row can see
 // are never visited. With a soft-cap (Gemma 2) a row's visible scores become
 // softcap * tanh(score / softcap) before its online softmax. Few tiles with long key ranges are
@@ -147,14 +148,17 @@ inline void for_each_key_row(const Problem& pb, const Tile& t, const scalar_t* c
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Lane c of the result is the sum of a[c]'s 16 lanes: a tree of in-lane unpacks and 128-bit
-// shuffles, 45 instructions for the 16 sums where reducing each vector alone takes 8 with a
-// long dependency chain.
-inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
+// out[c] = the sum of the W floats at vectors + c * W, for c < W: a tree of in-lane unpacks and
+// 128-bit shuffles, 45 instructions for the 16 sums where reducing each vector alone takes 8
+// with a long dependency chain. The vectors are loaded as the tree needs them (an array of 16
+// loaded vectors is copied through the stack).
+inline void store_vector_sums(const float* vectors, float* out) {
+  const auto row = [vectors](int c) { return _mm512_loadu_ps(vectors + c * 16); };
   __m512 pairs[8], quads[4];
-  for (int k = 0; k < 8; ++k)  // per 128-bit lane: a_2k's and a_2k+1's elements 0+2, 1+3
-    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
-                             _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: a_2k's and a_2k+1's elements 0+2, 1+3
+    const __m512 a = row(2 * k), b = row(2 * k + 1);
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
   for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the sums of a_4k .. a_4k+3
     const __m512d x = _mm512_castps_pd(pairs[2 * k]), y = _mm512_castps_pd(pairs[2 * k + 1]);
     quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
@@ -165,79 +169,92 @@ inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
   };
-  return halves(halves(quads[0], quads[1]), halves(quads[2], quads[3]));
-}
-
-// out[c] = the sum of the W floats at vectors + c * W, for c < W.
-inline void store_vector_sums(const float* vectors, float* out) {
-  __m512 a[16];
-  for (int c = 0; c < 16; ++c) a[c] = _mm512_loadu_ps(vectors + c * 16);
-  _mm512_storeu_ps(out, sum_lanes_16(a));
+  _mm512_storeu_ps(out, halves(halves(quads[0], quads[1]), halves(quads[2], quads[3])));
 }
 #elif defined(CPU_CAPABILITY_AVX2)
 // out[c] = the sum of the W floats at vectors + c * W, for c < W: horizontal adds of pairs,
 // then of pairs of pairs (each 128-bit half's sums), then the halves added.
 inline void store_vector_sums(const float* vectors, float* out) {
-  __m256 a[8];
-  for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(vectors + c * 8);
-  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  const auto row = [vectors](int c) { return _mm256_loadu_ps(vectors + c * 8); };
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(row(0), row(1)), _mm256_hadd_ps(row(2), row(3)));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(row(4), row(5)), _mm256_hadd_ps(row(6), row(7)));
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
                                       _mm256_permute2f128_ps(low, high, 0x31)));
 }
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// Whether scores_by_key keeps a converted head row of V vectors in registers beside a row's
-// products (AVX-512's 32 registers hold 16, AVX2's 16 hold 8).
-constexpr int kMaxKeyVectors = VecF::size() == 16 ? 16 : 8;
+// Query vectors a direct tile keeps in registers while a kv head's key rows stream past, beside
+// a converted key vector and a sum per row (AVX-512's 32 registers, AVX2's 16).
+constexpr int kQueryVectors = VecF::size() == 16 ? 24 : 12;
 
-// scores_direct with SIMD. Keys in address order (a key's heads, then the next key's), the
-// key kPrefetchRows ahead fetched as each is read. With V > 0 (head_dim = V vectors) a head's K
-// row is converted once, into registers, for its group's rows; with V = 0 each row converts it.
-// W keys at a time, each row's W products are summed at once (store_vector_sums) into s's
-// columns (lds is whole vectors: keys past nk score 0, and the softmax clears them).
-template <int V, typename scalar_t>
-void scores_by_key(const Problem& pb, const Tile& t, const float* qf,
-                   const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
-                   int64_t lds, float* partial) {
+// partial[(r * W + c) * W, + W) = the lane-wise products of query row r (at q + r * ldq) and
+// the key row k_rows[c0 + c] + head_offset, summed over the row's vectors, for r < R and c < n;
+// zeros for c in [n, W). With V > 0 (head_dim = V vectors) the R query rows stay in registers
+// and each key vector is converted once for them; V = 0: head_dim = d, one row (R = 1), its
+// query read as it goes. With `prefetch`, the key kPrefetchRows ahead is fetched as each is
+// read.
+template <int V, int R, typename scalar_t>
+inline void row_key_products(const float* q, int64_t ldq, int64_t d,
+                             const scalar_t* const* k_rows, int64_t head_offset, int64_t c0,
+                             int64_t n, int64_t nk, bool prefetch, float* partial) {
+  static_assert(V > 0 || R == 1);
   constexpr int64_t W = VecF::size();
-  // A compile-time row length where V fixes it, so the row's vectors stay in registers.
-  const int64_t D = V > 0 ? V * W : pb.head_dim;
-  const int64_t G = pb.group, hp = t.heads_per_pos(pb), rows = t.rows(pb);
+  const int64_t D = V > 0 ? V * W : d;
+  VecF qv[R][V > 0 ? V : 1];
+  if constexpr (V > 0)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) qv[r][v] = VecF::loadu(q + r * ldq + v * W);
+  const auto query_vector = [&](int r, int64_t e) {
+    if constexpr (V > 0) return qv[r][e / W];
+    else return VecF::loadu(q + e);
+  };
+  for (int64_t c = 0; c < n; ++c) {
+    if (prefetch && c0 + c + kPrefetchRows < nk)
+      prefetch_row(k_rows[c0 + c + kPrefetchRows] + head_offset, D);
+    const scalar_t* kc = k_rows[c0 + c] + head_offset;
+    VecF acc[R];
+    const VecF k0 = load_as_float(kc);
+    for (int r = 0; r < R; ++r) acc[r] = query_vector(r, 0) * k0;
+    for (int64_t e = W; e < D; e += W) {
+      const VecF k = load_as_float(kc + e);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(query_vector(r, e), k, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) acc[r].store(partial + (r * W + c) * W);
+  }
+  for (int64_t c = n; c < W; ++c)
+    for (int r = 0; r < R; ++r) VecF(0.f).store(partial + (r * W + c) * W);
+}
+
+// scores_direct with SIMD: W keys at a time, each kv head's rows (R at a time, their queries in
+// registers) against the head's key rows, each row's W products then summed at once
+// (store_vector_sums) into s's columns (lds is whole vectors: keys past nk score 0, and the
+// softmax clears them). Each row's sums take the same steps whatever the tile.
+template <int V, typename scalar_t>
+void scores_by_head(const Problem& pb, const Tile& t, const float* qf,
+                    const scalar_t* const* k_rows, int64_t head_stride, int64_t nk, float* s,
+                    int64_t lds, float* partial) {
+  constexpr int64_t W = VecF::size();
+  constexpr int R = V > 0 ? kQueryVectors / V : 1;
+  const int64_t D = pb.head_dim, G = pb.group, hp = t.heads_per_pos(pb);
   for (int64_t c0 = 0; c0 < nk; c0 += W) {
     const int64_t n = std::min(W, nk - c0);
-    for (int64_t c = 0; c < n; ++c) {
-      if (c0 + c + kPrefetchRows < nk)
-        for (int64_t j = 0; j < t.n_kv; ++j)
-          prefetch_row(k_rows[c0 + c + kPrefetchRows] + j * head_stride, D);
-      for (int64_t j = 0; j < t.n_kv; ++j) {
-        const scalar_t* kc = k_rows[c0 + c] + j * head_stride;
-        VecF kv[V > 0 ? V : 1];
-        if constexpr (V > 0)
-          for (int v = 0; v < V; ++v) kv[v] = load_as_float(kc + v * W);
-        const auto key_vector = [&](int64_t d) {
-          if constexpr (V > 0) return kv[d / W];
-          else return load_as_float(kc + d);
-        };
-        for (int64_t i = 0; i < t.n_pos; ++i)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t r = i * hp + j * G + g;
-            const float* qr = qf + r * D;
-            VecF acc0(0.f), acc1(0.f);
-            int64_t d = 0;
-            for (; d + 2 * W <= D; d += 2 * W) {
-              acc0 = at::vec::fmadd(VecF::loadu(qr + d), key_vector(d), acc0);
-              acc1 = at::vec::fmadd(VecF::loadu(qr + d + W), key_vector(d + W), acc1);
-            }
-            if (d < D) acc0 = at::vec::fmadd(VecF::loadu(qr + d), key_vector(d), acc0);
-            (acc0 + acc1).store(partial + (r * W + c) * W);
-          }
-      }
-    }
-    for (int64_t c = n; c < W; ++c)
-      for (int64_t r = 0; r < rows; ++r) VecF(0.f).store(partial + (r * W + c) * W);
-    for (int64_t r = 0; r < rows; ++r) store_vector_sums(partial + r * W * W, s + r * lds + c0);
+    for (int64_t j = 0; j < t.n_kv; ++j)
+      for (int64_t i = 0; i < t.n_pos; ++i)
+        for (int64_t g = 0; g < G; g += R) {
+          const int64_t r0 = i * hp + j * G + g, rows = std::min<int64_t>(R, G - g);
+          const bool prefetch = i == 0 && g == 0;  // each key row fetched once
+          const float* q = qf + r0 * D;
+          const int64_t offset = j * head_stride;
+          [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
+            ((rows == kRows + 1 ? row_key_products<V, kRows + 1>(q, D, D, k_rows, offset, c0, n,
+                                                                 nk, prefetch, partial)
+                                : void()),
+             ...);
+          }(std::make_integer_sequence<int, R>());
+          for (int64_t r = 0; r < rows; ++r)
+            store_vector_sums(partial + r * W * W, s + (r0 + r) * lds + c0);
+        }
   }
 }
 #endif
@@ -250,12 +267,11 @@ void scores_direct(const Problem& pb, const Tile& t, const float* qf,
   constexpr int64_t W = VecF::size();
   const int64_t D = pb.head_dim;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  // (A converted head row in registers beside the products.)
-  if (D == 4 * W) return scores_by_key<4>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
-  if (D == 8 * W) return scores_by_key<8>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
-  if constexpr (kMaxKeyVectors >= 16)
-    if (D == 16 * W) return scores_by_key<16>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
-  scores_by_key<0>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  if (D == 4 * W) return scores_by_head<4>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  if (D == 8 * W) return scores_by_head<8>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  if constexpr (kQueryVectors >= 16)
+    if (D == 16 * W) return scores_by_head<16>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
+  scores_by_head<0>(pb, t, qf, k_rows, head_stride, nk, s, lds, work);
 #else
   for_each_key_row(pb, t, k_rows, head_stride, nk, [&](int64_t c, int64_t r, const scalar_t* kc) {
     const float* qr = qf + r * D;
