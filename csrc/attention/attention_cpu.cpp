@@ -151,7 +151,7 @@ inline void for_each_key_row(const Problem& pb, const Tile& t, const scalar_t* c
 // out[c] = the sum of the W floats at vectors + c * W, for c < W: a tree of in-lane unpacks and
 // 128-bit shuffles, 45 instructions for the 16 sums where reducing each vector alone takes 8
 // with a long dependency chain. The vectors are loaded as the tree needs them (an array of 16
-// loaded vectors is copied through the stack).
+// loaded vectors passed to a helper was copied through the stack).
 inline void store_vector_sums(const float* vectors, float* out) {
   const auto row = [vectors](int c) { return _mm512_loadu_ps(vectors + c * 16); };
   __m512 pairs[8], quads[4];
@@ -176,8 +176,11 @@ inline void store_vector_sums(const float* vectors, float* out) {
 // then of pairs of pairs (each 128-bit half's sums), then the halves added.
 inline void store_vector_sums(const float* vectors, float* out) {
   const auto row = [vectors](int c) { return _mm256_loadu_ps(vectors + c * 8); };
-  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(row(0), row(1)), _mm256_hadd_ps(row(2), row(3)));
-  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(row(4), row(5)), _mm256_hadd_ps(row(6), row(7)));
+  const auto quad = [&](int c) {  // per 128-bit half: the sums of rows c .. c + 3
+    return _mm256_hadd_ps(_mm256_hadd_ps(row(c), row(c + 1)),
+                          _mm256_hadd_ps(row(c + 2), row(c + 3)));
+  };
+  const __m256 low = quad(0), high = quad(4);
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
                                       _mm256_permute2f128_ps(low, high, 0x31)));
 }
@@ -188,23 +191,23 @@ inline void store_vector_sums(const float* vectors, float* out) {
 // a converted key vector and a sum per row (AVX-512's 32 registers, AVX2's 16).
 constexpr int kQueryVectors = VecF::size() == 16 ? 24 : 12;
 
-// partial[(r * W + c) * W, + W) = the lane-wise products of query row r (at q + r * ldq) and
-// the key row k_rows[c0 + c] + head_offset, summed over the row's vectors, for r < R and c < n;
-// zeros for c in [n, W). With V > 0 (head_dim = V vectors) the R query rows stay in registers
-// and each key vector is converted once for them; V = 0: head_dim = d, one row (R = 1), its
+// partial[(r * W + c) * W, + W) = the lane-wise products of query row r (at q + r * d) and the
+// key row k_rows[c0 + c] + head_offset, summed over the row's vectors, for r < R and c < n;
+// zeros for c in [n, W). d is head_dim. With V > 0 (head_dim = V vectors) the R query rows stay
+// in registers and each key vector is converted once for them; V = 0: one row (R = 1), its
 // query read as it goes. With `prefetch`, the key kPrefetchRows ahead is fetched as each is
 // read.
 template <int V, int R, typename scalar_t>
-inline void row_key_products(const float* q, int64_t ldq, int64_t d,
-                             const scalar_t* const* k_rows, int64_t head_offset, int64_t c0,
-                             int64_t n, int64_t nk, bool prefetch, float* partial) {
+inline void row_key_products(const float* q, int64_t d, const scalar_t* const* k_rows,
+                             int64_t head_offset, int64_t c0, int64_t n, int64_t nk,
+                             bool prefetch, float* partial) {
   static_assert(V > 0 || R == 1);
   constexpr int64_t W = VecF::size();
   const int64_t D = V > 0 ? V * W : d;
   VecF qv[R][V > 0 ? V : 1];
   if constexpr (V > 0)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) qv[r][v] = VecF::loadu(q + r * ldq + v * W);
+      for (int v = 0; v < V; ++v) qv[r][v] = VecF::loadu(q + r * d + v * W);
   const auto query_vector = [&](int r, int64_t e) {
     if constexpr (V > 0) return qv[r][e / W];
     else return VecF::loadu(q + e);
@@ -247,8 +250,8 @@ void scores_by_head(const Problem& pb, const Tile& t, const float* qf,
           const float* q = qf + r0 * D;
           const int64_t offset = j * head_stride;
           [&]<int... kRows>(std::integer_sequence<int, kRows...>) {
-            ((rows == kRows + 1 ? row_key_products<V, kRows + 1>(q, D, D, k_rows, offset, c0, n,
-                                                                 nk, prefetch, partial)
+            ((rows == kRows + 1 ? row_key_products<V, kRows + 1>(q, D, k_rows, offset, c0, n, nk,
+                                                                 prefetch, partial)
                                 : void()),
              ...);
           }(std::make_integer_sequence<int, R>());
