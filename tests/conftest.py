@@ -5,6 +5,7 @@ device for fixtures, a model's prefill logits and their tolerance against HF's, 
 a block of code calls."""
 
 import contextlib
+import gc
 import importlib.util
 import itertools
 import os
@@ -191,6 +192,14 @@ def pytest_collection_modifyitems(config, items):
     wanted = set(checks.values())
     builds += [(name, check) for name, check in nvcc_checks.checks().items() if name in wanted]
     background_builds.start(builds)
+
+
+def pytest_collection_finish(session):
+    """What collection made (the test modules and what they import, the items and their
+    parameters) lives as long as the session: frozen out of the cyclic collector's sight, so
+    that its full collections stop walking it again and again."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_sessionfinish(session):

@@ -17,10 +17,12 @@ entrypoint module.
 
 import importlib
 
-import torch
-
-from fastllm import _C
 from fastllm.gc_pause import collector_paused
+
+with collector_paused():  # torch's import makes only long-lived objects
+    import torch
+
+    from fastllm import _C
 
 if _C.torch_version != torch.__version__:
     raise ImportError(

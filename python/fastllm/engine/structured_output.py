@@ -11,9 +11,11 @@ rows of the batch are not touched.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import llguidance
 import torch
@@ -68,18 +70,41 @@ class _TokenTable:
         return ids
 
 
+@dataclass(frozen=True)
+class _Vocabulary:
+    """What llguidance's view of a tokenizer is built from; two are equal exactly when the
+    views would be (the tokenizer itself is not compared: its vocabulary key is)."""
+
+    tokenizer: Tokenizer = field(compare=False)
+    key: object  # Tokenizer.vocabulary_key
+    vocab_size: int
+    eos: tuple[int, ...]
+    eos_token_id: int | None
+    bos_token_id: int | None
+
+
+# Building one reads every token's bytes (about a second for 150k tokens), and every ``LLM`` of a
+# model loads the same vocabulary: an engine after the first finds it here. An LLTokenizer is
+# immutable, so engines share it. The 4 used last are kept.
+@functools.lru_cache(maxsize=4)
+def _ll_tokenizer(vocabulary: _Vocabulary) -> llguidance.LLTokenizer:
+    table = _TokenTable(vocabulary.tokenizer, vocabulary.vocab_size)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(table),
+                                  n_vocab=vocabulary.vocab_size, eos_token=list(vocabulary.eos))
+
+
 class GrammarCompiler:
     """Turns :class:`~fastllm.sampling.StructuredOutputsParams` into matchers for one tokenizer
     and a model's vocabulary size."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        table = _TokenTable(tokenizer, vocab_size)
-        if table.eos_token_id is None and not tokenizer.eos_token_ids:
+        eos = tokenizer.eos_token_ids or [tokenizer.eos_token_id]
+        if eos == [None]:
             raise ValueError("structured output needs a tokenizer with an end-of-sequence token")
-        eos = tokenizer.eos_token_ids or [table.eos_token_id]
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(table),
-                                                n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer = _ll_tokenizer(_Vocabulary(
+            tokenizer, tokenizer.vocabulary_key, vocab_size, tuple(eos),
+            tokenizer.eos_token_id, tokenizer.bos_token_id))
 
     def grammar(self, params: StructuredOutputsParams) -> str:
         """llguidance's grammar text for ``params``; a ValueError for a schema that is not

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -498,6 +499,11 @@ def _serve(args: argparse.Namespace) -> None:
                    max_cpu_loras=args.max_cpu_loras, kv_events_config=kv_events)
     try:
         server = build_server(llm, config, name)
+        # What start-up made (modules, the model, the app) lives as long as the server: frozen
+        # out of the cyclic collector's sight, a full collection between requests walks only
+        # what requests made (vLLM freezes its engine's start-up heap too).
+        gc.collect()
+        gc.freeze()
         if args.data_parallel_socket is not None:  # a replica: its router says where it is
             data_parallel.exit_when_engine_fails(llm)
             server.run(sockets=[data_parallel.bind_unix(args.data_parallel_socket)])

@@ -44,6 +44,12 @@ class _Backend:
         """The bytes a token adds to the decoded byte stream, or None where that is unknown."""
         return None
 
+    @property
+    def vocabulary_key(self) -> object:
+        """The same object for two backends exactly when they encode text and spell tokens
+        alike: by default the backend itself."""
+        return self
+
     def new_stream(self, skip_special_tokens: bool, context: list[int], at_start: bool):
         return _WindowStream(self, skip_special_tokens, context, at_start=at_start)
 

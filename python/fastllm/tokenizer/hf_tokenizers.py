@@ -54,6 +54,12 @@ class _TokenizersBackend(_Backend):
             return bytes([int(token[3:5], 16)])
         return token.replace(_SPACE, " ").encode()
 
+    @property
+    def vocabulary_key(self):
+        # One tokenizer.json's tokenizers.Tokenizer is shared by every backend loaded from it
+        # (fastllm.tokenizer.tokenizer._TokenizerJsonCache) and never changed.
+        return self.tk
+
     def new_stream(self, skip_special_tokens, context, at_start):
         return _TokenizersStream(self, skip_special_tokens, context)
 

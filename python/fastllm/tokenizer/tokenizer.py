@@ -320,6 +320,12 @@ class Tokenizer:
         return self._backend.token_bytes(token_id)
 
     @property
+    def vocabulary_key(self) -> object:
+        """The same object for two tokenizers whose ids, token bytes and encoding agree (two
+        loads of one tokenizer.json); a key for what is built from a vocabulary."""
+        return self._backend.vocabulary_key
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._special_id("bos_token")
 
