@@ -6,6 +6,7 @@ a block of code calls."""
 
 import contextlib
 import gc
+import hashlib
 import importlib.util
 import itertools
 import os
@@ -13,7 +14,7 @@ import socket
 import sys
 import types
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +22,8 @@ from typing import TypeVar
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastllm.bench.cache import cached
 
 # "cpu" always; "cuda" reported as skipped where there is no GPU, so a CPU-only run says what it
 # did not cover; "mps" only where it exists (there is no mps in a CPU-only torch to speak of).
@@ -157,6 +160,19 @@ def _parametrize_covering(metafunc, grid: dict, backends: list[str] | None) -> N
 
 CUDA_TESTS = Path(__file__).resolve().parent / "cuda"
 sys.path.insert(0, str(CUDA_TESTS))  # the simulator's and nvcc checks' modules
+TEST_CACHE = Path(__file__).resolve().parents[1] / "build" / "test-cache"
+
+
+def kept(name: str, make: Callable[[Path], None], key: Sequence[str]) -> Path:
+    """``build/test-cache/{name}`` with a hash of ``key`` before its suffix: made by
+    ``make(partial)`` the first time (by one pytest-xdist worker at a time) and kept between
+    runs; ``key`` names everything it is made from (file hashes, package versions)."""
+    import background_builds
+
+    digest = hashlib.sha256("\n".join(key).encode()).hexdigest()
+    path = TEST_CACHE / f"{Path(name).stem}-{digest}{Path(name).suffix}"
+    with background_builds.exclusive(path.with_name(path.name + ".lock")):
+        return cached(path, make, "tests")
 
 
 def _uses_the_simulator(item) -> bool:
@@ -353,6 +369,15 @@ def anthropic() -> types.ModuleType:
     import anthropic
 
     return anthropic
+
+
+@pytest.fixture(scope="session")
+def run_all() -> types.ModuleType:
+    """benchmarks/run_all.py, imported by the first test that asks for it: it imports every
+    benchmark (peft, matplotlib)."""
+    from tiny_bench import import_benchmark
+
+    return import_benchmark("run_all")
 
 
 @pytest.fixture(scope="session")

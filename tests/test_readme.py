@@ -10,7 +10,6 @@ The set-up commands (``make``, ``pip install``) are what ``make test`` itself ru
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import signal
@@ -21,18 +20,16 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-import background_builds
 import httpx
 import pytest
 import yaml
-from conftest import free_port
+from conftest import free_port, kept
 from hub_server import LocalHub
 from lora.peft_models import save_adapter
 from tiny_hf import tiny_qwen3_folder
 from transformers import AutoModelForCausalLM
 
 from fastllm.bench import gguf_files
-from fastllm.bench.cache import cached
 from fastllm.bench.gguf_files import file_sha256, rewrite_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,12 +128,10 @@ def test_the_set_up_commands_are_the_makefiles():
 
 def smollm2_q8_0(smollm2: Path) -> Path:
     """The Q8_0 rewrite of ``smollm2`` (seconds to make), kept under ``build/test-cache`` keyed
-    by the source file and the rewriting code, made by one pytest-xdist worker at a time."""
-    key = hashlib.sha256("\n".join([file_sha256(smollm2), version("gguf"),
-                                     Path(gguf_files.__file__).read_text()]).encode())
-    path = ROOT / "build" / "test-cache" / f"SmolLM2-135M-Instruct-Q8_0-{key.hexdigest()}.gguf"
-    with background_builds.exclusive(path.with_name(path.name + ".lock")):
-        return cached(path, lambda partial: rewrite_gguf(smollm2, partial, "Q8_0"), "test_readme")
+    by the source file and the rewriting code."""
+    return kept("SmolLM2-135M-Instruct-Q8_0.gguf",
+                lambda partial: rewrite_gguf(smollm2, partial, "Q8_0"),
+                [file_sha256(smollm2), version("gguf"), Path(gguf_files.__file__).read_text()])
 
 
 @pytest.fixture(scope="module")

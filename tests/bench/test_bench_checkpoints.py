@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from tiny_bench import import_benchmark
@@ -13,7 +14,6 @@ from tiny_bench import import_benchmark
 from fastllm.bench.timer import TimerConfig
 
 bench_checkpoints = import_benchmark("bench_checkpoints")
-run_all = import_benchmark("run_all")
 
 TINY = ["--layers", "1", "--hidden-size", "128", "--intermediate-size", "256", "--prompt-len",
         "12", "--decode-tokens", "3", "--repeats", "1", "--warmup", "0"]
@@ -30,7 +30,7 @@ def test_defaults_are_the_issues_workload() -> None:
     assert float32.systems == ("w4a16", "q4_0_gguf", "hf")
 
 
-def test_in_the_full_set_only() -> None:
+def test_in_the_full_set_only(run_all: ModuleType) -> None:
     assert run_all.BENCHMARKS["checkpoints"] is bench_checkpoints.main
     assert "checkpoints" not in run_all.DEFAULT_SET
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from tiny_bench import import_benchmark
 
 from fastllm.bench.timer import TimerConfig
-
-bench_lora = import_benchmark("bench_lora")
-run_all = import_benchmark("run_all")
 
 REQUESTS, ADAPTERS, OUTPUT_TOKENS = 8, 4, 4
 # One layer of hidden 72 (a multiple of SmolLM2's 9 heads), prompts of 4-12 tokens.
@@ -24,7 +22,13 @@ TINY_LORA = ["--layers", "1", "--hidden-size", "72", "--intermediate-size", "128
              "1", "--warmup", "0"]
 
 
-def test_defaults_are_the_issues_workload() -> None:
+@pytest.fixture(scope="module")
+def bench_lora() -> ModuleType:
+    """benchmarks/bench_lora.py, imported by the first test that asks for it: it imports peft."""
+    return import_benchmark("bench_lora")
+
+
+def test_defaults_are_the_issues_workload(bench_lora: ModuleType) -> None:
     config, out = bench_lora.parse_args([])
     assert config == bench_lora.LoRABenchConfig() and out == Path("results")
     assert (config.num_requests, config.adapters, config.rank, config.alpha,
@@ -35,12 +39,12 @@ def test_defaults_are_the_issues_workload() -> None:
     assert not bench_lora.LoRABenchConfig(layers=2).real_weights
 
 
-def test_in_the_full_set_only() -> None:
+def test_in_the_full_set_only(bench_lora: ModuleType, run_all: ModuleType) -> None:
     assert run_all.BENCHMARKS["lora"] is bench_lora.main
     assert "lora" not in run_all.DEFAULT_SET
 
 
-def test_bad_configs_are_refused() -> None:
+def test_bad_configs_are_refused(bench_lora: ModuleType) -> None:
     with pytest.raises(ValueError, match="multiple of 9"):
         bench_lora.LoRABenchConfig(hidden_size=64)
     with pytest.raises(ValueError, match="adapters <= num_requests"):
@@ -49,7 +53,7 @@ def test_bad_configs_are_refused() -> None:
         bench_lora.LoRABenchConfig(min_prompt_len=9, max_prompt_len=8)
 
 
-def test_adapter_groups_batch_each_adapters_requests() -> None:
+def test_adapter_groups_batch_each_adapters_requests(bench_lora: ModuleType) -> None:
     prompts = [[5, 6, 7], [1], [2, 3], [4, 4, 4, 4], [8, 9]]
     groups = bench_lora.adapter_groups(prompts, ["a", "b"], "cpu")
     assert [(group.name, group.requests) for group in groups] == [("a", [0, 2, 4]),
@@ -60,7 +64,7 @@ def test_adapter_groups_batch_each_adapters_requests() -> None:
     assert first.attention_mask.tolist() == [[0, 1, 1], [0, 1, 1], [1, 1, 1]]
 
 
-def test_tiny_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
+def test_tiny_run_writes_rows(bench_lora: ModuleType, tmp_path: Path, smollm2_path: Path) -> None:
     document = bench_lora.main(["--out", str(tmp_path), *TINY_LORA])
     assert json.loads((tmp_path / "lora.json").read_text())["rows"] == document["rows"]
     [run, *checks] = document["rows"]
@@ -95,7 +99,7 @@ def test_tiny_run_writes_rows(tmp_path: Path, smollm2_path: Path) -> None:
     assert "\n| fastllm, adapters |" in markdown and "\n| HF + peft |" in markdown
 
 
-def test_goal_summary_judges_the_goal() -> None:
+def test_goal_summary_judges_the_goal(bench_lora: ModuleType) -> None:
     config = bench_lora.LoRABenchConfig()
     for ratio, verdict in ((0.85, "0.850x (met)"), (0.5, "0.500x (NOT met)")):
         summary = bench_lora.goal_summary(config, [{"section": "throughput",

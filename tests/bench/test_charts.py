@@ -6,20 +6,30 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-from fastllm.bench import charts, summary
+from fastllm.bench import summary
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "bench_results_tiny"
 
 
-def test_the_recorded_folder_holds_every_charted_benchmark() -> None:
+@pytest.fixture(scope="module")
+def charts() -> ModuleType:
+    """fastllm.bench.charts, imported by the first test that asks for it: it imports
+    matplotlib."""
+    from fastllm.bench import charts
+
+    return charts
+
+
+def test_the_recorded_folder_holds_every_charted_benchmark(charts: ModuleType) -> None:
     assert sorted(path.stem for path in RECORDED.glob("*.json")) == sorted(charts.CHARTS)
     assert set(summary.HEADLINES) == set(charts.CHARTS)
 
 
-def test_every_chart_is_written_and_not_empty(tmp_path: Path) -> None:
+def test_every_chart_is_written_and_not_empty(charts: ModuleType, tmp_path: Path) -> None:
     written = charts.main([str(RECORDED), "--out", str(tmp_path)])
     assert sorted(path.name for path in written) == sorted(f"{name}.png" for name in charts.CHARTS)
     for path in written:
@@ -27,14 +37,14 @@ def test_every_chart_is_written_and_not_empty(tmp_path: Path) -> None:
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000, path.name
 
 
-def test_a_chart_names_the_machine_date_and_command() -> None:
+def test_a_chart_names_the_machine_date_and_command(charts: ModuleType) -> None:
     document = json.loads((RECORDED / "serve.json").read_text())
     footer = charts.chart_footer(document)
     assert document["machine"]["cpu"] in footer and "torch threads" in footer
     assert document["date"] in footer and document["command"] in footer
 
 
-def test_only_a_missing_benchmark_of_the_run_is_named(tmp_path: Path,
+def test_only_a_missing_benchmark_of_the_run_is_named(charts: ModuleType, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     shutil.copy(RECORDED / "mask_cache.json", tmp_path)
     written = charts.write_charts(tmp_path, expected=["mask_cache", "serve"])
@@ -43,7 +53,8 @@ def test_only_a_missing_benchmark_of_the_run_is_named(tmp_path: Path,
                                        "missing\n")
 
 
-def test_summary_has_each_benchmarks_headline(capsys: pytest.CaptureFixture) -> None:
+def test_summary_has_each_benchmarks_headline(charts: ModuleType,
+                                              capsys: pytest.CaptureFixture) -> None:
     summary.main([str(RECORDED)])
     table = capsys.readouterr().out
     for name in charts.CHARTS:

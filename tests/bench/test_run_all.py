@@ -9,16 +9,15 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from tiny_bench import import_benchmark
 
 from fastllm.bench.summary import RunRecord
 
-run_all = import_benchmark("run_all")
 
-
-def fake_benchmarks(out: Path, calls: list[tuple[str, list[str]]],
+def fake_benchmarks(run_all: ModuleType, out: Path, calls: list[tuple[str, list[str]]],
                     failing: str | None = None) -> dict[str, Callable[[list[str]], None]]:
     """Stand-ins for every benchmark's ``main``: each notes its arguments, prints a line and
     writes its markdown report; ``failing`` raises instead."""
@@ -34,18 +33,19 @@ def fake_benchmarks(out: Path, calls: list[tuple[str, list[str]]],
     return {name: fake(name) for name in run_all.BENCHMARKS}
 
 
-def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str],
+def run(run_all: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str],
         failing: str | None = None) -> list[tuple[str, list[str]]]:
     """``run_all.main(argv)`` on the fake benchmarks into ``tmp_path``; returns their calls."""
     calls: list[tuple[str, list[str]]] = []
-    monkeypatch.setattr(run_all, "BENCHMARKS", fake_benchmarks(tmp_path, calls, failing))
+    monkeypatch.setattr(run_all, "BENCHMARKS", fake_benchmarks(run_all, tmp_path, calls, failing))
     run_all.main(["--out", str(tmp_path), "--results-md", str(tmp_path / "RESULTS.md"), *argv])
     return calls
 
 
-def test_the_default_set_runs_with_its_presets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_the_default_set_runs_with_its_presets(run_all: ModuleType, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture) -> None:
-    calls = run(tmp_path, monkeypatch, [])
+    calls = run(run_all, tmp_path, monkeypatch, [])
     assert list(run_all.DEFAULT_SET) == ["gguf", "engine", "serve", "spec", "rerank",
                                          "mask_cache"]
     assert calls == [(name, ["--out", str(tmp_path), "--device", "cpu",
@@ -65,7 +65,7 @@ def test_the_default_set_runs_with_its_presets(tmp_path: Path, monkeypatch: pyte
     assert "## Summary" in results and "### A table" in results  # each report, demoted
 
 
-def test_every_benchmark_presets_are_its_own_options() -> None:
+def test_every_benchmark_presets_are_its_own_options(run_all: ModuleType) -> None:
     """Each preset parses as its benchmark's command line (the CPU-only ones included)."""
     for name, preset in run_all.DEFAULT_SET.items():
         module = import_benchmark(f"bench_{name}")
@@ -75,9 +75,9 @@ def test_every_benchmark_presets_are_its_own_options() -> None:
 @pytest.mark.parametrize("argv, device, full", [(["--full"], "cpu", True),
                                                 (["--device", "cuda"], "cuda", True)])
 def test_full_and_other_devices_run_every_benchmark_at_its_defaults(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
-        argv: list[str], device: str, full: bool) -> None:
-    calls = run(tmp_path, monkeypatch, argv)
+        run_all: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture, argv: list[str], device: str, full: bool) -> None:
+    calls = run(run_all, tmp_path, monkeypatch, argv)
     ran = [name for name in run_all.BENCHMARKS
            if device == "cpu" or name not in run_all.CPU_ONLY]
     assert calls == [(name, ["--out", str(tmp_path), "--device", device]) for name in ran]
@@ -88,11 +88,11 @@ def test_full_and_other_devices_run_every_benchmark_at_its_defaults(
     assert RunRecord.read(tmp_path).benchmark_set == "full"
 
 
-def test_a_failing_benchmark_does_not_stop_the_others(tmp_path: Path,
+def test_a_failing_benchmark_does_not_stop_the_others(run_all: ModuleType, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit, match="failed: kv_cache"):
-        run(tmp_path, monkeypatch, ["--benchmarks", "attention", "kv_cache", "sampling"],
+        run(run_all, tmp_path, monkeypatch, ["--benchmarks", "attention", "kv_cache", "sampling"],
             failing="kv_cache")
     assert (tmp_path / "sampling.md").exists()
     printed = capsys.readouterr().out
@@ -102,7 +102,7 @@ def test_a_failing_benchmark_does_not_stop_the_others(tmp_path: Path,
     assert [entry["failed"] for entry in record["benchmarks"]] == [False, True, False]
 
 
-def test_progress_output_labels_lines_and_speaks_up_when_quiet() -> None:
+def test_progress_output_labels_lines_and_speaks_up_when_quiet(run_all: ModuleType) -> None:
     stream = io.StringIO()
     output = run_all.ProgressOutput(stream, "2/6 engine", quiet_s=0.05)
     with output.active():

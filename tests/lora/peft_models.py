@@ -8,7 +8,6 @@ import copy
 import shutil
 from pathlib import Path
 
-import peft
 import torch
 import transformers
 from tiny_hf import random_hf_model, save_hf_model
@@ -43,6 +42,8 @@ def save_adapter(base: transformers.PreTrainedModel, folder: Path, *, seed: int,
                  **lora) -> Path:
     """A peft LoRA adapter of ``base`` with random A and B (``lora``: LoraConfig's fields)
     saved in ``folder``."""
+    import peft
+
     torch.manual_seed(seed)
     model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False,
                                                                      **lora))
@@ -53,6 +54,8 @@ def save_adapter(base: transformers.PreTrainedModel, folder: Path, *, seed: int,
 def peft_greedy(base: transformers.PreTrainedModel, adapter: Path | None,
                 prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """peft's (or, without ``adapter``, HF's) greedy continuation of each prompt."""
+    import peft
+
     model = base if adapter is None else peft.PeftModel.from_pretrained(copy.deepcopy(base),
                                                                        adapter)
     outputs = []

@@ -10,7 +10,6 @@ import json
 import shutil
 from pathlib import Path
 
-import peft
 import pytest
 import torch
 from huggingface_hub import constants
@@ -55,6 +54,8 @@ def save_adapter(base: Base, folder: Path, **lora) -> tuple[dict[str, torch.Tens
                                                             dict[str, int]]:
     """A random peft LoRA of ``base`` (B random too) saved in ``folder``; returns what peft's
     merge adds to each HF weight, and each adapted module's rank."""
+    import peft
+
     model = peft.get_peft_model(copy.deepcopy(base.hf),
                                 peft.LoraConfig(init_lora_weights=False, **lora))
     model.save_pretrained(folder)

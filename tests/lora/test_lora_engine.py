@@ -10,7 +10,6 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-import peft
 import pytest
 import torch
 from conftest import cpu_isa
@@ -125,6 +124,8 @@ def test_speculation_with_adapters(llama, method):
 def test_prompt_logprobs_and_structured_output_with_an_adapter(llama):
     """Prompt logprobs are the adapter's (peft's log-softmax at each prompt position), and a
     grammar holds an adapter's output as it holds the base's."""
+    import peft
+
     llm = LLM(llama.folder, enable_lora=True, max_lora_rank=8)
     prompt = PROMPTS[2]
     out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0),
@@ -145,6 +146,8 @@ def test_prompt_logprobs_and_structured_output_with_an_adapter(llama):
 
 
 def test_embeddings_and_streams_take_an_adapter(llama):
+    import peft
+
     llm = LLM(llama.folder, enable_lora=True, max_loras=2, max_lora_rank=8)
     text = "".join(llm.stream(PROMPTS[1], GREEDY, lora_request=llama.b))
     assert text == llm.generate(PROMPTS[1], GREEDY, lora_request=llama.b,

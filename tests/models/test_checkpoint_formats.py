@@ -11,16 +11,11 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 import transformers
-from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
-from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-from compressed_tensors.quantization import (QuantizationConfig, QuantizationScheme,
-                                             apply_quantization_config)
-from compressed_tensors.quantization.utils import calculate_qparams
 from gguf import GGMLQuantizationType as QT
 from safetensors.torch import load_file, save_file
 from conftest import assert_within_twice_plain_error, cpu_isa, find_model, prefill_logits
@@ -31,6 +26,9 @@ from fastllm import LLM, SamplingParams, ops
 from fastllm.models import TensorParallel, load_model
 from fastllm.models.decoder import DecoderLM
 from fastllm.models.formats.integers import IntegerWeight
+
+if TYPE_CHECKING:
+    from compressed_tensors.quantization import QuantizationScheme
 
 transformers.logging.set_verbosity_error()
 # transformers' note that dequantize=True overrides the folder's own quantization_config.
@@ -183,6 +181,8 @@ ROUNDINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def observed_qparams(weight: torch.Tensor, scheme: QuantizationScheme, rounding: str
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors' min-max scale and zero point of ``weight`` under ``scheme``."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
     args = scheme.weights
     if args.strategy == "group":
         low, high = weight.unflatten(-1, (-1, args.group_size)).aminmax(dim=-1)
@@ -200,6 +200,13 @@ def compressed_tensors_folder(folder: Path, model_type: str, scheme: dict, round
     a router; a mixture of experts' experts too, compressed one by one with its compressor, as
     older transformers held them as Linears), saved to ``folder``; returns transformers'
     dequantization of the folder, the reference."""
+    # compressed-tensors imports much of transformers: on use, not at collection.
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import (QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+
     hf = random_hf_model(model_type, seed, **{**SHAPE, **config})
     quantization = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)},

@@ -6,16 +6,21 @@ present, in float32 and in bfloat16."""
 from __future__ import annotations
 
 import functools
+import json
+from importlib.metadata import version
+from pathlib import Path
 
 import gguf
 import pytest
+import safetensors.torch
 import torch
 import transformers
 
 import fastllm
 from fastllm import LLM, SamplingParams
+from fastllm.bench.gguf_files import file_sha256
 from fastllm.entrypoints.cli import main
-from conftest import per_device
+from conftest import kept, per_device
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -91,16 +96,29 @@ def test_tokenizer_splits_as_llama_cpp_does(llm):
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_path) -> transformers.PreTrainedModel:
-    """HF transformers' own GGUF loading of the file, in float32 on the CPU (once per module:
-    it is most of a comparison's time)."""
-    # transformers parses the file twice (its config, then its tensors) and builds gguf's
-    # tensor-name map anew for each of the model's ~400 modules, seconds each: both are pure
-    # reads, so each is made once here.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+    """HF transformers' own GGUF loading of the file, in float32 on the CPU: made once (seconds)
+    and kept under ``build/test-cache`` in safetensors, keyed by the file and the versions of
+    transformers, gguf and torch."""
+    def make(partial: Path) -> None:
+        # transformers parses the file twice (its config, then its tensors) and builds gguf's
+        # tensor-name map anew for each of the model's ~400 modules, seconds each: both are
+        # pure reads, so each is made once here.
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+            patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32)
+        # save_pretrained refuses a model read from GGUF; its weights are dequantized already.
+        config = model.config.to_dict()
+        del config["quantization_config"]
+        partial.mkdir()
+        (partial / "config.json").write_text(json.dumps(config))
+        safetensors.torch.save_model(model, str(partial / "model.safetensors"))
+
+    path = kept("SmolLM2-135M-Instruct-hf", make, [file_sha256(smollm2_path),
+                                                   version("transformers"), version("gguf"),
+                                                   torch.__version__])
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 # Greedy continuations whose agreement with HF is measured: in float32 every token is HF's
