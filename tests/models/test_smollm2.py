@@ -96,8 +96,8 @@ def test_tokenizer_splits_as_llama_cpp_does(llm):
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_path) -> transformers.PreTrainedModel:
-    """HF transformers' own GGUF loading of the file, in float32 on the CPU: made once (seconds)
-    and kept under ``build/test-cache`` in safetensors, keyed by the file and the versions of
+    """HF transformers' own GGUF loading of the file, in float32 on the CPU: made once and kept
+    under ``build/test-cache`` in safetensors, keyed by the file and the versions of
     transformers, gguf and torch."""
     def make(partial: Path) -> None:
         # transformers parses the file twice (its config, then its tensors) and builds gguf's

@@ -83,9 +83,9 @@ class _Vocabulary:
     bos_token_id: int | None
 
 
-# Building one reads every token's bytes (about a second for 150k tokens), and every ``LLM`` of a
-# model loads the same vocabulary: an engine after the first finds it here. An LLTokenizer is
-# immutable, so engines share it. The 4 used last are kept.
+# Building one reads every token's bytes (slow for a vocabulary of 10^5 tokens), and every ``LLM``
+# of a model loads the same vocabulary: an engine after the first finds it here. An LLTokenizer
+# is immutable, so engines share it. The 4 used last are kept.
 @functools.lru_cache(maxsize=4)
 def _ll_tokenizer(vocabulary: _Vocabulary) -> llguidance.LLTokenizer:
     table = _TokenTable(vocabulary.tokenizer, vocabulary.vocab_size)
