@@ -205,20 +205,22 @@ def running(servers: Sequence[tuple[str, Sequence[str]]], model: Path,
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
                 f"http://127.0.0.1:{port}"))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for name, process, url in started:
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the {name} server exited: "
-                                       f"{process.stderr.read()[-2000:]}")
-                try:
-                    if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the {name} server did not start in "
-                                       f"{STARTUP_TIMEOUT_S} s")
-                time.sleep(0.2)
+        # One client for the polls: each new one loads the CA certificates.
+        with httpx.Client(timeout=5) as http:
+            for name, process, url in started:
+                while True:
+                    if process.poll() is not None:
+                        raise RuntimeError(f"the {name} server exited: "
+                                           f"{process.stderr.read()[-2000:]}")
+                    try:
+                        if http.get(url + "/v1/models").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the {name} server did not start in "
+                                           f"{STARTUP_TIMEOUT_S} s")
+                    time.sleep(0.2)
         yield [url for _, _, url in started]
     finally:
         for _, process, _ in started:

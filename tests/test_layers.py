@@ -6,6 +6,7 @@ engine, entrypoint, tokenizer or model module."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,18 @@ def test_importing_the_ops_loads_no_higher_layer():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True).stdout.strip()
     assert loaded == "[]"
+
+
+def test_importing_fastllm_leaves_torchs_modules_frozen_and_the_collector_on():
+    """``import fastllm`` (and a name it imports on first use) freezes what the import made: no
+    later collection walks torch's modules, and the collector runs as before."""
+    code = ("import gc, fastllm, torch, json; from fastllm import SamplingParams; "
+            "tracked = {id(o) for o in gc.get_objects()}; print(json.dumps([gc.isenabled(), "
+            "id(torch.nn.Module) in tracked, id(SamplingParams) in tracked, "
+            "gc.is_tracked(torch.nn.Module)]))")
+    state = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout
+    assert json.loads(state) == [True, False, False, True]
 
 
 def test_the_scheduler_sees_neither_runner_nor_executor():

@@ -19,7 +19,7 @@ import importlib
 
 from fastllm.gc_pause import collector_paused
 
-with collector_paused():  # torch's import makes only long-lived objects
+with collector_paused(freeze=True):
     import torch
 
     from fastllm import _C
@@ -57,7 +57,7 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fastllm' has no attribute {name!r}")
-    with collector_paused():  # the import makes only long-lived objects
+    with collector_paused(freeze=True):
         imported = importlib.import_module(module)
     value = imported if module == f"fastllm.{name}" else getattr(imported, name)
     globals()[name] = value  # later lookups skip __getattr__

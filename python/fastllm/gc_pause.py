@@ -10,7 +10,7 @@ __all__ = ["collector_paused"]
 
 
 @contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
+def collector_paused(freeze: bool = False) -> Iterator[None]:
     """Pauses the cyclic garbage collector inside the block and resumes it after, if it ran
     before.
 
@@ -19,11 +19,21 @@ def collector_paused() -> Iterator[None]:
     no garbage cycles, and each collection they trigger walks the heap again (torch's whole
     heap in a full one). Allocation counts go on, so the collector runs at its next trigger
     after the block.
+
+    With ``freeze`` (for imports: modules, classes and functions live as long as the process),
+    everything alive is moved to the collector's permanent generation (``gc.freeze``) before it
+    resumes, so that no later collection walks what the block made: each of the first
+    collections after a large import (torch's) would walk all of it, young and then old.
+    Freezing takes every object alive at the time, the caller's too: reference counting still
+    frees those, but a garbage cycle among them is never collected (``gc.unfreeze()`` gives
+    them back).
     """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if freeze:
+            gc.freeze()
         if enabled:
             gc.enable()

@@ -488,21 +488,28 @@ def _start_replicas(argv: Sequence[str], size: int, device: str, tensor_parallel
 def _wait_until_serving(replicas: Sequence[Replica]) -> None:
     """Returns once every replica answers /health; an OSError naming the first that exited
     instead (its own error went to stderr)."""
-    waiting = list(replicas)
-    while waiting:
-        for replica in list(waiting):
-            code = replica.process.poll()
-            if code is not None:
-                raise OSError(f"data-parallel rank {replica.rank} exited with code {code} while "
-                              "starting (its error is above)")
-            try:
-                with httpx.Client(transport=httpx.HTTPTransport(uds=str(replica.socket_path)),
-                                  timeout=5.0) as client:
-                    if client.get("http://replica/health").status_code == 200:
+    # One client a replica for the whole wait: making one loads the CA certificates, work
+    # that would otherwise compete with the replicas' own start-up at each poll.
+    clients = {replica.rank: httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(replica.socket_path)), timeout=5.0)
+        for replica in replicas}
+    try:
+        waiting = list(replicas)
+        while waiting:
+            for replica in list(waiting):
+                code = replica.process.poll()
+                if code is not None:
+                    raise OSError(f"data-parallel rank {replica.rank} exited with code {code} "
+                                  "while starting (its error is above)")
+                try:
+                    if clients[replica.rank].get("http://replica/health").status_code == 200:
                         waiting.remove(replica)
-            except httpx.HTTPError:
-                pass  # still loading: its socket is bound once the engine is built
-        time.sleep(0.1)
+                except httpx.HTTPError:
+                    pass  # still loading: its socket is bound once the engine is built
+            time.sleep(0.1)
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 def _stop_replicas(replicas: Sequence[Replica]) -> None:
