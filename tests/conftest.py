@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import httpx
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -328,6 +329,12 @@ def _is_free(port: int) -> bool:
         except OSError:  # held by a server an earlier test started, or by another program
             return False
         return True
+
+
+# The tests' plain HTTP calls to their local servers go through this one client: ``httpx.get``
+# and its kin make a client for each call, and making one loads the CA certificates (a poll
+# loop did little else). No connection is kept alive: servers come and go on reused ports.
+http = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
+from conftest import http
 
 from fastllm import AsyncLLM
 from fastllm.entrypoints.openai.api_server import ServerConfig, bind, build_server
@@ -55,7 +55,7 @@ def running_server(llm: AsyncLLM, model: str = "test-model",
 def finished(server: RunningServer) -> dict[str, float]:
     """The server's count of finished requests by reason (its /metrics)."""
     counts = {"length": 0.0, "stop": 0.0, "abort": 0.0}
-    for line in httpx.get(server.base_url + "/metrics").text.splitlines():
+    for line in http.get(server.base_url + "/metrics").text.splitlines():
         if line.startswith("fastllm_request_success_total{"):
             reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
             counts[reason] = float(line.rsplit(" ", 1)[1])

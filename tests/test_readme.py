@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import free_port, kept
+from conftest import free_port, http, kept
 from hub_server import LocalHub
 from lora.peft_models import save_adapter
 from tiny_hf import tiny_qwen3_folder
@@ -210,7 +210,7 @@ def test_server_blocks_run(block, hub_env, tmp_path):
             assert server.poll() is None, server.stdout.read()
             assert time.monotonic() < deadline, "the server did not start"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if http.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.initialization import no_init_weights
 
 
 # The families beyond the Llama decoder's first ones, each as its own HF model_type with the
@@ -61,8 +62,12 @@ def randomize_(model: torch.nn.Module, seed: int, *, scale: float = 0.15,
 
 def random_hf_model(model_type: str, seed: int, **config) -> transformers.PreTrainedModel:
     """A float32 eager-attention HF model of ``model_type`` with random weights."""
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config),
-                                          attn_implementation="eager", dtype=torch.float32)
+    # randomize_ writes every parameter: HF's own initialization of them would be thrown away
+    # (skipping it skips the tying of the embeddings too, done here).
+    with no_init_weights():
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config),
+                                              attn_implementation="eager", dtype=torch.float32)
+    hf.tie_weights()
     randomize_(hf, seed, bias_scale=0.1)
     return hf.eval()
 

@@ -24,7 +24,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from conftest import free_port
+from conftest import free_port, http
 from prometheus_client.parser import text_string_to_metric_families
 
 from openai_server import running_server
@@ -52,17 +52,17 @@ class Server:
     base_url: str
 
     def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
-        return httpx.post(self.base_url + path, json=body, timeout=60, **kwargs)
+        return http.post(self.base_url + path, json=body, timeout=60, **kwargs)
 
     def health(self) -> httpx.Response:
-        return httpx.get(self.base_url + "/health", timeout=10)
+        return http.get(self.base_url + "/health", timeout=10)
 
     def replica_pids(self) -> list[int]:
         return [rank["pid"] for rank in self.health().json()["ranks"]]
 
     def metrics(self) -> dict[tuple[str, frozenset], float]:
         """Sample (name, labels less model_name) -> value."""
-        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        text = http.get(self.base_url + "/metrics", timeout=10).text
         return {(sample.name, frozenset((k, v) for k, v in sample.labels.items()
                                         if k != "model_name")): sample.value
                 for family in text_string_to_metric_families(text)
@@ -157,7 +157,7 @@ def completion(server: Server, prompt: str, **body) -> httpx.Response:
 def streamed_text(server: Server, path: str, body: dict) -> tuple[str, str]:
     """A streamed reply's joined text and the rank that served it."""
     pieces = []
-    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True},
+    with http.stream("POST", server.base_url + path, json={**body, "stream": True},
                       timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
@@ -195,7 +195,7 @@ def test_the_replicas_give_one_engines_greedy_answers(server, reference):
 
 
 def test_every_endpoint_passes_through_and_broadcasts_reach_every_replica(server):
-    models = httpx.get(server.base_url + "/v1/models", timeout=10)
+    models = http.get(server.base_url + "/v1/models", timeout=10)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     tokens = server.post("/tokenize", {"model": MODEL, "prompt": "Once upon a time"})
     assert tokens.status_code == 200 and tokens.json()["count"] == 4
@@ -291,9 +291,9 @@ def test_a_rank_served_alone_labels_its_metrics_with_it(model_path):
     llm = AsyncLLM(model_path("stories260K_hf"), max_model_len=128)
     try:
         with running_server(llm, MODEL, data_parallel_rank=3) as alone:
-            httpx.post(alone.v1 + "/completions", json={"model": MODEL, "prompt": "Once",
+            http.post(alone.v1 + "/completions", json={"model": MODEL, "prompt": "Once",
                                                         "max_tokens": 2}, timeout=30)
-            text = httpx.get(alone.base_url + "/metrics", timeout=10).text
+            text = http.get(alone.base_url + "/metrics", timeout=10).text
     finally:
         llm.shutdown()
     samples = [sample for family in text_string_to_metric_families(text)
@@ -321,7 +321,7 @@ def kill_a_replica_then_the_router(server: Server) -> None:
 
     def stream(i: int) -> None:
         body = {"model": MODEL, "prompt": f"Stream {i}", "stream": True, **LONGEST}
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+        with http.stream("POST", server.base_url + "/v1/completions", json=body,
                           timeout=60) as response:
             events = []
             for line in response.iter_lines():

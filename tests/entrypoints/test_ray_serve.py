@@ -15,10 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import openai
 import pytest
-from conftest import free_port, missing, num_threads
+from conftest import free_port, http, missing, num_threads
 
 import fastllm
 from fastllm import LLM, SamplingParams
@@ -121,7 +120,7 @@ def test_both_replicas_serve(base_url, reference):
         want = reference.generate(PROMPTS[0], greedy(8), use_tqdm=False)[0].outputs[0].text
 
     def complete(_: int) -> tuple[str, str]:
-        response = httpx.post(base_url + "/v1/completions", timeout=60, json={
+        response = http.post(base_url + "/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 8})
         response.raise_for_status()
         return response.headers["x-fastllm-replica"], response.json()["choices"][0]["text"]

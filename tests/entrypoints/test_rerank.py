@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
 import transformers
-from conftest import per_device
+from conftest import http, per_device
 from openai_server import running_server
 from tiny_hf import tiny_qwen3_folder
 
@@ -228,7 +227,7 @@ def test_the_servers_rerank_endpoint_gives_the_rerankers_scores(folder, device_r
     try:
         with running_server(llm, "reranker") as server:
             url = server.v1 + "/rerank"
-            got = httpx.post(url, json={"model": "reranker", "query": query,
+            got = http.post(url, json={"model": "reranker", "query": query,
                                         "documents": documents}).json()
             assert [r["index"] for r in got["results"]] == [r.index for r in expected]
             for result, want in zip(got["results"], expected):
@@ -237,12 +236,12 @@ def test_the_servers_rerank_endpoint_gives_the_rerankers_scores(folder, device_r
             assert got["usage"]["total_tokens"] == sum(
                 len(reranker.pair_token_ids(query, d)) for d in documents)
             assert llm.client.engine.stats.prefix_cache_hits > 0
-            top = httpx.post(server.base_url + "/rerank", json={
+            top = http.post(server.base_url + "/rerank", json={
                 "query": query, "documents": [{"text": d} for d in documents], "top_n": 2,
                 "return_documents": False}).json()["results"]
             assert [(r["index"], r.get("document")) for r in top] == [
                 (r.index, None) for r in expected[:2]]
-            response = httpx.post(url, json={"query": query, "documents": "one string"})
+            response = http.post(url, json={"query": query, "documents": "one string"})
             assert response.status_code == 400
             assert response.json()["error"]["param"] == "documents"
     finally:

@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import http
 from openai_server import finished, running_server, wait_idle
 
 from fastllm import AsyncLLM
@@ -59,7 +60,7 @@ def chat_completion(client: openai.OpenAI, model: str, messages: list[dict], max
 
 
 def post(server, path: str, body: dict, **headers: str) -> httpx.Response:
-    return httpx.post(server.v1 + path, json=body,
+    return http.post(server.v1 + path, json=body,
                       headers=headers or {"Authorization": f"Bearer {API_KEY}"})
 
 
@@ -104,13 +105,13 @@ def test_a_response_is_the_chat_completion_streamed_and_not(gpt):
 
 def test_tokenize_renders_messages_as_the_chat_api_does(gpt, server):
     chat = chat_completion(gpt, "stories", CONVERSATION, 4)
-    got = httpx.post(server.base_url + "/tokenize",
+    got = http.post(server.base_url + "/tokenize",
                      json={"model": "stories", "messages": CONVERSATION}).json()
     assert got["count"] == chat.usage.prompt_tokens == len(got["tokens"])
-    without = httpx.post(server.base_url + "/tokenize", json={
+    without = http.post(server.base_url + "/tokenize", json={
         "messages": CONVERSATION, "add_generation_prompt": False}).json()
     assert without["count"] < got["count"]  # the template's "assistant:" left out
-    refused = httpx.post(server.base_url + "/tokenize", json={
+    refused = http.post(server.base_url + "/tokenize", json={
         "messages": CONVERSATION, "add_special_tokens": True})
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "add_special_tokens"

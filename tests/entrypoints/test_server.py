@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import free_port, per_device
+from conftest import free_port, http, per_device
 from hub_server import LocalHub
 from openai_server import finished, running_server, wait_idle
 
@@ -102,9 +102,9 @@ def device_reference(references, device) -> LLM:
 def post(server, path: str, body: object, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {API_KEY}", **kwargs.pop("headers", {})}
     if isinstance(body, (bytes, str)):
-        return httpx.post(server.base_url + path, content=body,
+        return http.post(server.base_url + path, content=body,
                           headers={"Content-Type": "application/json", **headers}, **kwargs)
-    return httpx.post(server.base_url + path, json=body, headers=headers, **kwargs)
+    return http.post(server.base_url + path, json=body, headers=headers, **kwargs)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -260,9 +260,9 @@ def test_structured_outputs_in_sampling_params(device_reference):
 def test_models_health_and_metrics(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == ["stories"]
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert http.get(server.base_url + "/health").status_code == 200
     client.completions.create(model="stories", prompt=PROMPT, max_tokens=4)
-    text = httpx.get(server.base_url + "/metrics").text
+    text = http.get(server.base_url + "/metrics").text
     for name in ("fastllm_request_success_total", "fastllm_time_to_first_token_seconds_bucket",
                  "fastllm_time_per_output_token_seconds_bucket", "fastllm_num_requests_running",
                  "fastllm_num_requests_waiting", "fastllm_kv_cache_usage_perc",
@@ -275,7 +275,7 @@ def test_router_gauges_move_under_load(client, server):
     while a burst runs, none after."""
 
     def gauge(name: str) -> float:
-        text = httpx.get(server.base_url + "/metrics").text
+        text = http.get(server.base_url + "/metrics").text
         line, = [line for line in text.splitlines() if line.startswith(name + "{")]
         return float(line.rsplit(" ", 1)[1])
 
@@ -295,16 +295,16 @@ def test_router_gauges_move_under_load(client, server):
 
 def test_tokenize_and_detokenize(server):
     tokenizer = server.llm.client.tokenizer
-    got = httpx.post(server.base_url + "/tokenize", json={
+    got = http.post(server.base_url + "/tokenize", json={
         "model": "stories", "prompt": PROMPT, "return_token_strs": True}).json()
     ids = tokenizer.encode(PROMPT)
     assert got == {"count": len(ids), "max_model_len": 256, "tokens": ids,
                    "token_strs": tokenizer.convert_ids_to_tokens(ids)}
-    bare = httpx.post(server.base_url + "/tokenize",
+    bare = http.post(server.base_url + "/tokenize",
                       json={"prompt": PROMPT, "add_special_tokens": False}).json()
     assert bare["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
     assert bare["token_strs"] is None
-    text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}).json()
+    text = http.post(server.base_url + "/detokenize", json={"tokens": ids}).json()
     assert text == {"prompt": tokenizer.decode(ids)}
     for path, body, status, param in (
             ("/tokenize", {"prompt": PROMPT, "messages": [{"role": "user", "content": "x"}]},
@@ -313,7 +313,7 @@ def test_tokenize_and_detokenize(server):
             ("/tokenize", {"model": "other", "prompt": PROMPT}, 404, "model"),
             ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
             ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
-        assert_error(httpx.post(server.base_url + path, json=body), status, param)
+        assert_error(http.post(server.base_url + path, json=body), status, param)
 
 
 def test_reset_prefix_cache_forgets_cached_prompts(client, server):
@@ -324,7 +324,7 @@ def test_reset_prefix_cache_forgets_cached_prompts(client, server):
     assert manager.stats()["cached_blocks"] > 0
     assert post(server, "/reset_prefix_cache", {}).status_code == 200
     assert (manager.stats()["cached_blocks"], manager.stats()["evictable_blocks"]) == (0, 0)
-    assert_error(httpx.post(server.base_url + "/reset_prefix_cache"), 401)
+    assert_error(http.post(server.base_url + "/reset_prefix_cache"), 401)
     hits = manager.stats()["hits"]
     client.completions.create(model="stories", prompt=prompt, max_tokens=2)
     assert manager.stats()["hits"] == hits  # computed again: nothing was left to hit
@@ -430,15 +430,15 @@ def test_error_shapes(server):
     assert_error(post(server, "/v1/completions", {"prompt": "x", "response_format": {
         "type": "json_schema"}}), 400, "response_format")
     assert_error(post(server, "/v1/rerank", {"query": "q", "documents": ["d"]}), 400, "model")
-    assert_error(httpx.get(server.base_url + "/v1/nothing-here",
+    assert_error(http.get(server.base_url + "/v1/nothing-here",
                            headers={"Authorization": f"Bearer {API_KEY}"}), 404)
 
 
 def test_the_api_key_and_the_body_limit(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        response = httpx.post(server.v1 + "/completions", json={"prompt": "x"}, headers=headers)
+        response = http.post(server.v1 + "/completions", json={"prompt": "x"}, headers=headers)
         assert assert_error(response, 401)["code"] == "invalid_api_key"
-    assert httpx.get(server.base_url + "/health").status_code == 200  # no key needed
+    assert http.get(server.base_url + "/health").status_code == 200  # no key needed
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
     assert_error(post(server, "/v1/completions", {"prompt": "x" * (70 << 10)}), 413)
@@ -480,13 +480,13 @@ def fills_the_queue(running, llm: AsyncLLM) -> bool:
         lines = first.iter_lines()
         next(lines)  # running: it holds the one sequence slot
         with ThreadPoolExecutor(1) as pool:
-            queued = pool.submit(httpx.post, running.v1 + "/completions", json=body, timeout=30)
+            queued = pool.submit(http.post, running.v1 + "/completions", json=body, timeout=30)
             while llm.client.engine.num_waiting < 1:
                 if queued.done():
                     assert queued.result().status_code == 200
                     return False
                 time.sleep(0.002)
-            response = httpx.post(running.v1 + "/completions", json=body)
+            response = http.post(running.v1 + "/completions", json=body)
             if response.status_code == 200:  # it ran after the first two: they had left
                 assert queued.result().status_code == 200
                 return False
@@ -594,7 +594,7 @@ def serve_command(model, *args: str, env: dict[str, str] | None = None):
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if http.get(f"http://127.0.0.1:{port}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 assert process.poll() is None, process.stdout.read()
@@ -609,7 +609,7 @@ def serve_command(model, *args: str, env: dict[str, str] | None = None):
 def test_fastllm_serve_command_binds_localhost(folder):
     with serve_command(folder, "--served-model-name", "tiny", "--max-model-len", "128") \
             as (port, _):
-        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+        got = http.post(f"http://127.0.0.1:{port}/v1/completions",
                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 5}).json()
         assert got["model"] == "tiny" and got["usage"]["completion_tokens"] == 5
 
@@ -621,9 +621,9 @@ def test_fastllm_serve_a_hub_model_under_its_name(folder, tmp_path):
         hub.add("org/name", {p.name: p for p in folder.iterdir() if p.is_file()})
         env = hub.environ(tmp_path / "cache")
         with serve_command("org/name", env=env) as (port, _):
-            models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+            models = http.get(f"http://127.0.0.1:{port}/v1/models").json()
             assert [model["id"] for model in models["data"]] == ["org/name"]
-            got = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+            got = http.post(f"http://127.0.0.1:{port}/v1/completions",
                              json={"model": "org/name", "prompt": PROMPT, "max_tokens": 8,
                                    "temperature": 0}).json()
     expected, = LLM(folder).generate(PROMPT, SamplingParams(temperature=0, max_tokens=8),

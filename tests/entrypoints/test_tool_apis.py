@@ -18,11 +18,11 @@ import json
 
 from typing import Literal
 
-import httpx
 import jsonschema
 import openai
 import pytest
 import transformers
+from conftest import http
 from openai_server import running_server
 from tiny_hf import chain_qwen3_folder
 
@@ -306,11 +306,11 @@ def test_a_function_call_output_round_trip(gpt, hf_tokenizer, template):
 ])
 def test_bad_tools_are_400s_naming_the_field(server, body, param):
     body = {"model": MODEL, "input": "x", "max_output_tokens": 2, **body}
-    response = httpx.post(server.v1 + "/responses", json=body)
+    response = http.post(server.v1 + "/responses", json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, error
-    assert httpx.post(server.v1 + "/responses", json={
+    assert http.post(server.v1 + "/responses", json={
         "model": MODEL, "input": "x", "max_output_tokens": 2}).status_code == 200
 
 

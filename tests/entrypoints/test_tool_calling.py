@@ -20,6 +20,7 @@ import jsonschema
 import openai
 import pytest
 import transformers
+from conftest import http
 from example_tools import WEATHER, WEATHER_PARAMETERS, assert_valid_call
 from openai_server import running_server
 from pydantic import BaseModel, ConfigDict, Field
@@ -191,7 +192,7 @@ def test_auto_reads_a_call_the_reply_makes(llm):
 
 
 def post(server, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.v1}/chat/completions", json={"model": MODEL, **body},
+    return http.post(f"{server.v1}/chat/completions", json={"model": MODEL, **body},
                       timeout=60)
 
 

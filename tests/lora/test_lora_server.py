@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+from conftest import http
 from openai_server import running_server
 from peft_models import base_model, peft_greedy, save_adapter
 
@@ -61,7 +61,7 @@ def expected_text(models, server, adapter: str | None, prompt=PROMPT) -> str:
 
 
 def test_models_lists_the_adapters_with_their_parent(server, models):
-    cards = {card["id"]: card for card in httpx.get(server.v1 + "/models").json()["data"]}
+    cards = {card["id"]: card for card in http.get(server.v1 + "/models").json()["data"]}
     assert cards["base"]["parent"] is None
     assert (cards["a"]["parent"], cards["a"]["root"]) == ("base", str(models["a"]))
 
@@ -110,24 +110,24 @@ def test_an_unknown_adapter_is_a_404_naming_it(client):
 
 def test_adapters_load_and_unload_at_run_time(client, server, models):
     load, unload = server.v1 + "/load_lora_adapter", server.v1 + "/unload_lora_adapter"
-    reply = httpx.post(load, json={"lora_name": "b", "lora_path": str(models["b"])})
+    reply = http.post(load, json={"lora_name": "b", "lora_path": str(models["b"])})
     assert reply.status_code == 200, reply.text
     got = client.completions.create(model="b", prompt=PROMPT, **GREEDY).choices[0].text
     assert got == expected_text(models, server, "b")
-    assert "b" in {card["id"] for card in httpx.get(server.v1 + "/models").json()["data"]}
-    again = httpx.post(load, json={"lora_name": "b", "lora_path": str(models["b"])})
+    assert "b" in {card["id"] for card in http.get(server.v1 + "/models").json()["data"]}
+    again = http.post(load, json={"lora_name": "b", "lora_path": str(models["b"])})
     assert again.status_code == 400 and "already been loaded" in again.text
-    bad = httpx.post(load, json={"lora_name": "c", "lora_path": str(models["base"] / "none")})
+    bad = http.post(load, json={"lora_name": "c", "lora_path": str(models["base"] / "none")})
     assert bad.status_code == 400 and "`c`" in bad.json()["error"]["message"]
-    missing = httpx.post(load, json={"lora_name": "c"})
+    missing = http.post(load, json={"lora_name": "c"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
-    assert httpx.post(unload, json={"lora_name": "b"}).status_code == 200
+    assert http.post(unload, json={"lora_name": "b"}).status_code == 200
     with pytest.raises(openai.NotFoundError, match="`b`"):
         client.completions.create(model="b", prompt=PROMPT, **GREEDY)
-    gone = httpx.post(unload, json={"lora_name": "b"})
+    gone = http.post(unload, json={"lora_name": "b"})
     assert gone.status_code == 404 and "`b` cannot be found" in gone.json()["error"]["message"]
     # Loaded again (its files read again), it serves as before.
-    assert httpx.post(load, json={"lora_name": "b", "lora_path": str(models["b"])}
+    assert http.post(load, json={"lora_name": "b", "lora_path": str(models["b"])}
                       ).status_code == 200
     assert client.completions.create(model="b", prompt=PROMPT, **GREEDY).choices[0].text == got
 
@@ -136,7 +136,7 @@ def test_runtime_updating_is_off_unless_asked(models):
     llm = AsyncLLM(models["base"], enable_lora=True, max_lora_rank=8)
     try:
         with running_server(llm, "base") as plain:
-            reply = httpx.post(plain.v1 + "/load_lora_adapter",
+            reply = http.post(plain.v1 + "/load_lora_adapter",
                                json={"lora_name": "b", "lora_path": str(models["b"])})
             assert reply.status_code == 404
     finally:
@@ -145,7 +145,7 @@ def test_runtime_updating_is_off_unless_asked(models):
 
 def test_the_metric_names_running_and_waiting_adapters(client, server):
     client.completions.create(model="a", prompt=PROMPT, **GREEDY)
-    lines = [line for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+    lines = [line for line in http.get(server.base_url + "/metrics").text.splitlines()
              if line.startswith("fastllm_lora_requests_info{")]
     assert len(lines) == 1 and 'max_lora="2"' in lines[0]
     assert 'running_lora_adapters=""' in lines[0]  # idle between requests

@@ -681,7 +681,8 @@ def test_transformers_reads_the_writer_s_files(hf_models, tmp_path, case):
     # num_local_experts).
     assert parsed == {key: expected[key] if key in expected else getattr(hf.config, key)
                       for key in parsed}
-    skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **parsed))
+    with torch.device("meta"):  # the reader reads only the skeleton's names and shapes
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **parsed))
     tensors = load_gguf_checkpoint(str(path), return_tensors=True,
                                    model_to_load=skeleton)["tensors"]
     state = hf.state_dict()
