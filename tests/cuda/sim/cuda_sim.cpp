@@ -336,6 +336,25 @@ torch::Library& schemas() {
   return library;
 }
 
+// cuBLAS's product of 16-bit matrices into float32 (aten::mm.dtype, which ATen runs on CUDA
+// only) for the host files' calls on the simulator's CPU tensors: the inputs converted exactly,
+// the product accumulated in float32.
+at::Tensor mm_into_dtype(const at::Tensor& self, const at::Tensor& mat2,
+                         at::ScalarType out_dtype) {
+  TORCH_CHECK(out_dtype == at::kFloat && self.scalar_type() == mat2.scalar_type(),
+              "cuda sim: mm.dtype of ", self.scalar_type(), " into ", out_dtype, " is not simulated");
+  return at::mm(self.to(at::kFloat), mat2.to(at::kFloat));
+}
+
+const bool mm_into_dtype_registered = [] {
+  const auto mm = c10::Dispatcher::singleton().findSchema({"aten::mm", "dtype"});
+  if (mm.has_value() && mm->hasKernelForDispatchKey(c10::DispatchKey::CPU)) return false;
+  static torch::Library library(torch::Library::IMPL, "aten", c10::DispatchKey::CPU, __FILE__,
+                                __LINE__);
+  library.impl("mm.dtype", &mm_into_dtype);
+  return true;
+}();
+
 const bool control_ops_defined = [] {
   schemas().def("configure(int sm_count, bool reverse_order, bool capturing) -> ()", &configure);
   schemas().def("set_trusted_inputs(bool trusted) -> bool", &set_trusted);
