@@ -599,6 +599,26 @@ def test_kept_blocks_are_mapped_from_the_file(hf_models, tmp_path):
     assert path.read_bytes() == stored
 
 
+def test_blocks_written_at_load_share_one_huge_page_arena(hf_models, tmp_path):
+    """Blocks the load writes (fused, interleaved) are views of one arena aligned to a 2 MiB
+    huge page, each starting on its own cache line; blocks kept as stored stay the file's."""
+    tensors, _ = gguf_tensors(hf_models["qwen3"], "qwen3", "Q8_0")
+    path = write_gguf(tmp_path / "model.gguf", "qwen3", hf_models["qwen3"].config, tensors)
+    with cpu_isa("scalar"):  # nothing interleaved: only the fused weights are written
+        model = load_model(path)
+    written = [layer.mlp.gate_up_proj.weight for layer in model.layers]
+    arena = written[0].untyped_storage()
+    assert all(w.untyped_storage().data_ptr() == arena.data_ptr() for w in written)
+    assert arena.data_ptr() % (2 << 20) == 0
+    assert all(w.data_ptr() % 64 == 0 for w in written)
+    assert len({w.data_ptr() for w in written}) == len(written)
+    kept = model.layers[0].mlp.down_proj.weight
+    assert kept.untyped_storage().data_ptr() != arena.data_ptr()
+    if Path("/proc/self/maps").exists():
+        assert mapped_file(kept.data_ptr()) == str(path)
+        assert mapped_file(written[0].data_ptr()) != str(path)
+
+
 def test_dtype_cast(hf_models, tmp_path):
     """F16 weights load exactly into float16 and bfloat16 models (F16 -> float32 -> dtype)."""
     tensors, _ = gguf_tensors(hf_models["qwen3"], "qwen3", "F16")

@@ -15,7 +15,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import Tensor, nn
 
-from fastllm import ops
+from fastllm import _C, ops
 from fastllm.models.config import ModelConfig
 from fastllm.models.decoder import DecoderLM
 from fastllm.models.quantized import (QuantizedEmbedding, QuantizedLinear, QuantizedWeight,
@@ -132,7 +132,8 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     interleaved by 16 rows on AVX-512; Q4_0, Q4_1, Q5_0 and Q8_0 on AVX2). On the CPU, float32
     models keep 16-bit projection, embedding and LM-head weights (a float16 GGUF, a bfloat16
     checkpoint) in 16 bits: the linear op converts them exactly as it reads them, so the sums
-    are the upcast weights' from half the bytes.
+    are the upcast weights' from half the bytes. On the CPU the blocks written at load
+    (interleaved, joined or quantized) are moved into one arena of transparent huge pages.
 
     ``quantization`` ("int8", "int4"; see :data:`~fastllm.models.quantized.QUANTIZATIONS`)
     quantizes the float weights of every projection (the experts' too, but not their router),
@@ -155,6 +156,7 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
     state: dict[str, Tensor] = {}
     quantized: dict[str, int] = {}  # parameter name -> ggml type of its blocks
     segmented: dict[str, list[tuple[Tensor, int]]] = {}  # parameter name -> its format runs
+    made_blocks: list[str] = []  # state names of blocks written at load (not a file's pages)
     for name, parts in hf_weight_map(config).items():
         slices = shard.slices(name, parts)
         if slices is None:  # not held by this rank
@@ -173,16 +175,21 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             blocks = torch.cat([t.data for t in tensors])  # [experts * rows, row bytes]
             state[name] = blocks.view(config.num_experts, -1, blocks.shape[-1]).to(device)
             quantized[name] = tensors[0].weight_type
+            made_blocks.append(name)
             continue
         if all(isinstance(t, QuantizedWeight) for t in tensors) and _QUANTIZABLE.search(name):
             runs = [_decode_layout(name, data, weight_type, config)
                     for data, weight_type in _format_runs(tensors, device)]
             if len(runs) == 1:
                 state[name], quantized[name] = runs[0]
+                names = [name]
             else:  # parts in different formats: each run of rows stays in its own
                 segmented[name] = runs
                 module = name.rsplit(".", 1)[0]
-                state.update({f"{module}.segment{i}": data for i, (data, _) in enumerate(runs)})
+                names = [f"{module}.segment{i}" for i in range(len(runs))]
+                state.update(zip(names, (data for data, _ in runs)))
+            as_read = {id(t.data) for t in tensors}
+            made_blocks += [n for n in names if id(state[n]) not in as_read]
             continue
         tensors = [ops.dequantize(t.data, t.weight_type, torch.float32)
                    if isinstance(t, QuantizedWeight) else t for t in tensors]
@@ -202,9 +209,13 @@ def build_model(config: ModelConfig, read: TensorReader, *, dtype: torch.dtype,
             if not _EXPERTS.search(name):
                 data, weight_type = _decode_layout(name, data, weight.weight_type, config)
             state[name], quantized[name] = data, weight_type
+            if not (_EMBEDDING.search(name) and not config.tie_word_embeddings):
+                made_blocks.append(name)  # an untied embedding's rows are looked up, not streamed
             continue
         stored = _storage_dtype(name, fused.dtype, dtype, torch.device(device))
         state[name] = _cast(fused, stored, device)
+    if torch.device(device).type == "cpu":
+        _move_to_huge_pages(state, made_blocks)
 
     with torch.device("meta"):
         model = DecoderLM(config, tensor_parallel)
@@ -230,6 +241,39 @@ _NORM = re.compile(r"norm\.weight$")
 _EMBEDDING = re.compile(r"^embed_tokens\.weight$")
 # The weights whose rows are the vocabulary, split among tensor-parallel ranks.
 _VOCABULARY = re.compile(r"^(embed_tokens|lm_head)\.weight$")
+
+
+# Where each weight starts in the arena: a cache line, so no two share one.
+_ARENA_ALIGNMENT = 64
+
+
+def _move_to_huge_pages(state: dict[str, Tensor], names: list[str]) -> None:
+    """Replaces the CPU weight blocks ``names``, written at load (repacked into the decode
+    layout, joined, or quantized), with contiguous copies in one arena of transparent huge
+    pages: a decode step streams them all, and with 4 KiB pages it misses the TLB every 4 KiB.
+    Blocks still in a mapped file's pages stay there (a copy would cost the load a pass and the
+    memory a second copy). A tensor met under two names is copied once; each original is
+    dropped once copied, so the copies add at most one tensor to the memory the weights take."""
+    offsets: dict[int, int] = {}
+    total = 0
+    for name in names:
+        tensor = state[name]
+        if id(tensor) not in offsets:
+            offsets[id(tensor)] = total
+            nbytes = tensor.numel() * tensor.element_size()
+            total += -(-nbytes // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
+    if total == 0:
+        return
+    arena = _C.zeros_huge_pages([total], torch.uint8)
+    copies: dict[int, Tensor] = {}
+    for name in names:
+        tensor = state[name]
+        if id(tensor) not in copies:
+            start = offsets[id(tensor)]
+            nbytes = tensor.numel() * tensor.element_size()
+            copy = arena[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+            copies[id(tensor)] = copy.copy_(tensor)
+        state[name] = copies[id(tensor)]
 
 
 def _pad_rows(weight: Tensor | QuantizedWeight, rows: int) -> Tensor | QuantizedWeight:
