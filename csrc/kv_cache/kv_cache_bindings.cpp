@@ -20,7 +20,8 @@ void bind_kv_cache(py::module_& m) {
       },
       py::arg("sizes"), py::arg("dtype"),
       "A zero-filled CPU tensor in 2 MiB-aligned memory advised for transparent huge pages "
-      "(the paged KV pools: their blocks are read scattered, which 4 KiB pages make TLB-bound).");
+      "(the paged KV pools, read scattered, and the weight blocks a decode step streams: 4 KiB "
+      "pages make both TLB-bound).");
   auto& full_error =
       py::register_local_exception<KVCacheFullError>(m, "KVCacheFullError", PyExc_RuntimeError);
   full_error.attr("__doc__") =
