@@ -252,28 +252,18 @@ def _move_to_huge_pages(state: dict[str, Tensor], names: list[str]) -> None:
     layout, joined, or quantized), with contiguous copies in one arena of transparent huge
     pages: a decode step streams them all, and with 4 KiB pages it misses the TLB every 4 KiB.
     Blocks still in a mapped file's pages stay there (a copy would cost the load a pass and the
-    memory a second copy). A tensor met under two names is copied once; each original is
-    dropped once copied, so the copies add at most one tensor to the memory the weights take."""
-    offsets: dict[int, int] = {}
-    total = 0
-    for name in names:
-        tensor = state[name]
-        if id(tensor) not in offsets:
-            offsets[id(tensor)] = total
-            nbytes = tensor.numel() * tensor.element_size()
-            total += -(-nbytes // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
-    if total == 0:
+    memory a second copy). Each original is dropped once copied, so the copies add at most one
+    tensor to the memory the weights take."""
+    sizes = [state[name].numel() * state[name].element_size() for name in names]
+    starts = list(itertools.accumulate(
+        (-(-nbytes // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT for nbytes in sizes), initial=0))
+    if starts[-1] == 0:
         return
-    arena = _C.zeros_huge_pages([total], torch.uint8)
-    copies: dict[int, Tensor] = {}
-    for name in names:
+    arena = _C.zeros_huge_pages([starts[-1]], torch.uint8)
+    for name, start, nbytes in zip(names, starts, sizes):
         tensor = state[name]
-        if id(tensor) not in copies:
-            start = offsets[id(tensor)]
-            nbytes = tensor.numel() * tensor.element_size()
-            copy = arena[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
-            copies[id(tensor)] = copy.copy_(tensor)
-        state[name] = copies[id(tensor)]
+        state[name] = arena[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+        state[name].copy_(tensor)
 
 
 def _pad_rows(weight: Tensor | QuantizedWeight, rows: int) -> Tensor | QuantizedWeight:
