@@ -12,8 +12,8 @@
 
 #include "attention/attention.h"
 #include "attention/attention_kernels.cuh"
+#include "attention/attention_launch.cuh"
 #include "common/cuda_host.h"
-#include "common/cuda_launch.cuh"
 #include "common/dispatch.h"
 
 namespace fastllm {
@@ -22,54 +22,12 @@ namespace {
 constexpr int64_t kMaxKernelHeadDim = 256;
 constexpr int64_t kMaxTokens = INT32_MAX - 256;
 
-// Whether t's [tokens, heads, head_dim] rows can move in 16-byte chunks.
-bool has_16_byte_rows(const at::Tensor& t) {
-  const int64_t per_chunk = 16 / t.element_size();
-  return t.stride(2) == 1 && t.size(2) % per_chunk == 0 && t.stride(0) % per_chunk == 0 &&
-         t.stride(1) % per_chunk == 0 &&
-         reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-}
-
-int max_shared_memory_per_block() {
-  int device = 0, bytes = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return bytes;
-}
-
-// Launches one thread block per (query tile of block_m rows, sequence, head).
-template <typename Params>
-void launch(void (*kernel)(Params), Params params, int block_m, int smem_bytes,
-            int64_t query_rows) {
-  const int64_t query_tiles = ceil_div(query_rows, block_m);
-  const int64_t blocks = query_tiles * params.batch * params.n_heads;
-  TORCH_CHECK_VALUE(blocks <= INT32_MAX, "attention needs ", blocks,
-                    " thread blocks (query tiles x batch x heads), more than a CUDA grid holds");
-  params.query_tiles = int(query_tiles);
-  if (smem_bytes > 48 * 1024)
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  launch_kernel(kernel, unsigned(blocks), cuda::kAttentionThreads, smem_bytes, params);
-}
-
-// Launches the tensor-core kernel padded to kHeadDim if head_dim fits it and its shared memory
-// fits the device.
-template <typename T, int kHeadDim, bool kSoftcap>
-bool launch_tensor_core(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows,
-                        int max_smem) {
-  using Shape = cuda::TensorCoreShape<kHeadDim>;
-  if (params.head_dim > kHeadDim || Shape::kSmemBytes > max_smem) return false;
-  launch(cuda::attention_tensor_core_kernel<T, kHeadDim, kSoftcap>, params, Shape::kBlockM,
-         Shape::kSmemBytes, query_rows);
-  return true;
-}
-
 template <typename T, int kDimsPerLane, bool kSoftcap>
 bool launch_simt(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows, int max_smem) {
   using Shape = cuda::SimtShape<kDimsPerLane>;
   if (params.head_dim > Shape::kDims || Shape::kSmemBytes > max_smem) return false;
-  launch(cuda::attention_simt_kernel<T, kDimsPerLane, kSoftcap>, params, Shape::kBlockM,
-         Shape::kSmemBytes, query_rows);
+  launch_attention_grid(cuda::attention_simt_kernel<T, kDimsPerLane, kSoftcap>, params,
+                        Shape::kBlockM, Shape::kSmemBytes, query_rows);
   return true;
 }
 
@@ -78,11 +36,7 @@ template <typename T, bool kSoftcap>
 bool launch_attention(const cuda::VarlenAttentionParams<T>& params, int64_t query_rows) {
   const int max_smem = max_shared_memory_per_block();
   if constexpr (!std::is_same_v<T, float>) {
-    if (launch_tensor_core<T, 64, kSoftcap>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 80, kSoftcap>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 96, kSoftcap>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 128, kSoftcap>(params, query_rows, max_smem) ||
-        launch_tensor_core<T, 256, kSoftcap>(params, query_rows, max_smem))
+    if (launch_tensor_core_attention<T, kSoftcap, false>(params, query_rows, max_smem))
       return true;
   }
   return launch_simt<T, 1, kSoftcap>(params, query_rows, max_smem) ||

@@ -15,6 +15,12 @@
 // end of the sequence. Sequence bounds are clamped to [0, total], so bad cu_seqlens (not checked
 // during CUDA-graph capture) never make a kernel read or write out of bounds.
 //
+// Paged K/V (the tensor-core kernel's kPaged instantiations, paged_attention's 16-bit chunked
+// prefill): the K and V rows come from paged caches through the block tables. Before a tile's
+// loads are issued, one thread per key writes its (block id, slot) to shared memory, a tile
+// ahead of the K load (double-buffered; V reuses its tile's), so each row's address is a shared
+// read rather than a table read and a division.
+//
 // Tensor-core kernel (bfloat16 / float16, head_dim <= 256), FlashAttention-2 style:
 // - head_dim is padded with zeros to kHeadDim in {64, 80, 96, 128, 256}; rows of Q (kBlockM), K
 //   and V (kBlockN = 64 keys) sit in shared memory kHeadDim + 8 elements apart, so the eight 16-byte
@@ -89,6 +95,18 @@ struct VarlenAttentionParams {
   float scale_log2;    // softmax scale * log2(e): probabilities are exp2(score * scale_log2 - max)
   float softcap;           // > 0 in kSoftcap kernels: the soft-cap
   float softcap_inv_log2;  // 1 / (softcap * log2(e)): log2-domain score -> score / softcap
+  // Paged K/V (the kPaged tensor-core kernel: paged_attention's chunked prefill): k and v are the
+  // caches [num_blocks, block_size, n_kv_heads, head_dim] and k/v_stride_token their slot
+  // strides; key j of sequence b is slot j % block_size of block block_tables[b][j / block_size],
+  // and the sequence has max(seq_lens[b], 0) keys (cu_seqlens_k and total_k are not read). As in
+  // the paged kernel, block ids outside [0, num_blocks) and table columns past max_blocks read as
+  // zero rows.
+  const int32_t* block_tables;  // [batch, max_blocks], any strides
+  const int32_t* seq_lens;      // [batch]
+  int64_t table_stride_seq, table_stride_block;
+  int64_t k_stride_block, v_stride_block;
+  int64_t num_blocks;
+  int max_blocks, block_size;
 };
 
 // Tile shape of the tensor-core kernel for a padded head_dim; the host reads it too.
@@ -100,6 +118,8 @@ struct TensorCoreShape {
   static constexpr int kBlockN = 64;                // keys per block
   static constexpr int kStride = kHeadDim + 8;      // shared-memory row stride, in elements
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kStride * 2;
+  // Paged K/V add two tiles' (block id, slot) per key.
+  static constexpr int kPagedSmemBytes = kSmemBytes + 2 * kBlockN * 8;
 };
 
 // Tile shape of the SIMT kernel: each lane holds kDimsPerLane head dims of 4 query rows.
@@ -168,7 +188,7 @@ __device__ __forceinline__ int clamp_threshold(int64_t value) {
 
 // What one thread block works on, decoded from blockIdx.x (see the top comment).
 struct QueryTile {
-  int head;
+  int head, seq;
   int q_begin, len_q;  // the sequence's queries: packed rows [q_begin, q_begin + len_q)
   int k_begin, len_k;  // and keys
   int first_row;       // the tile's first query position within the sequence
@@ -181,7 +201,7 @@ __device__ __forceinline__ int clamp_offset(int value, int low, int high) {
   return value < low ? low : value > high ? high : value;
 }
 
-template <typename scalar_t>
+template <bool kPaged = false, typename scalar_t>
 __device__ __forceinline__ QueryTile locate_query_tile(const VarlenAttentionParams<scalar_t>& p,
                                                        int block_m) {
   QueryTile t;
@@ -189,11 +209,17 @@ __device__ __forceinline__ QueryTile locate_query_tile(const VarlenAttentionPara
   t.head = flat % p.n_heads;
   const int rest = flat / p.n_heads;
   const int seq = rest % p.batch;
+  t.seq = seq;
   const int query_tile = p.query_tiles - 1 - rest / p.batch;
   t.q_begin = clamp_offset(p.cu_seqlens_q[seq], 0, p.total_q);
   t.len_q = clamp_offset(p.cu_seqlens_q[seq + 1], t.q_begin, p.total_q) - t.q_begin;
-  t.k_begin = clamp_offset(p.cu_seqlens_k[seq], 0, p.total_k);
-  t.len_k = clamp_offset(p.cu_seqlens_k[seq + 1], t.k_begin, p.total_k) - t.k_begin;
+  if constexpr (kPaged) {
+    t.k_begin = 0;
+    t.len_k = p.seq_lens[seq] > 0 ? p.seq_lens[seq] : 0;
+  } else {
+    t.k_begin = clamp_offset(p.cu_seqlens_k[seq], 0, p.total_k);
+    t.len_k = clamp_offset(p.cu_seqlens_k[seq + 1], t.k_begin, p.total_k) - t.k_begin;
+  }
   t.first_row = query_tile * block_m;
   t.rows = t.len_q - t.first_row < block_m ? t.len_q - t.first_row : block_m;
   if (t.rows <= 0) return t;
@@ -250,9 +276,100 @@ __device__ __forceinline__ void load_tile(scalar_t* smem, const scalar_t* src,
   }
 }
 
+// The K or V rows of one (sequence, kv head): packed, key j at base + j * stride; or paged
+// (table set), key j in slot j % block_size (`stride` apart) of block table[j / block_size]
+// (`stride_block` apart).
+template <typename scalar_t>
+struct KeyRows {
+  const scalar_t* base;
+  int64_t stride;
+  const int32_t* table;  // the sequence's block table row (paged only)
+  int64_t table_stride, stride_block, num_blocks;
+  int max_blocks, block_size;
+};
+
+template <bool kPaged, typename scalar_t>
+__device__ __forceinline__ KeyRows<scalar_t> key_rows(const VarlenAttentionParams<scalar_t>& p,
+                                                      const QueryTile& tile, int kv_head,
+                                                      const scalar_t* data, int64_t stride_token,
+                                                      int64_t stride_head, int64_t stride_block) {
+  KeyRows<scalar_t> rows{};
+  rows.stride = stride_token;
+  if constexpr (kPaged) {
+    rows.base = data + int64_t(kv_head) * stride_head;
+    rows.table = p.block_tables + int64_t(tile.seq) * p.table_stride_seq;
+    rows.table_stride = p.table_stride_block;
+    rows.stride_block = stride_block;
+    rows.num_blocks = p.num_blocks;
+    rows.max_blocks = p.max_blocks;
+    rows.block_size = p.block_size;
+  } else {
+    rows.base = data + int64_t(tile.k_begin) * stride_token + int64_t(kv_head) * stride_head;
+  }
+  return rows;
+}
+
+// Paged K/V: threads c < kBlockN write where key key0 + c of a tile is, (block id, slot), to
+// located[c]; id -1 where the key is past the tile's valid_rows, its table column past
+// max_blocks or its block id outside [0, num_blocks) (a row of zeros). K and V share it.
+template <int kBlockN, typename scalar_t>
+__device__ __forceinline__ void locate_tile_keys(int2* located, const KeyRows<scalar_t>& rows,
+                                                 int key0, int valid_rows) {
+  const int c = int(threadIdx.x);
+  if (c >= kBlockN) return;
+  int2 where = make_int2(-1, 0);
+  if (c < valid_rows) {
+    const int key = key0 + c, column = key / rows.block_size;
+    if (column < rows.max_blocks) {
+      const int32_t id = rows.table[column * rows.table_stride];
+      if (id >= 0 && id < rows.num_blocks) where = make_int2(id, key - column * rows.block_size);
+    }
+  }
+  located[c] = where;
+}
+
+// load_tile for keys [key0, key0 + kRows) of `rows` (valid_rows of them inside the sequence);
+// paged rows from where `located` (locate_tile_keys) puts them.
+template <int kRows, int kHeadDim, bool kPaged, typename scalar_t>
+__device__ __forceinline__ void load_key_tile(scalar_t* smem, const KeyRows<scalar_t>& rows,
+                                              const int2* located, int key0, int valid_rows,
+                                              int head_dim, bool vector_loads) {
+  if constexpr (!kPaged) {
+    load_tile<kRows, kHeadDim>(smem, rows.base + int64_t(key0) * rows.stride, rows.stride,
+                               valid_rows, head_dim, vector_loads);
+  } else {
+    constexpr int kStride = kHeadDim + 8;
+    constexpr int kColumnThreads = 16;
+    constexpr int kRowStep = kAttentionThreads / kColumnThreads;
+    static_assert(kRows % kRowStep == 0, "rows split evenly over the threads");
+    const int first_column = (threadIdx.x % kColumnThreads) * 8;
+#pragma unroll
+    for (int row = threadIdx.x / kColumnThreads; row < kRows; row += kRowStep) {
+      const int2 where = located[row];
+      const scalar_t* from =
+          where.x >= 0 ? rows.base + where.x * rows.stride_block + int64_t(where.y) * rows.stride
+                       : nullptr;
+      scalar_t* to = smem + row * kStride;
+#pragma unroll
+      for (int column = first_column; column < kHeadDim; column += kColumnThreads * 8) {
+        if (vector_loads) {
+          const bool inside = from != nullptr && column < head_dim;
+          cp_async_16(smem_address(to + column), inside ? from + column : rows.base, inside);
+        } else {
+#pragma unroll
+          for (int d = 0; d < 8; ++d)
+            to[column + d] = from != nullptr && column + d < head_dim ? from[column + d]
+                                                                      : from_float<scalar_t>(0.f);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace attention_detail
 
-template <typename scalar_t, int kHeadDim, bool kSoftcap>
+// kPaged: K/V from paged caches (see VarlenAttentionParams), otherwise packed.
+template <typename scalar_t, int kHeadDim, bool kSoftcap, bool kPaged>
 __global__ void __launch_bounds__(kAttentionThreads)
     attention_tensor_core_kernel(const VarlenAttentionParams<scalar_t> params) {
   using namespace attention_detail;
@@ -266,26 +383,29 @@ __global__ void __launch_bounds__(kAttentionThreads)
   constexpr int kDimTiles = kHeadDim / 8;       // n8 tiles of O
   constexpr int kBytes = sizeof(scalar_t);
 
-  const QueryTile tile = locate_query_tile(params, kBlockM);
+  const QueryTile tile = locate_query_tile<kPaged>(params, kBlockM);
   if (tile.rows <= 0) return;  // the whole block: past the end of its sequence
 
   scalar_t* q_smem = reinterpret_cast<scalar_t*>(dynamic_shared_memory());
   scalar_t* k_smem = q_smem + kBlockM * kStride;
   scalar_t* v_smem = k_smem + kBlockN * kStride;
+  // Paged: where the keys of two tiles are, [2][kBlockN], tile `block` in buffer block % 2.
+  int2* located = reinterpret_cast<int2*>(v_smem + kBlockN * kStride);
 
   const int head_dim = params.head_dim;
   const bool vector_loads = params.vector_loads;
   const bool causal = params.causal;
   const int window_left = params.window_left;
   const float scale_log2 = params.scale_log2;
-  const int64_t k_stride = params.k_stride_token, v_stride = params.v_stride_token;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int quad_row = lane / 4, quad_col = lane % 4;  // g and c of the fragment layouts
   const int kv_head = tile.head / params.group;
-  const scalar_t* k_rows = params.k + int64_t(tile.k_begin) * k_stride +
-                           int64_t(kv_head) * params.k_stride_head;
-  const scalar_t* v_rows = params.v + int64_t(tile.k_begin) * v_stride +
-                           int64_t(kv_head) * params.v_stride_head;
+  const KeyRows<scalar_t> k_rows =
+      key_rows<kPaged>(params, tile, kv_head, params.k, params.k_stride_token,
+                       params.k_stride_head, params.k_stride_block);
+  const KeyRows<scalar_t> v_rows =
+      key_rows<kPaged>(params, tile, kv_head, params.v, params.v_stride_token,
+                       params.v_stride_head, params.v_stride_block);
 
   float o[kRowTiles][kDimTiles][4];
   float row_max[kRowTiles][2];  // running max of the scaled scores (log2 domain)
@@ -310,9 +430,15 @@ __global__ void __launch_bounds__(kAttentionThreads)
                              int64_t(tile.head) * params.q_stride_head;
     load_tile<kBlockM, kHeadDim>(q_smem, q_rows, params.q_stride_token, tile.rows, head_dim,
                                  vector_loads);
-    load_tile<kBlockN, kHeadDim>(k_smem, k_rows + int64_t(last_block) * kBlockN * k_stride,
-                                 k_stride, tile.len_k - last_block * kBlockN, head_dim,
-                                 vector_loads);
+    if constexpr (kPaged) {
+      locate_tile_keys<kBlockN>(located + (last_block % 2) * kBlockN, k_rows,
+                                last_block * kBlockN, tile.len_k - last_block * kBlockN);
+      __syncthreads();
+    }
+    load_key_tile<kBlockN, kHeadDim, kPaged>(k_smem, k_rows, located + (last_block % 2) * kBlockN,
+                                             last_block * kBlockN,
+                                             tile.len_k - last_block * kBlockN, head_dim,
+                                             vector_loads);
 
     // Per-lane ldmatrix row addresses (see the top comment); fragments step from there.
     const uint32_t q_address =
@@ -332,8 +458,15 @@ __global__ void __launch_bounds__(kAttentionThreads)
       const int key0 = block * kBlockN;
       cp_async_wait_all();
       __syncthreads();  // K[block] (and Q) landed; every warp is done reading V[block + 1]
-      load_tile<kBlockN, kHeadDim>(v_smem, v_rows + int64_t(key0) * v_stride, v_stride,
-                                   tile.len_k - key0, head_dim, vector_loads);
+      load_key_tile<kBlockN, kHeadDim, kPaged>(v_smem, v_rows, located + (block % 2) * kBlockN,
+                                               key0, tile.len_k - key0, head_dim, vector_loads);
+      // Paged: locate the next K tile's keys (read after the next barrier); the buffer last
+      // held tile block + 1's, whose V load every thread issued before the barrier above.
+      if constexpr (kPaged) {
+        if (block > first_block)
+          locate_tile_keys<kBlockN>(located + ((block - 1) % 2) * kBlockN, k_rows,
+                                    key0 - kBlockN, kBlockN);
+      }
 
       float s[kRowTiles][kKeyTiles][4];
 #pragma unroll
@@ -363,8 +496,9 @@ __global__ void __launch_bounds__(kAttentionThreads)
       cp_async_wait_all();
       __syncthreads();  // V[block] landed; every warp is done reading K[block]
       if (block > first_block)
-        load_tile<kBlockN, kHeadDim>(k_smem, k_rows + int64_t(key0 - kBlockN) * k_stride,
-                                     k_stride, kBlockN, head_dim, vector_loads);
+        load_key_tile<kBlockN, kHeadDim, kPaged>(k_smem, k_rows,
+                                                 located + ((block - 1) % 2) * kBlockN,
+                                                 key0 - kBlockN, kBlockN, head_dim, vector_loads);
 
       // Scores to the log2 domain; in blocks some row does not fully see, keys it does not see
       // become -inf. The lane holds rows quad_row and quad_row + 8 of each m16 tile, and block
@@ -649,11 +783,15 @@ __global__ void __launch_bounds__(kAttentionThreads)
 }  // namespace fastllm
 
 #ifdef FASTLLM_KERNEL_COMPILE_CHECK
-// Every configuration attention_cuda.cu launches.
-#define FASTLLM_INSTANTIATE_TENSOR_CORE(T, D)                                        \
-  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, false>( \
-      const fastllm::cuda::VarlenAttentionParams<T>);                                \
-  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, true>(  \
+// Every configuration attention_cuda.cu and paged_attention_cuda.cu launch.
+#define FASTLLM_INSTANTIATE_TENSOR_CORE(T, D)                                               \
+  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, false, false>( \
+      const fastllm::cuda::VarlenAttentionParams<T>);                                       \
+  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, true, false>(  \
+      const fastllm::cuda::VarlenAttentionParams<T>);                                       \
+  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, false, true>(  \
+      const fastllm::cuda::VarlenAttentionParams<T>);                                       \
+  template __global__ void fastllm::cuda::attention_tensor_core_kernel<T, D, true, true>(   \
       const fastllm::cuda::VarlenAttentionParams<T>);
 #define FASTLLM_INSTANTIATE_SIMT(T, N)                                        \
   template __global__ void fastllm::cuda::attention_simt_kernel<T, N, false>( \

@@ -4,11 +4,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "attention/attention.h"
+#include "attention/attention_launch.cuh"
 #include "attention/paged_attention_kernels.cuh"
 #include "common/checks.h"
 #include "common/cuda_host.h"
@@ -104,7 +106,8 @@ void launch_paged_attention(cuda::PagedAttentionParams<T> params, int64_t max_qu
 }
 
 // The shape for head_dim (padded to 64 / 128 / 256) and the rows per sequence: decode, or
-// prefill (head_dim <= 128 only) where the queries times the group exceed two decode tiles.
+// prefill (head_dim <= 128 only) where the queries times the group exceed two decode tiles (what
+// paged_prefill_on_tensor_cores leaves: float32 and pre-RoPE caches).
 template <typename T, bool kSoftcap>
 void launch_paged_shape(const cuda::PagedAttentionParams<T>& params, int64_t query_rows,
                         int64_t n_kv_heads, int64_t max_keys, const at::Tensor& q) {
@@ -128,6 +131,74 @@ void launch_paged_shape(const cuda::PagedAttentionParams<T>& params, int64_t que
   } else {
     launch_paged_attention<T, 256, kDecodeRows, kSoftcap>(params, query_rows, n_kv_heads,
                                                           max_keys, q);
+  }
+}
+
+// Chunked prefill in 16 bits over keys cached after RoPE runs the tensor-core varlen kernel with
+// its K/V rows read through the block tables: many query rows against a cached prefix are a
+// matmul, several times slower on the paged kernel's CUDA cores. False where the kernel does not
+// take the call (float32, pre-RoPE keys, decode-sized rows, caches without a unit dim stride,
+// or no configuration fitting the device); the paged kernels run it then.
+template <typename T>
+bool paged_prefill_on_tensor_cores(const at::Tensor& q_rows, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& lens, const at::Tensor& cu_q,
+                                   const at::Tensor& out, const AttentionDims& dims,
+                                   int64_t query_rows, bool causal, int64_t window_left,
+                                   double sm_scale, double softcap, int64_t rotary_dim) {
+  const int64_t group = dims.n_heads / dims.n_kv_heads;
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (rotary_dim > 0 || query_rows * group <= kMaxDecodeShapeRows || k_cache.stride(3) != 1 ||
+        v_cache.stride(3) != 1)
+      return false;
+    cuda::VarlenAttentionParams<T> params{};
+    params.q = reinterpret_cast<const T*>(q_rows.const_data_ptr());
+    params.k = reinterpret_cast<const T*>(k_cache.const_data_ptr());
+    params.v = reinterpret_cast<const T*>(v_cache.const_data_ptr());
+    params.out = reinterpret_cast<T*>(out.mutable_data_ptr());
+    params.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
+    params.q_stride_token = q_rows.stride(0);
+    params.q_stride_head = q_rows.stride(1);
+    params.k_stride_token = k_cache.stride(1);
+    params.k_stride_head = k_cache.stride(2);
+    params.k_stride_block = k_cache.stride(0);
+    params.v_stride_token = v_cache.stride(1);
+    params.v_stride_head = v_cache.stride(2);
+    params.v_stride_block = v_cache.stride(0);
+    params.out_stride_token = out.stride(0);
+    params.out_stride_head = out.stride(1);
+    params.out_stride_dim = out.stride(2);
+    params.total_q = int(q_rows.size(0));
+    params.batch = int(dims.batch);
+    params.n_heads = int(dims.n_heads);
+    params.group = int(group);
+    params.head_dim = int(dims.head_dim);
+    // A window wider than any int32 key count excludes nothing: the same as none.
+    params.window_left = window_left < 0 || window_left > std::numeric_limits<int32_t>::max()
+                             ? -1
+                             : int(window_left);
+    params.causal = causal;
+    params.vector_loads = has_16_byte_rows(q_rows) &&
+                          rows_copy_in_16_bytes(k_cache, dims.head_dim) &&
+                          rows_copy_in_16_bytes(v_cache, dims.head_dim);
+    params.vector_stores = has_16_byte_rows(out);
+    params.scale_log2 = float(sm_scale * kLog2e);
+    params.softcap = float(softcap);
+    params.softcap_inv_log2 = softcap > 0.0 ? float(1.0 / (softcap * kLog2e)) : 0.f;
+    params.block_tables = block_tables.const_data_ptr<int32_t>();
+    params.seq_lens = lens.const_data_ptr<int32_t>();
+    params.table_stride_seq = block_tables.stride(0);
+    params.table_stride_block = block_tables.stride(1);
+    params.num_blocks = k_cache.size(0);
+    params.max_blocks = int(std::min<int64_t>(block_tables.size(1),
+                                              std::numeric_limits<int32_t>::max()));
+    params.block_size = int(k_cache.size(1));
+    const int max_smem = max_shared_memory_per_block();
+    return softcap > 0.0
+               ? launch_tensor_core_attention<T, true, true>(params, query_rows, max_smem)
+               : launch_tensor_core_attention<T, false, true>(params, query_rows, max_smem);
   }
 }
 
@@ -188,6 +259,10 @@ at::Tensor paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
 
   FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::paged_attention_cuda", [&] {
     using T = cuda_storage_t<scalar_t>;
+    if (paged_prefill_on_tensor_cores<T>(q_rows, k_cache, v_cache, block_tables, lens, cu_q, out,
+                                         dims, query_rows, causal, window_left, sm_scale,
+                                         softcap, rotary_dim))
+      return;
     cuda::PagedAttentionParams<T> params{};
     params.q = cuda_ptr<scalar_t>(q_rows);
     params.q_stride_token = q_rows.stride(0);

@@ -12,7 +12,8 @@
 // (sequence, kv head) are its query positions times the GQA group's heads, position-major: row
 // R is head kv_head * group + R % group of query R / group. A tile of kRows rows shares every
 // K/V row it loads: decode (kRows = 8) reads each K/V element once for the whole group, chunked
-// prefill (kRows = 8192 / head_dim) reuses each K/V tile for 64-128 rows. The keys some row of
+// prefill (kRows = 8192 / head_dim; float32 and pre-RoPE caches, 16-bit ones run the tensor-core
+// varlen kernel through the block tables) reuses each K/V tile for 64-128 rows. The keys some row of
 // the tile sees, [key_lo, key_hi), are cut into splits of a fixed size per sequence, computed
 // from the sequence's own key count and the host's split target (batch, heads, SM count), never
 // from the block table's width: for the same batch, a table padded wider (CUDA-graph decode)

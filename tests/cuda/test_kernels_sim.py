@@ -147,6 +147,10 @@ PAGED = [
     (BF16, 64, 4, 2, 16, [20, 1], [80, 50], True, 5),
     (F32, 64, 4, 2, 16, [6], [30], False, -1),
     (BF16, 96, 6, 3, 5, [3, 0, 2], [3, 0, 70], True, -1),  # an empty sequence
+    # 16-bit chunked prefill on the tensor-core kernel: element loads (head_dim 67) through
+    # blocks of 5, and head_dim 256
+    (FP16, 67, 4, 2, 5, [30, 3], [50, 70], True, -1),
+    (BF16, 256, 4, 1, 16, [20], [150], True, -1),
 ]
 
 
@@ -202,8 +206,30 @@ def test_pre_rope_paged_attention(sim, dtype, is_neox, rotary_dim, softcap):
         judge(out, lambda: reference.paged_attention(*case.args(), **kwargs), expected, dtype)
 
 
-def test_paged_attention_checks_block_tables_unless_trusted(sim):
-    case = make_case([1], [40], 4, 2, 64, 16)
+@pytest.mark.parametrize("dtype, pre_rope", [(BF16, False), (FP16, False), (F32, False),
+                                             (BF16, True)])
+def test_chunked_prefill_runs_on_tensor_cores_in_16_bits(sim, dtype, pre_rope):
+    """16-bit chunked prefill over keys cached after RoPE runs the varlen tensor-core kernel,
+    K/V read through the block tables: one launch, a block per (query tile, sequence, head).
+    float32 and pre-RoPE caches run the paged kernel: blocks per (row tile, kv head, split)."""
+    case = make_case([32, 7], [544, 100], 16, 8, 128, 16, dtype=dtype)
+    kwargs = dict(causal=True, scale=None, window_left=-1, softcap=0.0,
+                  rotary_cos_sin_cache=ops.rope_cos_sin_cache(600, 128) if pre_rope else None,
+                  rotary_is_neox=True)
+    out = sim.paged_attention(*case.args(), **kwargs)
+    launches = sim.take_launch_log()
+    if dtype != F32 and not pre_rope:
+        assert launches[:, :3].tolist() == [[1 * 2 * 16, 1, 1]], launches.tolist()
+    else:
+        assert launches[0, 1] == 8, launches.tolist()
+    with num_threads(1):
+        expected = reference.paged_attention(*as_float64(case.args()), **kwargs)
+        judge(out, lambda: reference.paged_attention(*case.args(), **kwargs), expected, dtype)
+
+
+@pytest.mark.parametrize("lens_q, dtype", [([1], F32), ([20], BF16)], ids=["decode", "prefill"])
+def test_paged_attention_checks_block_tables_unless_trusted(sim, lens_q, dtype):
+    case = make_case(lens_q, [40], 4, 2, 64, 16, dtype=dtype)
     case.block_tables[0, 1] = case.k_cache.shape[0]  # a block id past the pool
     with pytest.raises(ValueError, match="block"):
         sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
@@ -486,7 +512,8 @@ def test_results_do_not_depend_on_the_threads_order(sim):
     """Each block's threads run first to last, then last to first: with every barrier in place
     the outputs are bit-identical."""
     attention = ATTENTION[0]
-    case = make_case([1, 9], [900, 60], 16, 2, 64, 16, dtype=BF16)
+    # 16 bits: the tensor-core kernel through the block tables; float32: the paged kernel
+    cases = [make_case([1, 9], [900, 60], 16, 2, 64, 16, dtype=dtype) for dtype in (BF16, F32)]
     logits = torch.randn(4, 4096)
     args = row_args(ROWS[2:])
     moe = moe_inputs(300, dtype=BF16)
@@ -495,13 +522,14 @@ def test_results_do_not_depend_on_the_threads_order(sim):
         sim.configure(SMS, reverse, False)
         torch.manual_seed(0)
         runs.append((run_attention(sim, *attention)[2],
-                     sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
-                                         rotary_cos_sin_cache=None, rotary_is_neox=True),
+                     [sim.paged_attention(*case.args(), causal=True, scale=None, window_left=-1,
+                                          rotary_cos_sin_cache=None, rotary_is_neox=True)
+                      for case in cases],
                      sim.sample_with_logprobs(logits, *args, 3),
                      sim.moe(*moe, 2, True)))
     (attn_f, paged_f, sample_f, moe_f), (attn_r, paged_r, sample_r, moe_r) = runs
     assert torch.equal(attn_f, attn_r)
-    assert torch.equal(paged_f, paged_r)
+    assert all(torch.equal(f, r) for f, r in zip(paged_f, paged_r))
     assert torch.equal(moe_f, moe_r)
     for a, b in zip(sample_f, sample_r):
         assert torch.equal(a, b)
