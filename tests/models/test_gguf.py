@@ -973,6 +973,23 @@ def llama_file(llama_f32, tmp_path) -> Path:
     return write_gguf(tmp_path / "model.gguf", "llama", config, tensors)
 
 
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                    reason="no transparent huge pages (Linux only)")
+def test_the_file_mapping_asks_for_huge_pages(llama_file):
+    """The mapping the tensors are read through is advised for huge pages (VmFlags "hg"), so
+    data read from disk comes in 2 MiB folios that the mapping maps whole."""
+    reader = GGUFFileReader(llama_file)  # the mapping lives as long as the reader
+    address = reader.data.ctypes.data
+    inside, flags = False, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line: its range
+            start, end = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+    assert flags is not None and "hg" in flags, flags
+
+
 def test_unknown_tensor_type(llama_file):
     edit_tensor_info(llama_file, "blk.1.ffn_up.weight", raw_type=200)
     with pytest.raises(ValueError, match=r"model\.gguf: tensor blk\.1\.ffn_up\.weight has "
