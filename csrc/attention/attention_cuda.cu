@@ -80,37 +80,20 @@ void attention_out_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
   bool launched = false;
   FASTLLM_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fastllm::attention_cuda", [&] {
     using T = cuda_storage_t<scalar_t>;
-    cuda::VarlenAttentionParams<T> params{};
-    params.q = cuda_ptr<scalar_t>(q_rows);
+    auto params = query_params<T>(q_rows, out, cu_q, dims.batch, dims.n_heads, dims.n_kv_heads,
+                                  causal, softmax_scale, softcap);
     params.k = cuda_ptr<scalar_t>(k_rows);
     params.v = cuda_ptr<scalar_t>(v_rows);
-    params.out = cuda_mutable_ptr<scalar_t>(out);
-    params.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
     params.cu_seqlens_k = cu_k.const_data_ptr<int32_t>();
-    params.q_stride_token = q_rows.stride(0);
-    params.q_stride_head = q_rows.stride(1);
     params.k_stride_token = k_rows.stride(0);
     params.k_stride_head = k_rows.stride(1);
     params.v_stride_token = v_rows.stride(0);
     params.v_stride_head = v_rows.stride(1);
-    params.out_stride_token = out.stride(0);
-    params.out_stride_head = out.stride(1);
-    params.out_stride_dim = out.stride(2);
-    params.total_q = int(q.size(0));
     params.total_k = int(k.size(0));
-    params.batch = int(dims.batch);
-    params.n_heads = int(dims.n_heads);
-    params.group = int(dims.n_heads / dims.n_kv_heads);
-    params.head_dim = int(dims.head_dim);
     // A window of at least total_k keys never excludes a visible key: the same as none.
     params.window_left = window_left < 0 || window_left >= k.size(0) ? -1 : int(window_left);
-    params.causal = causal;
     params.vector_loads =
         has_16_byte_rows(q_rows) && has_16_byte_rows(k_rows) && has_16_byte_rows(v_rows);
-    params.vector_stores = has_16_byte_rows(out);
-    params.scale_log2 = float(softmax_scale * kLog2e);
-    params.softcap = float(softcap);
-    params.softcap_inv_log2 = softcap > 0.0 ? float(1.0 / (softcap * kLog2e)) : 0.f;
     launched = softcap > 0.0 ? launch_attention<T, true>(params, query_rows)
                              : launch_attention<T, false>(params, query_rows);
   });

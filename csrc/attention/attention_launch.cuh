@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include "attention/attention.h"
 #include "attention/attention_kernels.cuh"
 #include "common/cuda_host.h"
 #include "common/cuda_launch.cuh"
@@ -26,6 +27,35 @@ inline int max_shared_memory_per_block() {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return bytes;
+}
+
+// The parameters of the queries, the output and the softmax; the caller sets K and V's (and
+// window_left).
+template <typename T>
+cuda::VarlenAttentionParams<T> query_params(const at::Tensor& q_rows, const at::Tensor& out,
+                                            const at::Tensor& cu_seqlens_q, int64_t batch,
+                                            int64_t n_heads, int64_t n_kv_heads, bool causal,
+                                            double softmax_scale, double softcap) {
+  cuda::VarlenAttentionParams<T> params{};
+  params.q = reinterpret_cast<const T*>(q_rows.const_data_ptr());
+  params.out = reinterpret_cast<T*>(out.mutable_data_ptr());
+  params.cu_seqlens_q = cu_seqlens_q.const_data_ptr<int32_t>();
+  params.q_stride_token = q_rows.stride(0);
+  params.q_stride_head = q_rows.stride(1);
+  params.out_stride_token = out.stride(0);
+  params.out_stride_head = out.stride(1);
+  params.out_stride_dim = out.stride(2);
+  params.total_q = int(q_rows.size(0));
+  params.batch = int(batch);
+  params.n_heads = int(n_heads);
+  params.group = int(n_heads / n_kv_heads);
+  params.head_dim = int(q_rows.size(2));
+  params.causal = causal;
+  params.vector_stores = has_16_byte_rows(out);
+  params.scale_log2 = float(softmax_scale * kLog2e);
+  params.softcap = float(softcap);
+  params.softcap_inv_log2 = softcap > 0.0 ? float(1.0 / (softcap * kLog2e)) : 0.f;
+  return params;
 }
 
 // Launches one thread block per (query tile of block_m rows, sequence, head).

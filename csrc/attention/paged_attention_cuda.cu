@@ -153,40 +153,23 @@ bool paged_prefill_on_tensor_cores(const at::Tensor& q_rows, const at::Tensor& k
     if (rotary_dim > 0 || query_rows * group <= kMaxDecodeShapeRows || k_cache.stride(3) != 1 ||
         v_cache.stride(3) != 1)
       return false;
-    cuda::VarlenAttentionParams<T> params{};
-    params.q = reinterpret_cast<const T*>(q_rows.const_data_ptr());
+    auto params = query_params<T>(q_rows, out, cu_q, dims.batch, dims.n_heads, dims.n_kv_heads,
+                                  causal, sm_scale, softcap);
     params.k = reinterpret_cast<const T*>(k_cache.const_data_ptr());
     params.v = reinterpret_cast<const T*>(v_cache.const_data_ptr());
-    params.out = reinterpret_cast<T*>(out.mutable_data_ptr());
-    params.cu_seqlens_q = cu_q.const_data_ptr<int32_t>();
-    params.q_stride_token = q_rows.stride(0);
-    params.q_stride_head = q_rows.stride(1);
     params.k_stride_token = k_cache.stride(1);
     params.k_stride_head = k_cache.stride(2);
     params.k_stride_block = k_cache.stride(0);
     params.v_stride_token = v_cache.stride(1);
     params.v_stride_head = v_cache.stride(2);
     params.v_stride_block = v_cache.stride(0);
-    params.out_stride_token = out.stride(0);
-    params.out_stride_head = out.stride(1);
-    params.out_stride_dim = out.stride(2);
-    params.total_q = int(q_rows.size(0));
-    params.batch = int(dims.batch);
-    params.n_heads = int(dims.n_heads);
-    params.group = int(group);
-    params.head_dim = int(dims.head_dim);
     // A window wider than any int32 key count excludes nothing: the same as none.
     params.window_left = window_left < 0 || window_left > std::numeric_limits<int32_t>::max()
                              ? -1
                              : int(window_left);
-    params.causal = causal;
     params.vector_loads = has_16_byte_rows(q_rows) &&
                           rows_copy_in_16_bytes(k_cache, dims.head_dim) &&
                           rows_copy_in_16_bytes(v_cache, dims.head_dim);
-    params.vector_stores = has_16_byte_rows(out);
-    params.scale_log2 = float(sm_scale * kLog2e);
-    params.softcap = float(softcap);
-    params.softcap_inv_log2 = softcap > 0.0 ? float(1.0 / (softcap * kLog2e)) : 0.f;
     params.block_tables = block_tables.const_data_ptr<int32_t>();
     params.seq_lens = lens.const_data_ptr<int32_t>();
     params.table_stride_seq = block_tables.stride(0);
