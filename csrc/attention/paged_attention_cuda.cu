@@ -146,10 +146,10 @@ bool paged_prefill_on_tensor_cores(const at::Tensor& q_rows, const at::Tensor& k
                                    const at::Tensor& out, const AttentionDims& dims,
                                    int64_t query_rows, bool causal, int64_t window_left,
                                    double sm_scale, double softcap, int64_t rotary_dim) {
-  const int64_t group = dims.n_heads / dims.n_kv_heads;
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
+    const int64_t group = dims.n_heads / dims.n_kv_heads;
     if (rotary_dim > 0 || query_rows * group <= kMaxDecodeShapeRows || k_cache.stride(3) != 1 ||
         v_cache.stride(3) != 1)
       return false;
