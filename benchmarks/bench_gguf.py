@@ -288,11 +288,12 @@ STEP_PARTS = {"weights": ("fastllm::linear", "fastllm::quantized_linear"),
 
 def decode_step_profile(llm: fastllm.LLM, prompt: list[int], decode_tokens: int,
                         step_ms: float) -> dict[str, float]:
-    """Milliseconds of one decode step per part: the CPU time of the top-level ops (summed
-    by part, and "other ops") of the decode steps of one profiled greedy generation of
-    ``1 + decode_tokens`` tokens, the ops between the prompt's sampling and the last token's,
-    per token; and "Python and framework", the rest of the unprofiled step time ``step_ms``.
-    The profiler's own cost per op lands in the ops' parts."""
+    """Milliseconds of one decode step per part, from one profiled greedy generation of
+    ``1 + decode_tokens`` tokens: the CPU time of the top-level ops (summed by part, and
+    "other ops") between the prompt's sampling and the last token's, and "Python and
+    framework", the rest of that span; each part's share of the profiled span times the
+    unprofiled step ``step_ms``, so the parts are >= 0 and add up to it. The profiler's own
+    cost per op lands in the ops' time, so their shares lean high."""
     from torch.profiler import ProfilerActivity, profile
 
     params = fastllm.SamplingParams(temperature=0, max_tokens=1 + decode_tokens, ignore_eos=True)
@@ -311,9 +312,11 @@ def decode_step_profile(llm: fastllm.LLM, prompt: list[int], decode_tokens: int,
         if first <= event.time_range.start < last:
             part = next((p for p, names in STEP_PARTS.items() if event.name in names),
                         "other ops")
-            parts[part] += event.cpu_time_total / decode_tokens / 1e3
-    parts["Python and framework"] = step_ms - sum(parts.values())
-    return parts
+            parts[part] += event.cpu_time_total
+    # Top-level ops of one thread do not overlap, so they fit in the span (max: rounding).
+    span = max(last - first, sum(parts.values()))
+    parts["Python and framework"] = span - sum(parts.values())
+    return {part: step_ms * us / span if span else 0.0 for part, us in parts.items()}
 
 
 @contextmanager
@@ -552,10 +555,10 @@ def tables(config: GGUFBenchConfig, rows: list[dict[str, object]]) -> dict[str, 
               **{part: row["fastllm_step_ms"][part] for part in parts}} for row in rows]
     step = {"file": "file", "dtype": "fastllm dtype", "step_ms": "fastllm step (ms)"} | {
         part: f"{part} (ms)" for part in parts}
-    where = ("A fastllm decode step by part: the ops' self time from the profiler (the decode "
-             "steps of a generation of 1 + n tokens, per token; the profiler's cost per op "
-             "counts here), and the rest of the unprofiled step: Python, the engine and "
-             "dispatch.")
+    where = ("A fastllm decode step by part: from the profiler, over the decode steps of a "
+             "generation of 1 + n tokens, the top-level ops' time by part and the rest of the "
+             "span (Python, the engine and dispatch), each part's share of that span times the "
+             "unprofiled step. The profiler's cost per op counts in the ops' shares.")
     return {"Batch-1 generation from GGUF files, fastllm against llama.cpp":
             goal_summary(config, rows) + "\n\n" + about + "\n\n" + markdown_table(rows, speed),
             "Weight traffic per decoded token": bandwidth + "\n\n"
